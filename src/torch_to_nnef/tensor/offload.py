@@ -1,0 +1,1095 @@
+"""Offloaded tensors: tensors whose payload lives in a file and is loaded on use.
+
+An :class:`OffloadedTensor` is a storage-less shell that reports the shape, dtype and target
+device of a value kept on disk, in one payload file of :mod:`torch_to_nnef.tensor.storage`.
+Any torch operation on it loads the value (through the active residency pool inside
+``pool.scope()``, straight from disk otherwise), computes, and returns a plain ``torch.Tensor``.
+It can stand for a plain tensor or for an opaque value that describes itself with
+:class:`~torch_to_nnef.tensor.opaque.SupportsOffloadState` (a quantized ``QTensor``), and it
+can point into an existing ``.safetensors`` checkpoint without copying it.
+
+Ownership of files:
+
+- a payload written by an ``OffloadedTensor`` (:meth:`OffloadedTensor.from_original_tensor`,
+  updates, copies on write) belongs to it and is removed when the tensor is garbage collected
+  (or at interpreter exit);
+- a checkpoint it points into (:meth:`OffloadedTensor.from_safetensors`) is never written nor
+  removed: the first write copies the new value into the tensor's offload directory;
+- without an offload directory, payloads go to a private temporary directory, removed once no
+  tensor uses it anymore.
+
+Writes are atomic (a crash leaves the old or the new payload) and serialised per tensor;
+reads need no lock: a reader that finds the file replaced under it retries with the new
+layout.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import uuid
+import weakref
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+
+from torch_to_nnef.exceptions import (
+    T2NErrorCheckpoint,
+    T2NErrorInconsistentTensor,
+    T2NErrorMisuse,
+    T2NErrorNotImplemented,
+    T2NErrorStorage,
+)
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.opaque import (
+    OpaqueTensor,
+    SupportsOffloadState,
+    opaque_to_final_tensor,
+)
+from torch_to_nnef.tensor.residency._scope import active_tensor_residency
+
+__all__ = ["OffloadedTensor"]
+
+LOGGER = logging.getLogger(__name__)
+
+DeviceLike = torch.device | str | int
+PathLike = str | os.PathLike[str]
+
+_PLAIN_ENTRY = "tensor"
+"""Entry name of a plain payload written by an OffloadedTensor (and its logical name)."""
+
+_CPU = torch.device("cpu")
+
+_READ_ATTEMPTS = 3
+"""Reads of a payload replaced by concurrent writes are retried this many times in all."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Files and directories owned by offloaded tensors
+# ---------------------------------------------------------------------------------------------
+def _remove_file(path: Path) -> None:
+    try:
+        path.unlink(missing_ok=True)
+    except OSError as exc:  # a finalizer must not raise; the file is only left behind
+        LOGGER.warning("could not remove offloaded payload '%s': %s", path, exc)
+
+
+class _OwnedFile:
+    """A payload file belonging to one tensor: removed when the last reference goes away."""
+
+    __slots__ = ("__weakref__", "_keepalive", "path")
+
+    def __init__(self, path: Path, keepalive: object = None) -> None:
+        self.path = path
+        self._keepalive = keepalive  # the private directory holding the file, if any
+        weakref.finalize(self, _remove_file, path)
+
+
+class _PrivateDir:
+    """A temporary directory shared by tensors offloaded without an explicit directory.
+
+    Removed (with anything left in it) when the last tensor holding it is gone.
+    """
+
+    __slots__ = ("__weakref__", "path")
+
+    def __init__(self) -> None:
+        self.path = Path(tempfile.mkdtemp(prefix="t2n_offload_"))
+        weakref.finalize(self, shutil.rmtree, self.path, True)
+
+
+_PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
+_PRIVATE_DIR_LOCK = threading.Lock()
+
+
+def _private_dir() -> _PrivateDir:
+    """The private temporary directory in use, created when none is alive."""
+    global _PRIVATE_DIR
+    with _PRIVATE_DIR_LOCK:
+        current = _PRIVATE_DIR() if _PRIVATE_DIR is not None else None
+        if current is None:
+            current = _PrivateDir()
+            _PRIVATE_DIR = weakref.ref(current)
+        return current
+
+
+def _resolve_dir(offload_dir: PathLike | None) -> tuple[Path, _PrivateDir | None]:
+    """The directory to write payloads in, created if needed, and the private one it may be."""
+    if offload_dir is None:
+        private = _private_dir()
+        return private.path, private
+    directory = Path(offload_dir)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise T2NErrorStorage(
+            f"cannot create the offload directory '{directory}': {exc}; pass a writable offload_dir"
+        ) from exc
+    if not directory.is_dir():
+        raise T2NErrorStorage(f"offload_dir '{directory}' exists and is not a directory")
+    return directory, None
+
+
+# ---------------------------------------------------------------------------------------------
+# The binding of a tensor to its payload
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Binding:
+    """Where the value of a tensor lives. Replaced as a whole on each write.
+
+    ``names`` maps the logical entry names (``"tensor"`` for a plain value, the offload state
+    names for an opaque one) to the entry names in the file (a checkpoint key, for instance).
+    Logical names are what :attr:`OffloadedTensor.storage_key` and host buffers use, so that
+    buffers can be shared by tensors of different files.
+    """
+
+    layout: storage.PayloadLayout
+    names: Mapping[str, str]
+    opaque: bool
+    owned: _OwnedFile | None
+    storage_key: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]
+    nbytes: int
+
+    @classmethod
+    def create(
+        cls,
+        layout: storage.PayloadLayout,
+        names: Mapping[str, str],
+        *,
+        opaque: bool,
+        owned: _OwnedFile | None,
+    ) -> _Binding:
+        specs = {logical: layout.entries[entry] for logical, entry in names.items()}
+        key = tuple(
+            (logical, specs[logical].dtype, specs[logical].shape) for logical in sorted(specs)
+        )
+        nbytes = sum(spec.nbytes for spec in specs.values())
+        return cls(layout, dict(names), opaque, owned, key, nbytes)
+
+    @property
+    def file_names(self) -> list[str]:
+        """The entries of the file this binding reads."""
+        return list(self.names.values())
+
+    def spec(self, logical: str) -> storage.EntrySpec:
+        return self.layout.entries[self.names[logical]]
+
+    def by_logical(self, host: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Re-key tensors read from the file by their logical names."""
+        return {logical: host[entry] for logical, entry in self.names.items()}
+
+    def by_entry(self, buffers: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Re-key host buffers given by logical names by the entry names of the file."""
+        unknown = sorted(name for name in buffers if name not in self.names)
+        if unknown:
+            raise T2NErrorMisuse(
+                f"out holds buffers for {unknown}, which are not entries of this payload "
+                f"(entries: {sorted(self.names)}); pass buffers matching storage_key"
+            )
+        return {self.names[logical]: buffer for logical, buffer in buffers.items()}
+
+
+def _bind_plain(layout: storage.PayloadLayout, owned: _OwnedFile | None) -> _Binding:
+    entries = list(layout.entries)
+    if len(entries) != 1:
+        raise T2NErrorStorage(
+            f"payload file '{layout.path}' holds {len(entries)} entries {entries} and no opaque "
+            "class tag; an OffloadedTensor payload holds exactly one plain entry"
+        )
+    return _Binding.create(layout, {_PLAIN_ENTRY: entries[0]}, opaque=False, owned=owned)
+
+
+def _bind_file(layout: storage.PayloadLayout, owned: _OwnedFile | None) -> _Binding:
+    if storage.is_opaque_payload(layout.metadata):
+        names = {name: name for name in layout.entries}
+        return _Binding.create(layout, names, opaque=True, owned=owned)
+    return _bind_plain(layout, owned)
+
+
+# ---------------------------------------------------------------------------------------------
+# Values: what is written, what is read back
+# ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class _Encoded:
+    """A value ready to be written: its payload tensors and what the shell must report."""
+
+    tensors: dict[str, torch.Tensor]
+    metadata: dict[str, str]
+    opaque: bool
+    value_type: type[torch.Tensor]
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def _encode(value: torch.Tensor) -> _Encoded:
+    """Describe ``value`` as payload tensors (an opaque value by its offload state)."""
+    shape, dtype = tuple(value.shape), value.dtype
+    if isinstance(value, SupportsOffloadState):
+        tensors, metadata = storage.encode_opaque(value)
+        return _Encoded(dict(tensors), dict(metadata), True, type(value), shape, dtype)
+    if isinstance(value, OpaqueTensor):
+        raise T2NErrorNotImplemented(
+            f"{type(value).__name__} cannot be offloaded: it does not implement "
+            "SupportsOffloadState; expand it with opaque_to_final_tensor() first"
+        )
+    if not isinstance(value, torch.Tensor):
+        raise T2NErrorMisuse(f"an OffloadedTensor holds a torch.Tensor, got {type(value).__name__}")
+    if value.device.type == "meta":
+        raise T2NErrorMisuse(
+            f"a meta tensor of shape {shape} holds no values to offload; bind meta parameters "
+            "to a checkpoint with load_offloaded_checkpoint() or OffloadedTensor.from_safetensors()"
+        )
+    plain = value.detach()
+    if type(plain) is not torch.Tensor:
+        plain = plain.as_subclass(torch.Tensor)
+    return _Encoded({_PLAIN_ENTRY: plain}, {}, False, torch.Tensor, shape, dtype)
+
+
+def _materialize(
+    binding: _Binding, host: Mapping[str, torch.Tensor], device: torch.device
+) -> torch.Tensor:
+    """The value of a payload read into ``host`` (by entry name), on ``device``.
+
+    Blocking (a CUDA copy is synchronised): call it from a worker thread in async code.
+    """
+    if binding.opaque:
+        value = storage.decode_opaque(binding.by_logical(host), binding.layout.metadata)
+        if value.device != device:
+            value = value.to(device)
+        return value
+    return storage.to_device(host[binding.names[_PLAIN_ENTRY]], device)
+
+
+def _is_whole_host_buffer(tensor: Any, spec: storage.EntrySpec) -> bool:
+    """Whether ``tensor`` is a dense CPU tensor owning exactly the memory of entry ``spec``."""
+    return (
+        isinstance(tensor, torch.Tensor)
+        and not isinstance(tensor, OpaqueTensor)
+        and tensor.device.type == "cpu"
+        and tensor.dtype == spec.dtype
+        and tuple(tensor.shape) == spec.shape
+        and tensor.layout == torch.strided
+        and tensor.is_contiguous()
+        and tensor.storage_offset() == 0
+        and tensor.untyped_storage().nbytes() == spec.nbytes
+    )
+
+
+def _canonical_device(device: DeviceLike) -> torch.device:
+    """``device`` as a ``torch.device``; ``cuda`` gets the current index when CUDA is up."""
+    try:
+        target = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise T2NErrorMisuse(f"{device!r} is not a device: {exc}") from exc
+    if target.type == "meta":
+        raise T2NErrorMisuse(
+            "an OffloadedTensor cannot target the meta device: its value must be loadable; "
+            "use a real device such as 'cpu' or 'cuda:0'"
+        )
+    if target.type == "cuda" and target.index is None and torch.cuda.is_available():
+        target = torch.device("cuda", torch.cuda.current_device())
+    return target
+
+
+def _describe(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> str:
+    return f"shape {tuple(shape)} and dtype {dtype}"
+
+
+# ---------------------------------------------------------------------------------------------
+# In-place operations and gc requests, seen from __torch_function__
+# ---------------------------------------------------------------------------------------------
+_INPLACE_OPERATORS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
+# Trailing-underscore methods that do not write the tensor's values.
+_NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
+_WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
+
+
+def _writes_first_argument(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` writes the values of its first argument (``add_``, ``__setitem__``)."""
+    try:
+        return _WRITES_FIRST_ARGUMENT[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return False
+    name = getattr(func, "__name__", "")
+    writes = name in _INPLACE_OPERATORS or (
+        name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUE_WRITES
+    )
+    _WRITES_FIRST_ARGUMENT[func] = writes
+    return writes
+
+
+def _expand_argument(value: Any) -> Any:
+    if isinstance(value, OpaqueTensor):
+        return opaque_to_final_tensor(value)
+    if type(value) in (list, tuple):
+        return type(value)(_expand_argument(item) for item in value)
+    return value
+
+
+class _GcRequest(threading.local):
+    """Set when a tensor with ``force_gc_collect`` was loaded during the current operation."""
+
+    pending = False
+
+
+_GC_REQUEST = _GcRequest()
+
+
+# ---------------------------------------------------------------------------------------------
+# The tensor
+# ---------------------------------------------------------------------------------------------
+class OffloadedTensor(OpaqueTensor):
+    """A tensor whose value lives in a payload file and is loaded on use.
+
+    The shell reports the shape, dtype and target device of the value; ``is_meta`` is false,
+    the tensor hashes by identity. Torch operations load the value (see :meth:`reload`),
+    compute and return plain tensors; ``nn.Parameter(offloaded, requires_grad=False)`` keeps
+    the type, so modules can hold offloaded weights. In-place operations (``mul_``,
+    ``copy_``, ``x[i] = v``, ``nn.init.*``) load the value, apply the operation and write the
+    result back atomically.
+
+    Most code builds one with :meth:`from_original_tensor` or :meth:`from_safetensors`. The
+    constructor either writes ``elem`` to a new payload file, or (``elem`` ``None`` or a meta
+    tensor) adopts the payload file that ``offload_dir``, ``name`` and ``storage_id`` designate.
+
+    Args:
+        elem: the value to offload (a plain tensor, on any device, or an opaque tensor
+            implementing ``SupportsOffloadState``); or ``None`` / a meta tensor of the expected
+            shape and dtype to adopt an existing payload file.
+        device: the target device, where :meth:`reload` delivers the value.
+        offload_dir: the directory of the payload file; ``None`` for a private temporary
+            directory (only when writing ``elem``).
+        name: the tensor's name (its PyTorch path, typically); it names the file.
+        offloaded_tensor_type: the type the reloaded value has: ``torch.Tensor`` for a plain
+            tensor, the opaque class (e.g. ``QTensorTractScaleOnly``) otherwise.
+        force_gc_collect: run ``gc.collect()`` after every torch operation that loaded this
+            tensor, to give the loaded value's memory back at once.
+        storage_id: the unique part of the file name; a fresh one when ``None`` (required to
+            adopt a file).
+
+    Raises:
+        T2NErrorMisuse: inconsistent arguments, or a new payload file would replace an
+            existing file.
+        T2NErrorInconsistentTensor: an adopted file does not hold the shape, dtype or type
+            announced.
+        T2NErrorStorage: the payload cannot be written, or an adopted file is missing or
+            invalid.
+    """
+
+    _name: str
+    offload_dir: Path | None
+    storage_id: str
+    offloaded_tensor_type: type[torch.Tensor]
+    force_gc_collect: bool
+    _binding: _Binding
+    _private: _PrivateDir | None
+    _write_lock: threading.Lock
+    _payload_version: int
+
+    @staticmethod
+    def __new__(  # type: ignore[misc]
+        cls,
+        elem: torch.Tensor | None,
+        device: DeviceLike,
+        offload_dir: PathLike | None,
+        name: str,
+        offloaded_tensor_type: type[torch.Tensor] = torch.Tensor,
+        force_gc_collect: bool = False,
+        storage_id: str | None = None,
+    ) -> OffloadedTensor:
+        if not isinstance(name, str):
+            raise T2NErrorMisuse(f"name must be a str, got {type(name).__name__}")
+        if storage_id is not None and (not isinstance(storage_id, str) or not storage_id):
+            raise T2NErrorMisuse(f"storage_id must be a non-empty str, got {storage_id!r}")
+        target = _canonical_device(device)
+        if elem is None or (elem.device.type == "meta" and not isinstance(elem, OpaqueTensor)):
+            return cls._adopt(
+                elem, target, offload_dir, name, offloaded_tensor_type, force_gc_collect, storage_id
+            )
+        if isinstance(elem, OffloadedTensor):
+            elem = elem.reload(_CPU)
+        encoded = _encode(elem)
+        _check_value_type(encoded.value_type, offloaded_tensor_type, name)
+        directory, private = _resolve_dir(offload_dir)
+        sid = storage_id or _new_storage_id()
+        path = storage.payload_path(directory, name, sid)
+        if path.exists():
+            raise T2NErrorMisuse(
+                f"payload file '{path}' already exists: another tensor uses storage_id {sid!r} "
+                f"for {name!r}; pass a distinct storage_id (or None for a fresh one)"
+            )
+        layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
+        owned = _OwnedFile(path, private)
+        binding = (
+            _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)
+            if encoded.opaque
+            else _bind_plain(layout, owned)
+        )
+        return cls._make(
+            binding,
+            shape=encoded.shape,
+            dtype=encoded.dtype,
+            device=target,
+            name=name,
+            offload_dir=directory,
+            private=private,
+            storage_id=sid,
+            value_type=encoded.value_type,
+            force_gc_collect=force_gc_collect,
+        )
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        # Everything is set up by __new__ (or _make); nothing left to initialise.
+        super().__init__()
+
+    @classmethod
+    def _adopt(
+        cls,
+        elem: torch.Tensor | None,
+        device: torch.device,
+        offload_dir: PathLike | None,
+        name: str,
+        offloaded_tensor_type: type[torch.Tensor],
+        force_gc_collect: bool,
+        storage_id: str | None,
+    ) -> OffloadedTensor:
+        """Bind a new tensor to the existing payload file it designates, taking ownership."""
+        if offload_dir is None or storage_id is None:
+            raise T2NErrorMisuse(
+                f"to point {name!r} at an existing payload file, give its offload_dir and "
+                "storage_id; to offload values, pass them as elem"
+            )
+        directory = Path(offload_dir)
+        path = storage.payload_path(directory, name, storage_id)
+        layout = storage.read_layout(path)
+        binding = _bind_file(layout, _OwnedFile(path))
+        if binding.opaque:
+            # The shape and dtype of an opaque value are its own: decode it once to learn them.
+            value = storage.decode_opaque(
+                binding.by_logical(storage.read_payload(layout)), layout.metadata
+            )
+            shape, dtype, value_type = tuple(value.shape), value.dtype, type(value)
+        else:
+            spec = binding.spec(_PLAIN_ENTRY)
+            shape, dtype, value_type = spec.shape, spec.dtype, torch.Tensor
+        if elem is not None and (tuple(elem.shape), elem.dtype) != (shape, dtype):
+            raise T2NErrorInconsistentTensor(
+                f"payload file '{path}' holds {_describe(shape, dtype)}, but {name!r} was "
+                f"announced with {_describe(elem.shape, elem.dtype)}"
+            )
+        _check_value_type(value_type, offloaded_tensor_type, name, error=T2NErrorInconsistentTensor)
+        return cls._make(
+            binding,
+            shape=shape,
+            dtype=dtype,
+            device=device,
+            name=name,
+            offload_dir=directory,
+            private=None,
+            storage_id=storage_id,
+            value_type=value_type,
+            force_gc_collect=force_gc_collect,
+        )
+
+    @classmethod
+    def _make(
+        cls,
+        binding: _Binding,
+        *,
+        shape: tuple[int, ...],
+        dtype: torch.dtype,
+        device: torch.device,
+        name: str,
+        offload_dir: Path | None,
+        private: _PrivateDir | None,
+        storage_id: str,
+        value_type: type[torch.Tensor],
+        force_gc_collect: bool,
+    ) -> OffloadedTensor:
+        """Build the shell and attach its state (no I/O)."""
+        self: OffloadedTensor = OpaqueTensor._make_shell(cls, shape, dtype, device)
+        self._name = name
+        self.offload_dir = offload_dir
+        self.storage_id = storage_id
+        self.offloaded_tensor_type = value_type
+        self.force_gc_collect = bool(force_gc_collect)
+        self._binding = binding
+        self._private = private
+        self._write_lock = threading.Lock()
+        self._payload_version = 0
+        return self
+
+    # -- constructors ------------------------------------------------------------------------
+    @classmethod
+    def from_original_tensor(
+        cls,
+        tensor: torch.Tensor,
+        name: str,
+        offload_dir: PathLike | None = None,
+        suffix_log_msg: str = "",
+    ) -> OffloadedTensor:
+        """Write ``tensor`` to a new payload file and return the tensor standing for it.
+
+        Args:
+            tensor: a plain tensor (on any device), or an opaque tensor implementing
+                ``SupportsOffloadState`` (an offloaded ``QTensor`` reloads as a ``QTensor``).
+                An ``OffloadedTensor`` is returned unchanged.
+            name: the tensor's name; it names the file.
+            offload_dir: where to write; ``None`` for a private temporary directory removed
+                once no tensor uses it anymore.
+            suffix_log_msg: appended to the info log line announcing the offload.
+
+        Returns:
+            an OffloadedTensor targeting ``tensor``'s device, owning its new file.
+
+        Raises:
+            T2NErrorMisuse: ``tensor`` is a meta tensor (nothing to write).
+            T2NErrorNotImplemented: ``tensor`` is an opaque tensor without offload state.
+            T2NErrorStorage: the file cannot be written.
+        """
+        if isinstance(tensor, OffloadedTensor):
+            return tensor
+        if not isinstance(tensor, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"from_original_tensor needs a tensor, got {type(tensor).__name__}"
+            )
+        if tensor.device.type == "meta":
+            raise T2NErrorMisuse(
+                f"cannot offload {name!r}: it is a meta tensor and holds no values; bind it to "
+                "a checkpoint with OffloadedTensor.from_safetensors() instead"
+            )
+        value_type = type(tensor) if isinstance(tensor, SupportsOffloadState) else torch.Tensor
+        offloaded: OffloadedTensor = cls(tensor, tensor.device, offload_dir, name, value_type)
+        LOGGER.info(
+            "offloaded %r (%s, %d bytes) to '%s'%s",
+            name,
+            _describe(offloaded.shape, offloaded.dtype),
+            offloaded.payload_nbytes,
+            offloaded.offload_path,
+            suffix_log_msg,
+        )
+        return offloaded
+
+    @classmethod
+    def from_safetensors(
+        cls,
+        path: PathLike | storage.PayloadLayout,
+        key: str,
+        *,
+        offload_dir: PathLike | None = None,
+        device: DeviceLike = "cpu",
+        name: str | None = None,
+    ) -> OffloadedTensor:
+        """Point at the tensor ``key`` of an existing ``.safetensors`` file, without copying.
+
+        The file's header is validated; the tensor reads the entry's bytes in place. The
+        checkpoint is never modified nor removed: the first write (:meth:`update_values`,
+        ``to(dtype)``, an in-place operation) copies the new value into a payload file of
+        ``offload_dir`` that the tensor owns.
+
+        Args:
+            path: the ``.safetensors`` file, or its layout already read with
+                ``storage.read_layout`` (to bind many keys of one file with one header read).
+            key: the tensor's key in the file.
+            offload_dir: where a copy on write goes; ``None`` for a private temporary directory.
+            device: the target device.
+            name: the tensor's name; ``key`` by default.
+
+        Raises:
+            T2NErrorStorage: the file is missing or invalid.
+            T2NErrorCheckpoint: the file has no tensor ``key``.
+        """
+        layout = path if isinstance(path, storage.PayloadLayout) else storage.read_layout(path)
+        spec = layout.entries.get(key)
+        if spec is None:
+            available = sorted(layout.entries)
+            shown = ", ".join(repr(k) for k in available[:8])
+            more = f", ... ({len(available)} in all)" if len(available) > 8 else ""
+            raise T2NErrorCheckpoint(
+                f"checkpoint '{layout.path}' has no tensor {key!r}; it holds {shown}{more}"
+            )
+        binding = _Binding.create(layout, {_PLAIN_ENTRY: key}, opaque=False, owned=None)
+        return cls._make(
+            binding,
+            shape=spec.shape,
+            dtype=spec.dtype,
+            device=_canonical_device(device),
+            name=key if name is None else name,
+            offload_dir=None if offload_dir is None else Path(offload_dir),
+            private=None,
+            storage_id=_new_storage_id(),
+            value_type=torch.Tensor,
+            force_gc_collect=False,
+        )
+
+    # -- what the tensor stands for ----------------------------------------------------------
+    @property
+    def target_device(self) -> torch.device:
+        """The device :meth:`reload` delivers the value to (the tensor's ``device``)."""
+        return self.device
+
+    @property
+    def offload_path(self) -> Path:
+        """The file the value is read from (a checkpoint, for a tensor pointing into one)."""
+        return self._binding.layout.path
+
+    @property
+    def owns_payload(self) -> bool:
+        """Whether the payload file belongs to this tensor (removed with it)."""
+        return self._binding.owned is not None
+
+    @property
+    def payload_nbytes(self) -> int:
+        """Bytes the loaded host value occupies: the sum of the payload entries it reads."""
+        return self._binding.nbytes
+
+    @property
+    def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        """Signature of the payload's host buffers: ``((entry, dtype, shape), ...)``.
+
+        Two tensors with equal keys can load into each other's host buffers (see
+        :meth:`_host_buffers` and the ``out`` argument of :meth:`_aload`); entries are named
+        by their logical names (``"tensor"`` for a plain value), not by file keys.
+        """
+        return self._binding.storage_key
+
+    def __len__(self) -> int:
+        if self.dim() == 0:
+            raise TypeError("len() of a 0-d tensor")
+        return int(self.shape[0])
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        binding = self._binding
+        where = f"path='{binding.layout.path}'"
+        if binding.owned is None:
+            where += f", key={binding.names[_PLAIN_ENTRY]!r}"
+        kind = ""
+        if self.offloaded_tensor_type is not torch.Tensor:
+            kind = f", offloaded_tensor_type={self.offloaded_tensor_type.__name__}"
+        return (
+            f"OffloadedTensor(name={self._name!r}, shape={tuple(self.shape)}, "
+            f"dtype={self.dtype}, device={self.device}, {where}{kind})"
+        )
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        raise T2NErrorNotImplemented(
+            f"OffloadedTensor {self._name!r} cannot be pickled: its value lives in "
+            f"'{self.offload_path}'; save ot.reload() instead, or keep the payload file"
+        )
+
+    # -- loading -----------------------------------------------------------------------------
+    def reload(self, device: DeviceLike | None = None) -> torch.Tensor:
+        """Return the value, on the target device or on ``device``.
+
+        ``device`` does not change the configured target. Inside a residency scope
+        (``pool.scope()``), the active pool serves the value (``device`` or, when ``None``, the
+        scope's device); otherwise the value is read from the file. An opaque payload reloads
+        as its opaque type (a ``QTensor``), not decompressed.
+
+        Raises:
+            T2NErrorStorage: the file is missing, corrupt, or changed by another process.
+        """
+        wanted = None if device is None else _canonical_device(device)
+        scope = active_tensor_residency()
+        if scope is not None:
+            pool, scope_device = scope
+            return pool.resolve(self, wanted if wanted is not None else scope_device)
+        return self._reload_unmanaged(wanted)
+
+    def _to_base_tensor(self) -> torch.Tensor:
+        if self.force_gc_collect:
+            _GC_REQUEST.pending = True
+        return self.reload()
+
+    def _reload_unmanaged(self, device: DeviceLike | None = None) -> torch.Tensor:
+        """Read the value from the file into new host buffers and bring it to ``device``.
+
+        ``device`` defaults to the target device. Blocking; no residency pool involved.
+        """
+        target = self.device if device is None else _canonical_device(device)
+        attempt = 0
+        while True:
+            binding = self._binding
+            try:
+                host = storage.read_payload(binding.layout, names=binding.file_names)
+            except T2NErrorStorage:
+                attempt += 1
+                if attempt < _READ_ATTEMPTS and self._replaced_since(binding):
+                    continue
+                raise
+            return _materialize(binding, host, target)
+
+    async def _aload(
+        self, device: torch.device, out: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Read the value without blocking the event loop and bring it to ``device``.
+
+        Args:
+            device: where the value is delivered.
+            out: host buffers to read into, by logical entry name (as in
+                :attr:`storage_key`), e.g. those :meth:`_host_buffers` returned for another
+                tensor with the same key; new ones are allocated when ``None``.
+
+        Returns:
+            the value (for a CPU target, the host buffers themselves). The copy to another
+            device and the decoding of an opaque payload run in a worker thread.
+
+        Raises:
+            T2NErrorStorage: the file is missing, corrupt, or changed by another process.
+            T2NErrorMisuse: ``out`` does not match the payload.
+        """
+        target = _canonical_device(device)
+        attempt = 0
+        while True:
+            binding = self._binding
+            file_out = None if out is None else binding.by_entry(out)
+            try:
+                host = await storage.aread_payload(
+                    binding.layout, out=file_out, names=binding.file_names
+                )
+            except T2NErrorStorage:
+                attempt += 1
+                if attempt < _READ_ATTEMPTS and await self._areplaced_since(binding):
+                    continue
+                raise
+            if not binding.opaque and target.type == "cpu":
+                return host[binding.names[_PLAIN_ENTRY]]
+            return await anyio.to_thread.run_sync(_materialize, binding, host, target)
+
+    def _replaced_since(self, binding: _Binding) -> bool:
+        """Whether a write replaced ``binding`` (after any write in progress has committed).
+
+        A reader that fails because the file was replaced under it retries with the new
+        binding instead of reporting a corrupt file.
+        """
+        with self._write_lock:
+            return self._binding is not binding
+
+    async def _areplaced_since(self, binding: _Binding) -> bool:
+        if not self._write_lock.acquire(blocking=False):
+            # Shielded: a cancellation delivered after the worker took the lock would leak it.
+            with anyio.CancelScope(shield=True):
+                await anyio.to_thread.run_sync(self._write_lock.acquire)
+        try:
+            return self._binding is not binding
+        finally:
+            self._write_lock.release()
+
+    def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The host buffers backing ``value``, a value loaded from this tensor's payload.
+
+        For a plain payload loaded on the CPU, the value is its own host buffer: it is
+        returned as ``{"tensor": value}`` when it is a whole, dense CPU tensor of the
+        payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
+        the host buffer), or an opaque value, whose decoding may keep views of the read
+        buffers or transform them, so that no buffer can be safely handed out. The caller may
+        reuse the buffers for another load (see :meth:`_aload`) once nothing else references
+        them.
+        """
+        binding = self._binding
+        if binding.opaque or not _is_whole_host_buffer(value, binding.spec(_PLAIN_ENTRY)):
+            return None
+        return {_PLAIN_ENTRY: value}
+
+    # -- writing -----------------------------------------------------------------------------
+    def update_values(
+        self, values: torch.Tensor, strict_shape: bool = True, strict_dtype: bool = True
+    ) -> None:
+        """Replace the payload by ``values``, atomically.
+
+        The file is replaced with a temporary file, fsync and rename: a crash at any moment
+        leaves the old or the new values. A tensor pointing into a checkpoint copies on write
+        into its offload directory. ``values`` may live on any device; an opaque value with an
+        offload state (a ``QTensor``) is stored as such; another ``OffloadedTensor`` is
+        copied. The target device is kept.
+
+        Args:
+            values: the new value.
+            strict_shape: refuse a shape different from the current one.
+            strict_dtype: refuse a dtype different from the current one.
+
+        Raises:
+            T2NErrorMisuse: the shape or dtype differs under a strict check (the message gives
+                both), or ``values`` is not a storable tensor.
+            T2NErrorStorage: the file cannot be written (the old payload stays).
+        """
+        if values is self:
+            return
+        if isinstance(values, OffloadedTensor):
+            values = values.reload(_CPU)
+        encoded = self._check_update(values, strict_shape, strict_dtype)
+        self._write_locked(encoded)
+
+    async def _aupdate_values(self, values: torch.Tensor) -> None:
+        """:meth:`update_values` for async code, with the same strict checks.
+
+        The write runs in a worker thread that holds the tensor's write lock; once started it
+        completes even if the caller is cancelled, so the state never lags the file.
+        """
+        if values is self:
+            return
+        if isinstance(values, OffloadedTensor):
+            values = await values._aload(_CPU)
+        encoded = self._check_update(values, strict_shape=True, strict_dtype=True)
+        await anyio.to_thread.run_sync(self._write_locked, encoded)
+
+    def _check_update(
+        self, values: torch.Tensor, strict_shape: bool, strict_dtype: bool
+    ) -> _Encoded:
+        if not isinstance(values, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"update_values of {self._name!r} needs a torch.Tensor, got {type(values).__name__}"
+            )
+        if strict_shape and tuple(values.shape) != tuple(self.shape):
+            raise T2NErrorMisuse(
+                f"update_values of {self._name!r}: new shape {tuple(values.shape)} differs from "
+                f"the offloaded shape {tuple(self.shape)}; pass strict_shape=False to change it"
+            )
+        if strict_dtype and values.dtype != self.dtype:
+            raise T2NErrorMisuse(
+                f"update_values of {self._name!r}: new dtype {values.dtype} differs from the "
+                f"offloaded dtype {self.dtype}; pass strict_dtype=False to change it"
+            )
+        return _encode(values)
+
+    def _write_locked(self, encoded: _Encoded) -> None:
+        """Write ``encoded`` to the tensor's own file and switch to it (blocking)."""
+        with self._write_lock:
+            binding = self._binding
+            if binding.owned is not None:
+                path, owned = binding.owned.path, binding.owned
+            else:
+                path, owned = self._copy_on_write_path()
+            layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
+            self._binding = (
+                _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)
+                if encoded.opaque
+                else _bind_plain(layout, owned)
+            )
+            self.offloaded_tensor_type = encoded.value_type
+            self._payload_version += 1
+            self._reshell(encoded.shape, encoded.dtype, self.device)
+        LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
+
+    def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
+        """A new owned file for a tensor that read its value from a checkpoint."""
+        directory, private = _resolve_dir(self.offload_dir)
+        path = storage.payload_path(directory, self._name, self.storage_id)
+        if path.exists():
+            raise T2NErrorMisuse(
+                f"copy on write of {self._name!r} would replace the existing file '{path}'; "
+                "give the tensor its own offload_dir or storage_id"
+            )
+        self.offload_dir = directory
+        self._private = private
+        return path, _OwnedFile(path, private)
+
+    def _reshell(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> None:
+        """Make the shell report ``shape``, ``dtype`` and ``device``, keeping its identity.
+
+        The tensor keeps its Python identity, attributes and parameter status (modules,
+        residency pools and tied weights keep referring to it); only the storage-less
+        implementation underneath is swapped for one with the new metadata.
+        """
+        if (tuple(self.shape), self.dtype, self.device) == (tuple(shape), dtype, device):
+            return
+        replacement = OpaqueTensor._make_shell(type(self), shape, dtype, device)
+        torch._C._swap_tensor_impl(self, replacement)
+
+    # -- torch.Tensor methods with offload semantics -----------------------------------------
+    def to(self, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
+        """Retarget and/or cast the offloaded value, in place; return ``self``.
+
+        Takes the arguments of ``torch.Tensor.to``. A device changes the target device (no
+        data moves: the next load goes there). A dtype different from the current one loads
+        the value, casts it and rewrites the payload (an opaque value must stay opaque: a
+        ``QTensor`` changes the dtype it dequantizes to). Both can be given in one call.
+
+        The tensor is modified in place rather than copied, so that modules, tied weights and
+        residency pools holding it follow: ``model.to("cuda")`` and ``model.to(torch.float16)``
+        work on offloaded models. (``model.half()``/``model.cuda()`` also work, by assigning
+        ``.data``, at the price of a load and a write per tensor.)
+
+        Raises:
+            T2NErrorMisuse: the arguments are not those of ``torch.Tensor.to``.
+            T2NErrorNotImplemented: ``copy=True``, a memory format other than the preserved
+                one, or a cast that turns an opaque value into a plain tensor.
+        """
+        if kwargs.pop("copy", False):
+            raise T2NErrorNotImplemented(
+                "OffloadedTensor.to(copy=True) is not supported: copy the value with "
+                "OffloadedTensor.from_original_tensor(ot.reload(), name)"
+            )
+        try:
+            device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        except (TypeError, RuntimeError) as exc:
+            raise T2NErrorMisuse(
+                f"OffloadedTensor.to() takes the arguments of torch.Tensor.to: {exc}"
+            ) from exc
+        if memory_format not in (None, torch.preserve_format, torch.contiguous_format):
+            raise T2NErrorNotImplemented(
+                f"OffloadedTensor payloads are stored contiguous; memory_format={memory_format} "
+                "is not supported"
+            )
+        if dtype is not None and dtype != self.dtype:
+            self._cast_payload(dtype)
+        if device is not None:
+            target = _canonical_device(device)
+            with self._write_lock:
+                self._reshell(tuple(self.shape), self.dtype, target)
+        return self
+
+    def _cast_payload(self, dtype: torch.dtype) -> None:
+        value = self._reload_unmanaged(_CPU)
+        cast = value.to(dtype)
+        if isinstance(value, OpaqueTensor) and not isinstance(cast, SupportsOffloadState):
+            raise T2NErrorNotImplemented(
+                f"casting offloaded {type(value).__name__} {self._name!r} to {dtype} would "
+                "decompress it; store the plain value explicitly with "
+                f"update_values(opaque_to_final_tensor(ot.reload()).to({dtype}), "
+                "strict_dtype=False)"
+            )
+        self.update_values(cast, strict_dtype=False)
+        LOGGER.info("offloaded tensor %r cast to %s", self._name, dtype)
+
+    @property  # type: ignore[override]
+    def data(self) -> OffloadedTensor:
+        """The tensor itself (its special attributes stay reachable).
+
+        Assigning ``.data`` replaces the value as torch does: shape, dtype and device may
+        change (the new device becomes the target). It writes the new payload through
+        :meth:`update_values`.
+        """
+        return self
+
+    @data.setter
+    def data(self, new_data: torch.Tensor) -> None:
+        if new_data is self:
+            return
+        if not isinstance(new_data, torch.Tensor):
+            raise T2NErrorMisuse(f"data must be a torch.Tensor, got {type(new_data).__name__}")
+        device = _canonical_device(new_data.device)
+        self.update_values(new_data, strict_shape=False, strict_dtype=False)
+        with self._write_lock:
+            self._reshell(tuple(self.shape), self.dtype, device)
+
+    def set_(self, source: torch.Tensor, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
+        """Replace the value by ``source`` (same dtype, any shape, as torch's ``set_``).
+
+        Routes to :meth:`update_values` with a strict dtype check; the target device is kept.
+
+        Raises:
+            T2NErrorMisuse: ``source``'s dtype differs.
+            T2NErrorNotImplemented: a storage, offset, size or stride is given.
+        """
+        if args or kwargs or not isinstance(source, torch.Tensor):
+            raise T2NErrorNotImplemented(
+                "OffloadedTensor.set_() only takes a source tensor (no storage, offset, size "
+                "or stride): it stores a copy of the source's values"
+            )
+        self.update_values(source, strict_shape=False, strict_dtype=True)
+        return self
+
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> OffloadedTensor:  # type: ignore[override]
+        """Write ``src`` (broadcast and cast to this tensor's shape and dtype) as the value.
+
+        Unlike other in-place operations, the current value is not loaded first.
+        """
+        if self._binding.opaque:
+            self._refuse_in_place("copy_")
+        source = _expand_argument(src)
+        value = torch.empty(tuple(self.shape), dtype=self.dtype)
+        with torch._C.DisableTorchFunctionSubclass():
+            value.copy_(source)
+        self.update_values(value)
+        return self
+
+    def _refuse_in_place(self, operation: str) -> None:
+        raise T2NErrorNotImplemented(
+            f"in-place {operation} on offloaded {self.offloaded_tensor_type.__name__} "
+            f"{self._name!r} would decompress it; write a new value with update_values()"
+        )
+
+    def _apply_in_place(
+        self, func: Callable[..., Any], rest: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Run the in-place ``func`` on the loaded value and write the result back."""
+        if self._binding.opaque:
+            self._refuse_in_place(getattr(func, "__name__", repr(func)))
+        value = self.reload()
+        arguments = _expand_argument(rest)
+        keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(value, *arguments, **keywords)
+        self.update_values(value)
+        return self if result is value else result
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
+            result = args[0]._apply_in_place(func, args[1:], kwargs)
+        else:
+            result = super().__torch_function__(func, types, args, kwargs)
+        if _GC_REQUEST.pending:
+            _GC_REQUEST.pending = False
+            gc.collect()
+        return result
+
+
+def _new_storage_id() -> str:
+    return uuid.uuid4().hex[:16]
+
+
+def _check_value_type(
+    value_type: type[torch.Tensor],
+    announced: type[torch.Tensor],
+    name: str,
+    error: type[Exception] = T2NErrorMisuse,
+) -> None:
+    """Check that ``offloaded_tensor_type`` agrees with the value (a plain or an opaque one)."""
+    if not isinstance(announced, type) or not issubclass(announced, torch.Tensor):
+        raise T2NErrorMisuse(
+            f"offloaded_tensor_type of {name!r} must be a torch.Tensor subclass, got {announced!r}"
+        )
+    if value_type is torch.Tensor:
+        consistent = not issubclass(announced, OpaqueTensor)
+    else:
+        consistent = issubclass(value_type, announced)
+    if not consistent:
+        raise error(
+            f"{name!r} holds a {value_type.__name__} value but offloaded_tensor_type is "
+            f"{announced.__name__}; pass the type of the value"
+        )
