@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 __all__ = ["active_tensor_residency"]
 
-_ACTIVE_RESIDENCY: ContextVar[tuple[TensorResidencyPool, torch.device | None] | None] = (
-    ContextVar("t2n_active_residency", default=None)
+_ACTIVE_RESIDENCY: ContextVar[tuple[TensorResidencyPool, torch.device | None] | None] = ContextVar(
+    "t2n_active_residency", default=None
 )
 
 

@@ -1,0 +1,639 @@
+"""The actor: the one owner of a pool's state.
+
+Every method named ``*_step`` or ``_on_*`` is a synchronous state transition: it runs on the
+pool's event-loop thread, never awaits, and leaves the invariants true. A transition that must
+wait for I/O returns the :class:`_IO` to wait for; the caller waits, then runs the step again.
+Disk reads and writes run in jobs started in the actor's task group, bounded by a capacity
+limiter; their completions come back as transitions on the loop thread.
+
+Requests reach the actor in two ways, both served by the same transitions: callers on the loop
+thread call them directly (a function call is the cheapest message), other threads send a
+:class:`_Message` over an anyio memory-object stream that :meth:`_Actor.serve` drains.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+import anyio
+import torch
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.residency._policy import RetentionPolicy
+
+if TYPE_CHECKING:
+    from torch_to_nnef.tensor.offload import OffloadedTensor
+
+LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
+
+
+class PoolStats(NamedTuple):
+    """Counters of a :class:`TensorResidencyPool` since it was created."""
+
+    hits: int
+    """Requests served by a resident value."""
+    misses: int
+    """Requests that had to wait for a load."""
+    loads: int
+    """Payloads read from disk."""
+    bytes_read: int
+    """Bytes read from disk by those loads."""
+    evictions: int
+    """Values that left the pool (budget, explicit eviction or close)."""
+    write_backs: int
+    """Dirty values written back to their files."""
+    bytes_written: int
+    """Bytes written by those write-backs."""
+    load_errors: int
+    """Loads that failed (missing or corrupt files)."""
+
+
+class _IO:
+    """One disk job (a load or a write-back) and the callbacks waiting for its end."""
+
+    __slots__ = ("_callbacks", "done", "error", "kind", "value")
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self.done = False
+        self.value: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop thread once the job ended (at once if it has)."""
+        if self.done:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, value: torch.Tensor | None, error: BaseException | None) -> None:
+        self.done = True
+        self.value = value
+        self.error = error
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    async def wait(self) -> None:
+        """Wait on the loop thread for the job to end."""
+        if not self.done:
+            event = anyio.Event()
+            self.add_callback(event.set)
+            await event.wait()
+
+    def result(self) -> torch.Tensor:
+        """The loaded value, or the load error as :class:`T2NErrorStorage`."""
+        if self.error is not None:
+            raise _as_storage_error(self.error)
+        assert self.value is not None
+        return self.value
+
+
+def _as_storage_error(error: BaseException) -> BaseException:
+    if isinstance(error, T2NError):
+        return error
+    wrapped = T2NErrorStorage(f"loading an offloaded tensor failed: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+@dataclass(eq=False)
+class _Entry:
+    """What the pool knows about one tensor."""
+
+    key: int
+    source: OffloadedTensor
+    device: torch.device
+    nbytes: int
+    value: torch.Tensor | None = None
+    load: _IO | None = None
+    write: _IO | None = None
+    leases: int = 0
+    waiters: int = 0
+    pinned: bool = False
+    dirty: bool = False
+    retained: bool = False
+    evicting: bool = False
+
+    @property
+    def held(self) -> bool:
+        return bool(self.leases or self.waiters or self.pinned)
+
+
+@dataclass(eq=False)
+class _Ticket:
+    """One acquire: its reservation while it waits for the load, then its lease."""
+
+    source: OffloadedTensor
+    device: torch.device
+    read_write: bool
+    entry: _Entry | None = None
+    waiting: bool = False
+    granted: bool = False
+    first_try: bool = True
+    abandoned: bool = False
+
+
+@dataclass(eq=False)
+class _Message:
+    """A request sent by a thread other than the loop thread."""
+
+    run: Callable[[], Any]
+    reply: concurrent.futures.Future[Any] | None = field(default=None)
+
+
+class _Actor:
+    """Owner of a pool's entries, counters and I/O jobs (see the module docstring)."""
+
+    def __init__(self, policy: RetentionPolicy, max_workers: int) -> None:
+        self.policy = policy
+        self.entries: dict[int, _Entry] = {}
+        # Resident values published for lock-free hits from other threads: key -> (device, value).
+        self.published: dict[int, tuple[torch.device, torch.Tensor]] = {}
+        self.resident_bytes = 0
+        self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
+        self.leased_entries = 0
+        self.closing = False
+        self.closed = False
+        self._limiter = anyio.CapacityLimiter(max_workers)
+        self._jobs: set[_IO] = set()
+        self._task_group: anyio.abc.TaskGroup | None = None
+        send, receive = anyio.create_memory_object_stream[_Message](float("inf"))
+        self._send: MemoryObjectSendStream[_Message] = send
+        self._receive: MemoryObjectReceiveStream[_Message] = receive
+        self._mailbox = 0
+        # Counters; foreign-thread hits are counted under a lock and their recency replayed.
+        self._hits = self._misses = self._loads = self._bytes_read = 0
+        self._evictions = self._write_backs = self._bytes_written = self._load_errors = 0
+        self._foreign_lock = threading.Lock()
+        self._foreign_hits = 0
+        self._foreign_touches: deque[int] = deque()
+
+    # ------------------------------------------------------------------------------------------
+    # Running
+    # ------------------------------------------------------------------------------------------
+    async def serve(
+        self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
+    ) -> None:
+        """Run the actor: I/O jobs in a task group, foreign requests from the stream."""
+        async with anyio.create_task_group() as task_group:
+            self._task_group = task_group
+            task_status.started()
+            async with self._receive:
+                async for message in self._receive:
+                    self._mailbox -= 1
+                    self._run_message(message)
+            task_group.cancel_scope.cancel()
+        self._task_group = None
+
+    def post(self, message: _Message) -> None:
+        """Queue a foreign request (called on the loop thread, by ``call_soon_threadsafe``)."""
+        self._mailbox += 1
+        try:
+            self._send.send_nowait(message)
+        except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+            self._mailbox -= 1
+            self._run_message(message)
+
+    def stop(self) -> None:
+        """Stop serving foreign requests once the queued ones ran (loop thread)."""
+        self._send.close()
+
+    def drain(self) -> None:
+        """Run queued foreign requests before a direct transition, keeping their order."""
+        while self._mailbox:
+            try:
+                message = self._receive.receive_nowait()
+            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                return
+            self._mailbox -= 1
+            self._run_message(message)
+
+    @staticmethod
+    def _run_message(message: _Message) -> None:
+        reply = message.reply
+        try:
+            result = message.run()
+        except BaseException as error:  # the caller re-raises it in its own thread
+            if reply is None:
+                LOGGER.error("residency request failed", exc_info=error)
+            elif not reply.done():
+                reply.set_exception(error)
+            return
+        if reply is not None and not reply.done() and result is not _PENDING:
+            reply.set_result(result)
+
+    def spawn(self, job: Callable[[], Any]) -> None:
+        """Start an async job in the actor's task group (loop thread)."""
+        if self._task_group is None:
+            raise T2NErrorMisuse("the residency pool is not running")
+        self._task_group.start_soon(job)
+
+    # ------------------------------------------------------------------------------------------
+    # Introspection
+    # ------------------------------------------------------------------------------------------
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            hits=self._hits + self._foreign_hits,
+            misses=self._misses,
+            loads=self._loads,
+            bytes_read=self._bytes_read,
+            evictions=self._evictions,
+            write_backs=self._write_backs,
+            bytes_written=self._bytes_written,
+            load_errors=self._load_errors,
+        )
+
+    def count_foreign_hit(self, key: int) -> None:
+        """Record a hit served from :attr:`published` by another thread (any thread)."""
+        with self._foreign_lock:
+            self._foreign_hits += 1
+            self._foreign_touches.append(key)
+
+    def _replay_touches(self) -> None:
+        touches = self._foreign_touches
+        while touches:
+            self.policy.touch(touches.popleft())
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise T2NErrorMisuse("the TensorResidencyPool is closed; create a new pool")
+        if self.closing:
+            raise T2NErrorMisuse("the TensorResidencyPool is closing; create a new pool")
+
+    # ------------------------------------------------------------------------------------------
+    # Transitions
+    # ------------------------------------------------------------------------------------------
+    def _entry_for(self, source: OffloadedTensor, device: torch.device) -> _Entry:
+        """The entry of ``source`` on ``device``, created (and its load started) when absent."""
+        key = id(source)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = _Entry(key, source, device, source.payload_nbytes)
+            self.entries[key] = entry
+        elif entry.device != device:
+            raise T2NErrorMisuse(
+                f"{source.name!r} is resident on {entry.device}; a tensor cannot be resident on "
+                f"two devices at once: evict it first or request it on {entry.device}"
+            )
+        if entry.value is None and entry.load is None:
+            self._start_load(entry)
+        return entry
+
+    def resolve_step(self, source: OffloadedTensor, device: torch.device) -> torch.Tensor | _IO:
+        """Serve a resident value, or return the load to wait for (counting a miss)."""
+        self.drain()
+        self.check_open()
+        self._replay_touches()
+        entry = self._entry_for(source, device)
+        if entry.value is not None:
+            self._hits += 1
+            self.policy.touch(entry.key)
+            return entry.value
+        self._misses += 1
+        assert entry.load is not None
+        return entry.load
+
+    def prefetch_step(
+        self, source: OffloadedTensor, device: torch.device, pin: bool
+    ) -> torch.Tensor | _IO:
+        """Start (or join) a load; with ``pin``, pin the value (idempotent)."""
+        self.drain()
+        self.check_open()
+        self._replay_touches()
+        entry = self._entry_for(source, device)
+        if pin and not entry.pinned:
+            entry.pinned = True
+            self.policy.hold(entry.key)
+            self._set_evicting(entry, False)
+        if entry.value is not None:
+            self.policy.touch(entry.key)
+            return entry.value
+        assert entry.load is not None
+        return entry.load
+
+    def acquire_step(self, ticket: _Ticket) -> torch.Tensor | _IO:
+        """Grant a lease on a resident value, or reserve it and return the job to wait for."""
+        self.drain()
+        if not ticket.waiting:
+            self.check_open()
+        self._replay_touches()
+        entry = ticket.entry
+        if entry is None or self.entries.get(entry.key) is not entry:
+            entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
+        if entry.value is not None and not (ticket.read_write and entry.write is not None):
+            if ticket.first_try:
+                self._hits += 1
+            if ticket.waiting:
+                ticket.waiting = False
+                entry.waiters -= 1
+            if entry.leases == 0:
+                self.leased_entries += 1
+            entry.leases += 1
+            self._set_evicting(entry, False)
+            ticket.granted = True
+            self.policy.hold(entry.key)
+            self.policy.touch(entry.key)
+            return entry.value
+        if ticket.first_try:
+            self._misses += 1
+            ticket.first_try = False
+        if not ticket.waiting:
+            ticket.waiting = True
+            entry.waiters += 1
+            self.policy.hold(entry.key)
+            self._set_evicting(entry, False)
+        pending = entry.write if entry.value is not None else entry.load
+        assert pending is not None
+        return pending
+
+    def abandon(self, ticket: _Ticket) -> None:
+        """Undo what an acquire that will never be used holds (its waiter was cancelled)."""
+        self.drain()
+        ticket.abandoned = True
+        entry = ticket.entry
+        if ticket.granted:
+            ticket.granted = False
+            assert entry is not None
+            self.release_lease(entry, dirty=False)
+        elif ticket.waiting:
+            ticket.waiting = False
+            if entry is not None and self.entries.get(entry.key) is entry:
+                entry.waiters -= 1
+                self._maybe_release(entry)
+                self.enforce()
+
+    def release_lease(self, entry: _Entry, dirty: bool) -> None:
+        """End one lease; a ``read_write`` lease marks the value dirty."""
+        self.drain()
+        if entry.leases < 1:
+            raise T2NErrorMisuse("this lease is not active: it was already released")
+        entry.leases -= 1
+        if entry.leases == 0:
+            self.leased_entries -= 1
+        entry.dirty = entry.dirty or dirty
+        self.policy.touch(entry.key)
+        self._maybe_release(entry)
+        self.enforce()
+
+    def unpin_step(self, source: OffloadedTensor) -> None:
+        self.drain()
+        self.check_open()
+        entry = self.entries.get(id(source))
+        if entry is None or not entry.pinned:
+            return
+        entry.pinned = False
+        self._maybe_release(entry)
+        self.enforce()
+
+    def is_pinned(self, source: OffloadedTensor) -> bool:
+        entry = self.entries.get(id(source))
+        return entry is not None and entry.pinned
+
+    def adopt(
+        self, source: OffloadedTensor, device: torch.device, value: torch.Tensor
+    ) -> _Entry | None:
+        """Insert a value loaded inline on the loop thread (sync call inside a coroutine).
+
+        Returns the entry now holding ``source``'s value (the adopted one, or a resident value
+        that another request loaded meanwhile), or ``None`` when it cannot be adopted.
+        """
+        self.drain()
+        self.check_open()
+        self._loads += 1
+        self._bytes_read += source.payload_nbytes
+        key = id(source)
+        entry = self.entries.get(key)
+        if entry is None:
+            entry = _Entry(key, source, device, source.payload_nbytes)
+            self.entries[key] = entry
+        elif entry.device != device:
+            return None
+        if entry.value is None:
+            self._make_resident(entry, value)
+        return entry
+
+    # ------------------------------------------------------------------------------------------
+    # Loads
+    # ------------------------------------------------------------------------------------------
+    def _start_load(self, entry: _Entry) -> None:
+        io = entry.load = _IO("load")
+        self._jobs.add(io)
+
+        async def job() -> None:
+            value: torch.Tensor | None = None
+            error: BaseException | None = None
+            try:
+                async with self._limiter:
+                    # Shielded: the worker thread reads into the buffer until it is done.
+                    with anyio.CancelScope(shield=True):
+                        value = await entry.source._aload(entry.device)
+            except Exception as exc:
+                error = exc
+            self._on_loaded(entry, io, value, error)
+
+        self.spawn(job)
+
+    def _on_loaded(
+        self, entry: _Entry, io: _IO, value: torch.Tensor | None, error: BaseException | None
+    ) -> None:
+        self.drain()
+        self._jobs.discard(io)
+        if entry.load is io:
+            entry.load = None
+        if error is not None:
+            self._load_errors += 1
+            LOGGER.debug("load of %r failed: %r", entry.source.name, error)
+            if entry.value is None and self.entries.get(entry.key) is entry:
+                del self.entries[entry.key]
+                self.policy.forget(entry.key, entry.nbytes, entry.retained)
+            io.finish(None, error)
+            return
+        assert value is not None
+        self._loads += 1
+        self._bytes_read += entry.nbytes
+        if self.entries.get(entry.key) is entry and entry.value is None:
+            self._make_resident(entry, value)
+        elif entry.value is not None:
+            value = entry.value  # adopted inline meanwhile: deliver the resident value
+        io.finish(value, None)
+        self.enforce()
+
+    def _make_resident(self, entry: _Entry, value: torch.Tensor) -> None:
+        entry.value = value
+        self.resident_bytes += entry.nbytes
+        self.published[entry.key] = (entry.device, value)
+        entry.retained = self.policy.admit(entry.key, entry.nbytes)
+        if not entry.retained:
+            LOGGER.debug(
+                "%r (%d bytes) is delivered without cache retention under %s",
+                entry.source.name,
+                entry.nbytes,
+                self.policy.strategy.name,
+            )
+        self._maybe_release(entry)
+
+    # ------------------------------------------------------------------------------------------
+    # Eviction and write-back
+    # ------------------------------------------------------------------------------------------
+    def _maybe_release(self, entry: _Entry) -> None:
+        if entry.value is not None and not entry.held:
+            self.policy.release(entry.key, entry.nbytes, entry.retained)
+
+    def enforce(self) -> None:
+        """Evict what the policy names so that unheld values fit the budget."""
+        budget = self.policy.budget
+        excess = 0 if budget is None else self.resident_bytes - self.evicting_bytes - budget
+        for key in self.policy.victims(excess):
+            entry = self.entries.get(key)
+            if entry is not None and entry.value is not None and not entry.held:
+                self._evict(entry)
+
+    def _evict(self, entry: _Entry) -> None:
+        """Remove an unheld value, writing it back first when it is dirty."""
+        if entry.dirty or entry.write is not None:
+            self._set_evicting(entry, True)
+            if entry.write is None:
+                self._start_write(entry)
+            return
+        self._remove(entry)
+
+    def _set_evicting(self, entry: _Entry, evicting: bool) -> None:
+        if entry.evicting != evicting:
+            entry.evicting = evicting
+            self.evicting_bytes += entry.nbytes if evicting else -entry.nbytes
+
+    def _remove(self, entry: _Entry) -> None:
+        self._set_evicting(entry, False)
+        del self.entries[entry.key]
+        self.published.pop(entry.key, None)
+        self.policy.forget(entry.key, entry.nbytes, entry.retained)
+        if entry.value is not None:
+            self.resident_bytes -= entry.nbytes
+            self._evictions += 1
+        entry.value = None
+
+    def _start_write(self, entry: _Entry) -> _IO:
+        io = entry.write = _IO("write")
+        self._jobs.add(io)
+        value = entry.value
+        assert value is not None
+        entry.dirty = False
+
+        async def job() -> None:
+            error: BaseException | None = None
+            try:
+                async with self._limiter:
+                    with anyio.CancelScope(shield=True):
+                        await entry.source._aupdate_values(value)
+            except Exception as exc:
+                error = exc
+            self._on_written(entry, io, error)
+
+        self.spawn(job)
+        return io
+
+    def _on_written(self, entry: _Entry, io: _IO, error: BaseException | None) -> None:
+        self.drain()
+        self._jobs.discard(io)
+        entry.write = None
+        if error is not None:
+            entry.dirty = True  # the value stays resident; a later flush retries
+            self._set_evicting(entry, False)
+            LOGGER.warning("write-back of %r failed: %r", entry.source.name, error)
+            io.finish(None, error)
+            self._maybe_release(entry)
+            return
+        self._write_backs += 1
+        self._bytes_written += entry.nbytes
+        io.finish(None, None)
+        if entry.evicting and self.entries.get(entry.key) is entry:
+            if entry.dirty:  # written to again meanwhile
+                self._start_write(entry)
+            else:
+                self._remove(entry)
+        self.enforce()
+
+    def evict_step(self, source: OffloadedTensor) -> _IO | None:
+        """Evict ``source`` now; return the job to wait for (a load or a write-back) first."""
+        self.drain()
+        self.check_open()
+        entry = self.entries.get(id(source))
+        if entry is None:
+            return None
+        if entry.leases or entry.pinned:
+            what = "leased" if entry.leases else "pinned"
+            hint = "release its lease" if entry.leases else "unpin it"
+            raise T2NErrorMisuse(f"cannot evict {source.name!r} while it is {what}: {hint} first")
+        if entry.load is not None:
+            return entry.load
+        if entry.write is not None:
+            return entry.write
+        if entry.dirty:
+            self._set_evicting(entry, True)
+            return self._start_write(entry)
+        if entry.waiters:
+            return None  # a waiter is about to take it; nothing to evict
+        self._remove(entry)
+        return None
+
+    def flush_step(self, source: OffloadedTensor | None) -> list[_IO]:
+        """Start write-backs of dirty values (all, or ``source``'s); return jobs to wait for."""
+        self.drain()
+        if source is None:
+            entries = [e for e in self.entries.values() if e.dirty or e.write or e.load]
+        else:
+            found = self.entries.get(id(source))
+            entries = [] if found is None else [found]
+        jobs: list[_IO] = []
+        for entry in entries:
+            if entry.load is not None:
+                jobs.append(entry.load)
+            elif entry.write is not None:
+                jobs.append(entry.write)
+            elif entry.dirty and entry.value is not None:
+                jobs.append(self._start_write(entry))
+        return jobs
+
+    def begin_close(self) -> None:
+        self.drain()
+        if self.closed:
+            return
+        self.check_open()
+        leased = [e.source.name for e in self.entries.values() if e.leases]
+        if leased:
+            raise T2NErrorMisuse(
+                f"cannot close the TensorResidencyPool while {len(leased)} value(s) are leased "
+                f"({', '.join(map(repr, leased[:5]))}): exit their `acquire` blocks first"
+            )
+        self.closing = True
+
+    def pending_jobs(self) -> list[_IO]:
+        return list(self._jobs)
+
+    def dirty_entries(self) -> bool:
+        return any(e.dirty for e in self.entries.values())
+
+    def abort_close(self) -> None:
+        self.closing = False
+
+    def finish_close(self) -> None:
+        for entry in list(self.entries.values()):
+            self._remove(entry)
+        self.closing = False
+        self.closed = True
+
+
+class _Pending:
+    """Marker returned by a message whose reply is completed later by a callback."""
+
+
+_PENDING: Any = _Pending()

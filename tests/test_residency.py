@@ -1,0 +1,604 @@
+"""The residency pool's documented semantics, through its sync and async faces."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import re
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+import torch.nn.functional as F
+from residency_checks import check_invariants
+
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import (
+    PoolStats,
+    ResidencyStrategy,
+    TensorResidencyPool,
+    active_tensor_residency,
+)
+
+NUMEL = 256  # float32: 1 KiB per tensor
+KIB = NUMEL * 4
+
+
+def make_tensors(directory: Path, count: int, numel: int = NUMEL) -> list[OffloadedTensor]:
+    return [
+        OffloadedTensor.from_original_tensor(
+            torch.full((numel,), float(i)), f"layer.{i}.weight", offload_dir=directory
+        )
+        for i in range(count)
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# One adapter per face, so that each semantic test runs through both.
+# ---------------------------------------------------------------------------------------------
+class AsyncFace:
+    """The async twins, awaited in the loop the pool runs on (`async with pool`)."""
+
+    name = "async"
+
+    def __init__(self, pool: TensorResidencyPool) -> None:
+        self.pool = pool
+
+    async def resolve(self, t: OffloadedTensor, device: Any = None) -> torch.Tensor:
+        return await self.pool.aresolve(t, device)
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, t: OffloadedTensor, mode: str = "read") -> AsyncIterator[torch.Tensor]:
+        async with self.pool.acquire(t, mode=mode) as value:  # type: ignore[arg-type]
+            yield value
+
+    async def prefetch(self, t: OffloadedTensor) -> torch.Tensor:
+        return await self.pool.prefetch(t)
+
+    async def pin(self, t: OffloadedTensor) -> torch.Tensor:
+        return await self.pool.pin(t)
+
+    async def unpin(self, t: OffloadedTensor) -> None:
+        await self.pool.aunpin(t)
+
+    async def evict(self, t: OffloadedTensor) -> None:
+        await self.pool.aevict(t)
+
+    async def flush(self, t: OffloadedTensor | None = None) -> None:
+        await self.pool.aflush(t)
+
+    async def close(self) -> None:
+        await self.pool.aclose()
+
+
+class SyncFace:
+    """The sync methods, called from a worker thread while the pool runs its own loop thread."""
+
+    name = "sync"
+
+    def __init__(self, pool: TensorResidencyPool) -> None:
+        self.pool = pool
+
+    @staticmethod
+    async def _run(func: Callable[[], Any]) -> Any:
+        return await anyio.to_thread.run_sync(func)
+
+    async def resolve(self, t: OffloadedTensor, device: Any = None) -> torch.Tensor:
+        return await self._run(lambda: self.pool.resolve(t, device))  # type: ignore[no-any-return]
+
+    @contextlib.asynccontextmanager
+    async def acquire(self, t: OffloadedTensor, mode: str = "read") -> AsyncIterator[torch.Tensor]:
+        lease = self.pool.acquire(t, mode=mode)  # type: ignore[arg-type]
+        value = await self._run(lease.__enter__)
+        try:
+            yield value
+        finally:
+            await self._run(lambda: lease.__exit__(None, None, None))
+
+    async def prefetch(self, t: OffloadedTensor) -> torch.Tensor:
+        return await self._run(lambda: self.pool.prefetch(t).wait())  # type: ignore[no-any-return]
+
+    async def pin(self, t: OffloadedTensor) -> torch.Tensor:
+        return await self._run(lambda: self.pool.pin(t).wait())  # type: ignore[no-any-return]
+
+    async def unpin(self, t: OffloadedTensor) -> None:
+        await self._run(lambda: self.pool.unpin(t))
+
+    async def evict(self, t: OffloadedTensor) -> None:
+        await self._run(lambda: self.pool.evict(t))
+
+    async def flush(self, t: OffloadedTensor | None = None) -> None:
+        await self._run(lambda: self.pool.flush(t))
+
+    async def close(self) -> None:
+        await self._run(self.pool.close)
+
+
+@contextlib.asynccontextmanager
+async def open_pool(face_name: str, **options: Any) -> AsyncIterator[AsyncFace | SyncFace]:
+    pool = TensorResidencyPool(**options)
+    if face_name == "async":
+        async with pool:
+            yield AsyncFace(pool)
+            check_invariants(pool)
+    else:
+        with pool:
+            yield SyncFace(pool)
+            check_invariants(pool)
+    assert pool.closed
+
+
+faces = pytest.mark.parametrize("face_name", ["async", "sync"])
+pytestmark = [pytest.mark.timeout(60)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Argument validation
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_cached_bytes": -1}, "max_cached_bytes must be None or a non-negative int, got -1"),
+        ({"max_workers": 0}, "max_workers must be an int >= 1, got 0"),
+        ({"strategy": "lru"}, "strategy must be a ResidencyStrategy"),
+    ],
+)
+def test_constructor_validates_its_arguments(options: dict[str, Any], message: str) -> None:
+    with pytest.raises(T2NErrorMisuse, match=re.escape(message)):
+        TensorResidencyPool(**options)
+
+
+def test_requests_validate_mode_and_source(tmp_path: Path) -> None:
+    (t,) = make_tensors(tmp_path, 1)
+    with TensorResidencyPool() as pool:
+        with pytest.raises(T2NErrorMisuse, match=r"^mode must be 'read' or 'read_write', got 'w'$"):
+            pool.acquire(t, mode="w")  # type: ignore[arg-type]
+        plain = torch.zeros(3)
+        for call in (pool.resolve, pool.prefetch, pool.acquire, pool.evict, pool.pin, pool.unpin):
+            with pytest.raises(
+                T2NErrorMisuse,
+                match=r"^TensorResidencyPool only manages OffloadedTensor values; got Tensor",
+            ):
+                call(plain)  # type: ignore[operator]
+
+
+# ---------------------------------------------------------------------------------------------
+# LRU
+# ---------------------------------------------------------------------------------------------
+@faces
+@pytest.mark.asyncio
+async def test_lru_caches_and_evicts_least_recently_used(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 4)
+    async with open_pool(face_name, max_cached_bytes=2 * KIB) as face:
+        pool = face.pool
+        assert torch.equal(await face.resolve(ts[0]), torch.full((NUMEL,), 0.0))
+        await face.resolve(ts[1])
+        await face.resolve(ts[0])  # hit: t0 becomes most recently used
+        await face.resolve(ts[2])  # evicts t1
+        check_invariants(pool)
+        assert [pool.is_resident(t) for t in ts] == [True, False, True, False]
+        assert pool.resident_bytes == 2 * KIB
+        stats = pool.stats()
+        assert isinstance(stats, PoolStats)
+        assert (stats.hits, stats.misses, stats.loads, stats.evictions) == (1, 3, 3, 1)
+        assert stats.bytes_read == 3 * KIB and stats.load_errors == 0
+
+
+@faces
+@pytest.mark.asyncio
+async def test_unbounded_pool_keeps_everything(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 5)
+    async with open_pool(face_name) as face:
+        for t in ts:
+            await face.resolve(t)
+        assert all(face.pool.is_resident(t) for t in ts)
+        assert face.pool.resident_bytes == 5 * KIB
+
+
+@faces
+@pytest.mark.asyncio
+async def test_leased_values_stay_above_the_soft_budget(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 3)
+    async with open_pool(face_name, max_cached_bytes=KIB) as face:
+        pool = face.pool
+        async with face.acquire(ts[0]) as v0, face.acquire(ts[1]) as v1:
+            assert float(v0[0]) == 0.0 and float(v1[0]) == 1.0
+            assert pool.resident_bytes == 2 * KIB  # above budget: both are leased
+            check_invariants(pool)
+            with pytest.raises(T2NErrorMisuse, match="while it is leased: release its lease"):
+                await face.evict(ts[0])
+        check_invariants(pool)
+        assert pool.resident_bytes == KIB
+
+
+@faces
+@pytest.mark.asyncio
+async def test_pins_are_idempotent_and_survive_pressure(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 3)
+    async with open_pool(face_name, max_cached_bytes=KIB) as face:
+        pool = face.pool
+        assert float((await face.pin(ts[0]))[0]) == 0.0
+        await face.pin(ts[0])
+        assert pool.is_pinned(ts[0])
+        await face.resolve(ts[1])
+        await face.resolve(ts[2])
+        assert pool.is_resident(ts[0]) and pool.is_pinned(ts[0])
+        with pytest.raises(T2NErrorMisuse, match="while it is pinned: unpin it first"):
+            await face.evict(ts[0])
+        await face.unpin(ts[0])
+        assert not pool.is_pinned(ts[0])
+        check_invariants(pool)
+        assert pool.resident_bytes <= KIB
+
+
+@faces
+@pytest.mark.asyncio
+async def test_oversized_values_are_delivered_but_not_retained(
+    tmp_path: Path, face_name: str
+) -> None:
+    small, big = make_tensors(tmp_path, 1)[0], make_tensors(tmp_path / "big", 1, numel=4 * NUMEL)[0]
+    async with open_pool(face_name, max_cached_bytes=2 * KIB) as face:
+        pool = face.pool
+        await face.resolve(small)
+        async with face.acquire(big) as value:
+            assert value.numel() == 4 * NUMEL
+            # Kept while leased; the retained small value made room for it.
+            assert pool.is_resident(big) and not pool.is_resident(small)
+            check_invariants(pool)
+        assert not pool.is_resident(big)
+        await face.resolve(small)
+        prefetched = await face.prefetch(big)
+        assert prefetched.numel() == 4 * NUMEL and not pool.is_resident(big)
+        assert pool.is_resident(small), "an unretained value must leave before retained ones"
+        await face.pin(big)
+        assert pool.is_resident(big)
+        await face.unpin(big)
+        assert not pool.is_resident(big)
+        check_invariants(pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# FIXED
+# ---------------------------------------------------------------------------------------------
+@faces
+@pytest.mark.asyncio
+async def test_fixed_keeps_its_first_fit_set(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 4)
+    async with open_pool(
+        face_name, max_cached_bytes=2 * KIB, strategy=ResidencyStrategy.FIXED
+    ) as face:
+        pool = face.pool
+        for _ in range(3):
+            for t in ts:
+                await face.resolve(t)
+        assert [pool.is_resident(t) for t in ts] == [True, True, False, False]
+        async with face.acquire(ts[3]) as value:
+            assert float(value[0]) == 3.0 and pool.is_resident(ts[3])
+        assert not pool.is_resident(ts[3])
+        stats = pool.stats()
+        assert stats.hits == 4 and stats.loads == 2 + 3 * 2 + 1
+        for method in (pool.pin, pool.unpin, pool.is_pinned):
+            with pytest.raises(T2NErrorMisuse, match=r"not supported by ResidencyStrategy\.FIXED"):
+                method(ts[0])
+        await face.evict(ts[0])  # frees capacity for a later admission
+        await face.resolve(ts[2])
+        assert pool.is_resident(ts[2])
+        check_invariants(pool)
+
+
+# ---------------------------------------------------------------------------------------------
+# read_write leases and write-back
+# ---------------------------------------------------------------------------------------------
+@faces
+@pytest.mark.asyncio
+async def test_read_write_values_are_written_back_on_eviction_flush_and_close(
+    tmp_path: Path, face_name: str
+) -> None:
+    ts = make_tensors(tmp_path, 3)
+    async with open_pool(face_name, max_cached_bytes=KIB) as face:
+        pool = face.pool
+        async with face.acquire(ts[0], mode="read_write") as value:
+            value.add_(10)
+        await face.resolve(ts[1])  # evicts t0: written back first, then dropped
+        await face.flush()  # waits for that write-back
+        assert not pool.is_resident(ts[0])
+        assert torch.equal(ts[0]._reload_unmanaged(), torch.full((NUMEL,), 10.0))
+        async with face.acquire(ts[1], mode="read_write") as value:
+            value.add_(20)
+        await face.flush()
+        assert torch.equal(ts[1]._reload_unmanaged(), torch.full((NUMEL,), 21.0))
+        assert pool.is_resident(ts[1])
+        async with face.acquire(ts[1], mode="read_write") as value:
+            value.mul_(2)
+        stats = pool.stats()
+        assert stats.write_backs == 2 and stats.bytes_written == 2 * KIB
+    assert torch.equal(ts[1]._reload_unmanaged(), torch.full((NUMEL,), 42.0))
+
+
+@faces
+@pytest.mark.asyncio
+async def test_read_leases_never_write(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 2)
+    async with open_pool(face_name, max_cached_bytes=KIB) as face:
+        async with face.acquire(ts[0]) as value:
+            value.add_(5)  # a read lease: the change is not persisted
+        await face.resolve(ts[1])
+        assert face.pool.stats().write_backs == 0
+    assert torch.equal(ts[0]._reload_unmanaged(), torch.full((NUMEL,), 0.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# Lifecycle
+# ---------------------------------------------------------------------------------------------
+@faces
+@pytest.mark.asyncio
+async def test_close_with_leases_raises_and_keeps_the_pool_usable(
+    tmp_path: Path, face_name: str
+) -> None:
+    ts = make_tensors(tmp_path, 2)
+    async with open_pool(face_name) as face:
+        async with face.acquire(ts[0]):
+            with pytest.raises(T2NErrorMisuse, match=r"while 1 value\(s\) are leased"):
+                await face.close()
+            assert float((await face.resolve(ts[1]))[0]) == 1.0
+        await face.close()
+        pool = face.pool
+        for call in (
+            lambda: pool.resolve(ts[0]),
+            lambda: pool.prefetch(ts[0]),
+            lambda: pool.acquire(ts[0]).__enter__(),
+            lambda: pool.scope().__enter__(),
+        ):
+            with pytest.raises(T2NErrorMisuse, match="TensorResidencyPool is closed"):
+                call()
+        with pytest.raises(T2NErrorMisuse, match="TensorResidencyPool is closed"):
+            await face.resolve(ts[1])
+
+
+@faces
+@pytest.mark.asyncio
+async def test_one_tensor_cannot_be_resident_on_two_devices(tmp_path: Path, face_name: str) -> None:
+    (t,) = make_tensors(tmp_path, 1)
+    async with open_pool(face_name) as face:
+        await face.resolve(t)
+        with pytest.raises(T2NErrorMisuse, match="cannot be resident on two devices"):
+            await face.resolve(t, "cuda:0")
+
+
+@faces
+@pytest.mark.asyncio
+async def test_load_errors_reach_every_waiter_and_leave_no_entry(
+    tmp_path: Path, face_name: str
+) -> None:
+    (t,) = make_tensors(tmp_path, 1)
+    (path,) = tmp_path.glob("*.safetensors")
+    good = path.read_bytes()
+    path.write_bytes(good[:100])  # truncated header
+    async with open_pool(face_name) as face:
+        pool = face.pool
+        results: list[BaseException] = []
+
+        async def waiter() -> None:
+            try:
+                await face.resolve(t)
+            except T2NErrorStorage as error:
+                results.append(error)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(waiter)
+        assert len(results) == 4
+        assert all(str(path.name) in str(e) or e.__cause__ is not None for e in results)
+        assert not pool.is_resident(t) and pool._actor.entries == {}
+        assert pool.stats().load_errors >= 1
+        path.write_bytes(good)
+        assert float((await face.resolve(t))[0]) == 0.0
+
+
+def test_repr_is_readable(tmp_path: Path) -> None:
+    ts = make_tensors(tmp_path, 2)
+    with TensorResidencyPool(max_cached_bytes=1 << 20) as pool:
+        pool.resolve(ts[0])
+        with pool.acquire(ts[1]):
+            assert repr(pool) == (
+                "<TensorResidencyPool LRU [resident: 2, leased: 1, bytes: 0.0 MiB / 1.0 MiB]>"
+            )
+    assert repr(pool).startswith("<TensorResidencyPool LRU [closed")
+
+
+# ---------------------------------------------------------------------------------------------
+# Scope and the sync shim on the loop thread
+# ---------------------------------------------------------------------------------------------
+def test_scope_routes_ops_through_the_pool(tmp_path: Path) -> None:
+    weight = OffloadedTensor.from_original_tensor(torch.randn(4, 8), "w", offload_dir=tmp_path)
+    dense = weight._reload_unmanaged()
+    x = torch.randn(2, 8)
+    assert active_tensor_residency() is None
+    with TensorResidencyPool() as pool, pool.scope():
+        assert active_tensor_residency() == (pool, None)
+        for _ in range(3):
+            assert torch.allclose(F.linear(x, weight), x @ dense.T)
+        stats = pool.stats()
+        assert (stats.misses, stats.hits, stats.loads) == (1, 2, 1)
+    assert active_tensor_residency() is None
+
+
+@pytest.mark.asyncio
+async def test_scope_follows_worker_threads_and_forwards_run_in_both_places(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(), torch.nn.Linear(8, 4))
+    x = torch.randn(3, 8)
+    expected = model(x)
+    for name, param in list(model.named_parameters()):
+        module_name, _, attr = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        offloaded = OffloadedTensor.from_original_tensor(param.data, name, offload_dir=tmp_path)
+        setattr(module, attr, torch.nn.Parameter(offloaded, requires_grad=False))
+    async with TensorResidencyPool(max_cached_bytes=1 << 20) as pool:
+        with pool.scope():
+            # In a worker thread: the context (and the scope) follows it.
+            in_thread = await anyio.to_thread.run_sync(model, x)
+            assert torch.allclose(in_thread, expected, atol=1e-6)
+            loads = pool.stats().loads
+            assert loads == 4
+            # On the loop thread: hits served inline, no deadlock.
+            with caplog.at_level(logging.WARNING, "torch_to_nnef.tensor.residency"):
+                assert torch.allclose(model(x), expected, atol=1e-6)
+            assert pool.stats().loads == loads
+            await pool.aevict(model[0].weight)
+            with caplog.at_level(logging.WARNING, "torch_to_nnef.tensor.residency"):
+                assert torch.allclose(model(x), expected, atol=1e-6)  # inline miss
+                assert torch.allclose(model(x), expected, atol=1e-6)
+            warnings = [r for r in caplog.records if "anyio.to_thread.run_sync" in r.getMessage()]
+            assert len(warnings) == 1
+        for blocking, twin in ((pool.flush, "aflush"), (pool.close, "aclose")):
+            with pytest.raises(T2NErrorMisuse, match=rf"use `await pool\.{twin}\(\)`"):
+                blocking()
+        with pool.acquire(model[2].weight) as value:  # sync acquire on the loop thread
+            assert value.shape == (4, 8)
+        check_invariants(pool)
+
+
+@pytest.mark.asyncio
+async def test_async_and_thread_faces_share_one_pool(tmp_path: Path) -> None:
+    ts = make_tensors(tmp_path, 20)
+    async with TensorResidencyPool(max_cached_bytes=5 * KIB, max_workers=2) as pool:
+
+        def in_thread(i: int) -> float:
+            with pool.acquire(ts[i]) as value:
+                return float(value[0])
+
+        async def request(i: int) -> None:
+            if i % 2:
+                assert await anyio.to_thread.run_sync(in_thread, i) == float(i)
+            else:
+                async with pool.acquire(ts[i]) as value:
+                    assert float(value[0]) == float(i)
+
+        async with anyio.create_task_group() as tg:
+            for _ in range(3):
+                for i in range(20):
+                    tg.start_soon(request, i)
+        check_invariants(pool)
+        assert pool.stats().hits + pool.stats().misses == 60
+
+
+# ---------------------------------------------------------------------------------------------
+# Concurrency, cancellation, exit
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+@pytest.mark.timeout(90)
+async def test_threads_and_tasks_hammering_one_pool(tmp_path: Path) -> None:
+    import random
+    import threading
+    import time
+
+    count = 200
+    ts = make_tensors(tmp_path, count, numel=64)
+    nbytes = 64 * 4
+    increments = [0] * count
+    lock = threading.Lock()
+    deadline = time.monotonic() + 3.0
+    errors: list[BaseException] = []
+
+    async with TensorResidencyPool(max_cached_bytes=40 * nbytes, max_workers=2) as pool:
+
+        def thread_worker(seed: int) -> None:
+            rng = random.Random(seed)
+            try:
+                while time.monotonic() < deadline:
+                    i = rng.randrange(count)
+                    if rng.random() < 0.2:
+                        with pool.acquire(ts[i], mode="read_write") as value:
+                            value.add_(1)
+                            with lock:
+                                increments[i] += 1
+                    else:
+                        assert float(pool.resolve(ts[i])[0]) >= i
+            except BaseException as error:
+                errors.append(error)
+
+        async def task_worker(seed: int) -> None:
+            rng = random.Random(seed)
+            while time.monotonic() < deadline:
+                i = rng.randrange(count)
+                if rng.random() < 0.2:
+                    async with pool.acquire(ts[i], mode="read_write") as value:
+                        value.add_(1)
+                        increments[i] += 1
+                elif rng.random() < 0.5:
+                    pool.prefetch(ts[rng.randrange(count)])
+                    await anyio.sleep(0)
+                else:
+                    assert float((await pool.aresolve(ts[i]))[0]) >= i
+
+        async with anyio.create_task_group() as tg:
+            for seed in range(4):
+                tg.start_soon(anyio.to_thread.run_sync, thread_worker, seed)
+            for seed in range(4):
+                tg.start_soon(task_worker, 100 + seed)
+        assert not errors
+        check_invariants(pool)
+    for i, t in enumerate(ts):
+        assert torch.equal(t._reload_unmanaged(), torch.full((64,), float(i + increments[i])))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_cancelled_waiters_leave_no_lease_and_the_pool_keeps_serving(tmp_path: Path) -> None:
+    import random
+
+    ts = make_tensors(tmp_path, 30, numel=16 * 1024)
+    rng = random.Random(7)
+    async with TensorResidencyPool(max_cached_bytes=5 * 64 * 1024, max_workers=1) as pool:
+
+        async def impatient(i: int) -> None:
+            with anyio.move_on_after(rng.random() * 0.004):
+                if i % 3 == 0:
+                    await pool.aresolve(ts[i % 30])
+                elif i % 3 == 1:
+                    await pool.prefetch(ts[i % 30])
+                else:
+                    async with pool.acquire(ts[i % 30]):
+                        await anyio.sleep(rng.random() * 0.002)
+
+        for _ in range(5):
+            async with anyio.create_task_group() as tg:
+                for i in range(60):
+                    tg.start_soon(impatient, i)
+            check_invariants(pool)
+        await pool.aflush()  # wait for the loads cancelled waiters left behind
+        check_invariants(pool)
+        assert all(e.leases == 0 and e.waiters == 0 for e in pool._actor.entries.values())
+        for i, t in enumerate(ts):
+            async with pool.acquire(t) as value:
+                assert float(value[0]) == float(i)
+
+
+def test_unclosed_sync_pool_does_not_hang_interpreter_exit(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+    import time
+
+    script = f"""
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+t = OffloadedTensor.from_original_tensor(torch.ones(1000), "w", offload_dir={str(tmp_path)!r})
+pool = TensorResidencyPool(max_cached_bytes=1 << 20)
+pool.resolve(t)
+pool.prefetch(t)
+print("ok", flush=True)
+"""
+    start = time.monotonic()
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert time.monotonic() - start < 30

@@ -1,0 +1,85 @@
+"""The retention policies on their own: no files, no loops, no tensors."""
+
+from __future__ import annotations
+
+from torch_to_nnef.tensor.residency._policy import (
+    FixedPolicy,
+    LRUPolicy,
+    ResidencyStrategy,
+    make_policy,
+)
+
+
+def _fill(policy: LRUPolicy | FixedPolicy, sizes: dict[int, int]) -> dict[int, bool]:
+    retained = {}
+    for key, nbytes in sizes.items():
+        retained[key] = policy.admit(key, nbytes)
+        policy.release(key, nbytes, retained[key])
+    return retained
+
+
+def test_make_policy_returns_the_strategy_asked_for() -> None:
+    assert isinstance(make_policy(ResidencyStrategy.LRU, 10), LRUPolicy)
+    assert isinstance(make_policy(ResidencyStrategy.FIXED, 10), FixedPolicy)
+    assert make_policy(ResidencyStrategy.FIXED, None).allows_pins is False
+
+
+def test_lru_evicts_least_recently_used_first() -> None:
+    policy = LRUPolicy(budget=30)
+    _fill(policy, {1: 10, 2: 10, 3: 10, 4: 10})
+    policy.touch(1)
+    assert policy.victims(10) == [2]
+    assert policy.victims(15) == [3, 4]
+    assert policy.victims(0) == []
+
+
+def test_lru_never_names_held_values() -> None:
+    policy = LRUPolicy(budget=10)
+    _fill(policy, {1: 10, 2: 10})
+    policy.hold(1)
+    assert policy.victims(100) == [2]
+    policy.release(1, 10, True)
+    assert policy.victims(100) == [1]
+
+
+def test_lru_oversized_values_are_not_retained_and_go_first() -> None:
+    policy = LRUPolicy(budget=10)
+    assert policy.admit(1, 5)
+    policy.release(1, 5, True)
+    assert not policy.admit(2, 11)
+    policy.release(2, 11, False)
+    assert policy.victims(0) == [2]
+    assert policy.victims(0) == []
+
+
+def test_unbounded_lru_retains_everything() -> None:
+    policy = LRUPolicy(budget=None)
+    assert all(_fill(policy, {k: 1 << 40 for k in range(5)}).values())
+    assert policy.victims(0) == []
+
+
+def test_fixed_admits_first_fit_and_keeps_it() -> None:
+    policy = FixedPolicy(budget=25)
+    retained = _fill(policy, {1: 10, 2: 20, 3: 10, 4: 5})
+    assert retained == {1: True, 2: False, 3: True, 4: True}
+    assert policy.admitted_bytes == 25
+    # Admitted values are never victims, whatever the pressure; streamed ones always are.
+    assert policy.victims(1000) == [2]
+    assert policy.admit(1, 10)  # an admitted key stays admitted
+
+
+def test_fixed_forget_frees_capacity_for_later_admission() -> None:
+    policy = FixedPolicy(budget=20)
+    _fill(policy, {1: 10, 2: 10})
+    assert not policy.admit(3, 10)
+    policy.forget(1, 10, True)
+    assert policy.admitted_bytes == 10
+    assert policy.admit(3, 10)
+
+
+def test_cost_is_flat_in_the_number_of_entries() -> None:
+    policy = LRUPolicy(budget=100)
+    _fill(policy, {k: 1 for k in range(100_000)})
+    assert policy.victims(3) == [0, 1, 2]
+    policy.touch(3)
+    assert policy.victims(1) == [4]
