@@ -1,0 +1,379 @@
+"""Replace the tensors of a model without breaking the references they share.
+
+A transformer usually ties its token embedding and its LM head: one parameter object is held by
+two modules. Assigning a new tensor to one of them (``model.lm_head.weight = ...``) silently
+unties them. :class:`ModTensorUpdater` indexes, once, every place of a model that holds each
+tensor, and replaces a tensor in all of them at once.
+"""
+
+from __future__ import annotations
+
+import difflib
+import enum
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from torch_to_nnef.exceptions import T2NErrorInconsistentTensor, T2NErrorMisuse
+from torch_to_nnef.tensor.opaque import OpaqueTensor, OpaqueTensorRef
+
+__all__ = ["ModTensorUpdater"]
+
+
+class _Kind(enum.Enum):
+    PARAMETER = "parameter"
+    BUFFER = "buffer"
+    UNREGISTERED = "unregistered tensor attribute"
+
+
+@dataclass(eq=False)
+class _Slot:
+    """One place holding a tensor: ``module.<local_name>`` of a given kind.
+
+    A module registered under several paths gives one slot several names.
+    """
+
+    module: nn.Module
+    local_name: str
+    kind: _Kind
+    names: list[str] = field(default_factory=list)
+
+    def read(self) -> torch.Tensor | None:
+        if self.kind is _Kind.PARAMETER:
+            return self.module._parameters.get(self.local_name)
+        if self.kind is _Kind.BUFFER:
+            return self.module._buffers.get(self.local_name)
+        value = self.module.__dict__.get(self.local_name)
+        return value if isinstance(value, torch.Tensor) else None
+
+    def write(self, tensor: torch.Tensor) -> None:
+        # Write the module's own dictionaries: `Module.__setattr__` would re-register a
+        # parameter assigned to a plain attribute and refuses non-parameters in `_parameters`.
+        if self.kind is _Kind.PARAMETER:
+            self.module._parameters[self.local_name] = tensor  # type: ignore[assignment]
+        elif self.kind is _Kind.BUFFER:
+            self.module._buffers[self.local_name] = tensor
+        else:
+            self.module.__dict__[self.local_name] = tensor
+
+
+@dataclass(eq=False)
+class _Entry:
+    """A tensor and every slot holding it (keyed by ``id(slot)``, in discovery order)."""
+
+    tensor: torch.Tensor
+    slots: dict[int, _Slot] = field(default_factory=dict)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for slot in self.slots.values() for name in slot.names)
+
+
+def _held_tensors(module: nn.Module, kind: _Kind) -> Iterator[tuple[str, torch.Tensor]]:
+    if kind is _Kind.PARAMETER:
+        items: Iterable[tuple[str, object]] = module._parameters.items()
+    elif kind is _Kind.BUFFER:
+        items = module._buffers.items()
+    else:
+        items = vars(module).items()
+    for local, value in items:
+        if isinstance(value, torch.Tensor):
+            yield local, value
+
+
+def _can_require_grad(tensor: torch.Tensor) -> bool:
+    if isinstance(tensor, (OpaqueTensor, OpaqueTensorRef)):
+        return False
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _describe(names: Iterable[str]) -> str:
+    listed = list(names)
+    if len(listed) == 1:
+        return repr(listed[0])
+    return f"{listed[0]!r} (tied with {', '.join(repr(n) for n in listed[1:])})"
+
+
+class ModTensorUpdater:
+    """Replace parameters, buffers or tensor attributes of a model, keeping shared references.
+
+    The model is indexed once at construction (linear in its number of modules and tensors);
+    each update then costs time proportional to the number of places holding the replaced
+    tensor. A tensor held by several modules (tied weights) is replaced in all of them by the
+    same new object, so the tie survives the update.
+
+    Replacements are written into the modules' own dictionaries. References to the old tensor
+    kept elsewhere (an optimizer, a local variable, an attribute the updater does not index)
+    still point to the old tensor.
+
+    Update the model through the updater only while it is in use: a tensor reassigned
+    directly on a module is unknown to the index.
+
+    Args:
+        model: the module whose tensors will be replaced.
+        add_parameter_if_unset: when a parameter is replaced by a tensor that is not an
+            ``nn.Parameter``, wrap it in one (``requires_grad`` as the replaced parameter for
+            plain floating-point tensors, ``False`` for opaque tensors, which keep their type).
+            When false, such a replacement raises :class:`T2NErrorMisuse`.
+        add_buffers: also index registered buffers (parameters are always indexed).
+        add_unregistred_tensor: also index plain tensor attributes of the modules (neither
+            parameters nor buffers), including aliases of indexed tensors.
+        disable_requires_grad: set ``requires_grad=False`` on every parameter now, and give
+            replacements ``requires_grad=False``; :meth:`restore_require_grad` undoes it.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        add_parameter_if_unset: bool = True,
+        add_buffers: bool = False,
+        add_unregistred_tensor: bool = False,
+        disable_requires_grad: bool = False,
+    ) -> None:
+        self._model = model
+        self._add_parameter_if_unset = add_parameter_if_unset
+        self._disable_requires_grad = disable_requires_grad
+        self._entries: dict[int, _Entry] = {}
+        self._slots_by_name: dict[str, _Slot] = {}
+        self._grad_disabled: list[_Slot] = []
+        self._index(model, add_buffers, add_unregistred_tensor)
+        if disable_requires_grad:
+            self._disable_grads()
+
+    # -- index --------------------------------------------------------------------------------
+    def _index(self, model: nn.Module, buffers: bool, unregistered: bool) -> None:
+        # Parameters first, then buffers, then plain attributes, each in module order: a
+        # tensor's first name is the one `model.named_parameters()` reports.
+        modules = list(model.named_modules(remove_duplicate=False))
+        kinds = [_Kind.PARAMETER]
+        if buffers:
+            kinds.append(_Kind.BUFFER)
+        if unregistered:
+            kinds.append(_Kind.UNREGISTERED)
+        slots: dict[tuple[int, str], _Slot] = {}
+        for kind in kinds:
+            for prefix, module in modules:
+                for local, tensor in _held_tensors(module, kind):
+                    slot = slots.get((id(module), local))
+                    if slot is None:
+                        slot = slots[(id(module), local)] = _Slot(module, local, kind)
+                        entry = self._entries.get(id(tensor))
+                        if entry is None:
+                            entry = self._entries[id(tensor)] = _Entry(tensor)
+                        entry.slots[id(slot)] = slot
+                    name = f"{prefix}.{local}" if prefix else local
+                    slot.names.append(name)
+                    self._slots_by_name[name] = slot
+
+    def _disable_grads(self) -> None:
+        for entry in self._entries.values():
+            if not entry.tensor.requires_grad:
+                continue
+            param_slots = [s for s in entry.slots.values() if s.kind is _Kind.PARAMETER]
+            if param_slots:
+                entry.tensor.requires_grad_(False)
+                self._grad_disabled.extend(param_slots)
+
+    def _slot(self, name: str) -> _Slot:
+        try:
+            return self._slots_by_name[name]
+        except KeyError:
+            close = difflib.get_close_matches(name, self._slots_by_name, n=3)
+            hint = f"; did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise T2NErrorMisuse(
+                f"no indexed tensor is named {name!r}{hint} "
+                "(ModTensorUpdater.available_names lists them; buffers and plain tensor "
+                "attributes are indexed only with add_buffers / add_unregistred_tensor)"
+            ) from None
+
+    # -- queries ------------------------------------------------------------------------------
+    @property
+    def model(self) -> nn.Module:
+        """The module this updater was built for."""
+        return self._model
+
+    @property
+    def available_names(self) -> list[str]:
+        """Every indexed name, tied tensors included once per name, in model order."""
+        return list(self._slots_by_name)
+
+    def get_by_name(self, name: str) -> torch.Tensor:
+        """Return the tensor the model currently holds under ``name``.
+
+        Raises:
+            T2NErrorMisuse: ``name`` is not indexed (the message suggests close names).
+        """
+        value = self._slot(name).read()
+        if value is None:
+            raise T2NErrorMisuse(f"{name!r} no longer holds a tensor in the model")
+        return value
+
+    def names_of(self, tensor: torch.Tensor) -> tuple[str, ...]:
+        """Return every name under which the model holds ``tensor`` (empty if it does not)."""
+        entry = self._entries.get(id(tensor))
+        return entry.names if entry is not None else ()
+
+    def iter_tensors(self) -> Iterator[tuple[tuple[str, ...], torch.Tensor]]:
+        """Yield ``(names, tensor)`` once per distinct indexed tensor.
+
+        ``names`` lists every name of the tensor, the first one being its first path in module
+        registration order (as long as it was not replaced). Do not update the model while
+        iterating; iterate over ``list(updater.iter_tensors())`` to do so.
+        """
+        for entry in self._entries.values():
+            yield entry.names, entry.tensor
+
+    # -- updates ------------------------------------------------------------------------------
+    def update_by_ref(
+        self,
+        old_tensor: torch.Tensor,
+        new_tensor: torch.Tensor,
+        enforce_tensor_consistency: bool = True,
+    ) -> torch.Tensor:
+        """Replace ``old_tensor`` by ``new_tensor`` everywhere the model holds it.
+
+        Args:
+            old_tensor: a tensor the model holds (the very object, e.g. ``model.fc.weight``).
+            new_tensor: its replacement; it may be any tensor subclass, opaque tensors
+                included. Where ``old_tensor`` was a parameter, a replacement that is not an
+                ``nn.Parameter`` is wrapped in one (see ``add_parameter_if_unset``).
+            enforce_tensor_consistency: check that both tensors report the same device, dtype
+                and shape.
+
+        Returns:
+            The tensor now held by the model (``new_tensor`` or the parameter wrapping it).
+
+        Raises:
+            T2NErrorMisuse: the model does not hold ``old_tensor`` (never indexed, or already
+                replaced), or a parameter would be replaced by a non-parameter while
+                ``add_parameter_if_unset`` is false.
+            T2NErrorInconsistentTensor: the tensors differ in device, dtype or shape; the
+                message gives both values.
+        """
+        entry = self._entries.get(id(old_tensor))
+        if entry is None:
+            raise T2NErrorMisuse(
+                f"the model does not hold this {type(old_tensor).__name__} of shape "
+                f"{tuple(old_tensor.shape)} in any indexed place (it was never indexed or was "
+                "already replaced); pass the tensor the model currently holds, e.g. "
+                "updater.get_by_name(name)"
+            )
+        if new_tensor is old_tensor:
+            return old_tensor
+        return self._replace(
+            entry, list(entry.slots.values()), new_tensor, enforce_tensor_consistency
+        )
+
+    def update_by_name(
+        self,
+        name: str,
+        new_tensor: torch.Tensor,
+        tie_replacements: bool = True,
+        enforce_tensor_consistency: bool = True,
+    ) -> torch.Tensor:
+        """Replace the tensor the model holds under ``name``.
+
+        Args:
+            name: a dotted name from :attr:`available_names`.
+            new_tensor: the replacement (see :meth:`update_by_ref`).
+            tie_replacements: when true (the default) every other place holding the same
+                tensor gets the replacement too, keeping ties; when false only ``name`` is
+                replaced and the tie is broken.
+            enforce_tensor_consistency: check device, dtype and shape as in
+                :meth:`update_by_ref`.
+
+        Returns:
+            The tensor now held under ``name``.
+
+        Raises:
+            T2NErrorMisuse: ``name`` is unknown, or was reassigned outside this updater.
+            T2NErrorInconsistentTensor: see :meth:`update_by_ref`.
+        """
+        slot = self._slot(name)
+        current = slot.read()
+        entry = self._entries.get(id(current)) if current is not None else None
+        if entry is None or id(slot) not in entry.slots:
+            raise T2NErrorMisuse(
+                f"{name!r} was reassigned outside this ModTensorUpdater; build a new "
+                "ModTensorUpdater after changing the model directly"
+            )
+        if new_tensor is entry.tensor:
+            return new_tensor
+        slots = list(entry.slots.values()) if tie_replacements else [slot]
+        return self._replace(entry, slots, new_tensor, enforce_tensor_consistency, first=name)
+
+    def restore_require_grad(self) -> None:
+        """Set ``requires_grad=True`` again where ``disable_requires_grad`` removed it.
+
+        This applies to the tensors those parameters hold now, replacements included. Values
+        that cannot require gradients (opaque tensors, integer dtypes) are left as they are.
+        """
+        for slot in self._grad_disabled:
+            tensor = slot.read()
+            if tensor is not None and not tensor.requires_grad and _can_require_grad(tensor):
+                tensor.requires_grad_(True)
+
+    # -- internals ----------------------------------------------------------------------------
+    def _replace(
+        self,
+        entry: _Entry,
+        slots: list[_Slot],
+        new_tensor: torch.Tensor,
+        check: bool,
+        first: str | None = None,
+    ) -> torch.Tensor:
+        names = [name for slot in slots for name in slot.names]
+        if first is not None:
+            names.remove(first)
+            names.insert(0, first)
+        if check:
+            _check_consistency(names, entry.tensor, new_tensor)
+        if any(slot.kind is _Kind.PARAMETER for slot in slots) and not isinstance(
+            new_tensor, nn.Parameter
+        ):
+            if not self._add_parameter_if_unset:
+                raise T2NErrorMisuse(
+                    f"{_describe(names)} is a parameter and the replacement is a "
+                    f"{type(new_tensor).__name__}; pass an nn.Parameter or build "
+                    "ModTensorUpdater with add_parameter_if_unset=True"
+                )
+            requires_grad = (
+                entry.tensor.requires_grad
+                and not self._disable_requires_grad
+                and _can_require_grad(new_tensor)
+            )
+            new_tensor = nn.Parameter(new_tensor, requires_grad=requires_grad)
+        for slot in slots:
+            slot.write(new_tensor)
+            del entry.slots[id(slot)]
+        if not entry.slots:
+            del self._entries[id(entry.tensor)]
+        target = self._entries.get(id(new_tensor))
+        if target is None:
+            target = self._entries[id(new_tensor)] = _Entry(new_tensor)
+        target.slots.update((id(slot), slot) for slot in slots)
+        return new_tensor
+
+    def __repr__(self) -> str:
+        return (
+            f"<ModTensorUpdater of {type(self._model).__name__}: {len(self._entries)} tensors "
+            f"under {len(self._slots_by_name)} names>"
+        )
+
+
+def _check_consistency(names: list[str], old: torch.Tensor, new: torch.Tensor) -> None:
+    problems = [
+        f"{what} {getattr(new, what)} instead of {getattr(old, what)}"
+        for what in ("device", "dtype")
+        if getattr(old, what) != getattr(new, what)
+    ]
+    if tuple(old.shape) != tuple(new.shape):
+        problems.append(f"shape {tuple(new.shape)} instead of {tuple(old.shape)}")
+    if problems:
+        raise T2NErrorInconsistentTensor(
+            f"cannot replace {_describe(names)}: the new tensor has {'; '.join(problems)}. "
+            "Convert it first (e.g. new.to(old.device, old.dtype)), or pass "
+            "enforce_tensor_consistency=False to change it on purpose"
+        )
