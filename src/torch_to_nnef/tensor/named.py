@@ -1,0 +1,184 @@
+"""Tensors that carry the name they will have in an exported graph.
+
+A :class:`NamedTensor` is an ordinary tensor (same storage, same values) with an
+``nnef_name`` attribute. :func:`apply_name_to_tensor_in_module` gives every parameter and
+buffer of a model the name of its PyTorch path, so that code looking at a tensor in the middle
+of a forward pass can tell which weight it is.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch.overrides import get_default_nowrap_functions
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor.opaque import OpaqueTensor, OpaqueTensorRef
+
+__all__ = ["NamedTensor", "apply_name_to_tensor_in_module"]
+
+LOGGER = logging.getLogger(__name__)
+
+_NOWRAP_FUNCTIONS = get_default_nowrap_functions()
+
+# Operations whose result is the same value in another place or form: the result keeps the name.
+_NAME_KEEPING_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
+    {
+        torch.Tensor.clone,
+        torch.clone,
+        torch.Tensor.detach,
+        torch.detach,
+        torch.Tensor.to,
+        torch.Tensor.cpu,
+        torch.Tensor.cuda,
+    }
+)
+
+
+def _strip_names(result: Any, inputs: tuple[Any, ...]) -> Any:
+    """Turn new NamedTensor results into plain tensors; inputs returned as-is stay named."""
+    if isinstance(result, NamedTensor):
+        if any(result is arg for arg in inputs):
+            return result
+        return result.as_subclass(torch.Tensor)
+    if type(result) in (list, tuple):
+        return type(result)(_strip_names(item, inputs) for item in result)
+    return result
+
+
+class NamedTensor(torch.Tensor):
+    """A tensor carrying ``nnef_name``, the name it is known by in the model.
+
+    It shares the storage of the tensor it is built from: no copy is made and writes through
+    either are visible in both. Torch operations on it return plain ``torch.Tensor`` values
+    (a sum of two weights has no name), except:
+
+    - ``clone()``, ``detach()``, ``to()``, ``cpu()`` and ``cuda()`` return a
+      :class:`NamedTensor` with the same name (the same value, elsewhere or in another dtype);
+    - in-place operations return the tensor itself, as for any tensor.
+
+    ``data`` returns the tensor itself so that its name stays reachable through
+    ``param.data``; assigning ``data`` replaces the values in place and keeps the name (this is
+    what ``module.half()`` or ``module.to(dtype)`` do). ``nn.Parameter(named, requires_grad=...)``
+    returns a :class:`NamedTensor` that is a parameter.
+
+    Args:
+        fp_tensor: the tensor to name; it must own storage (an opaque tensor cannot be named
+            this way).
+        nnef_name: the name, usually the dotted PyTorch path (``"encoder.0.weight"``).
+
+    Raises:
+        T2NErrorMisuse: ``fp_tensor`` is not a tensor with storage, or ``nnef_name`` is not a
+            non-empty string.
+    """
+
+    nnef_name: str
+
+    @staticmethod
+    def __new__(cls, fp_tensor: torch.Tensor, nnef_name: str) -> NamedTensor:
+        if not isinstance(fp_tensor, torch.Tensor) or isinstance(
+            fp_tensor, (OpaqueTensor, OpaqueTensorRef)
+        ):
+            raise T2NErrorMisuse(
+                "NamedTensor wraps a tensor that owns its storage; got "
+                f"{type(fp_tensor).__name__}. Opaque tensors cannot be named this way"
+            )
+        if not isinstance(nnef_name, str) or not nnef_name:
+            raise T2NErrorMisuse(f"nnef_name must be a non-empty str, got {nnef_name!r}")
+        named: NamedTensor = torch.Tensor._make_subclass(cls, fp_tensor, False)
+        return named
+
+    def __init__(self, fp_tensor: torch.Tensor, nnef_name: str) -> None:
+        super().__init__()
+        self.nnef_name = nnef_name
+
+    def _renamed(self, value: torch.Tensor) -> NamedTensor:
+        """View ``value`` (a plain tensor) as a NamedTensor with this tensor's name.
+
+        Unlike the constructor, this keeps ``value``'s autograd history, so that
+        ``weight.to(dtype)`` inside a forward pass still propagates gradients to ``weight``.
+        """
+        named = value.as_subclass(NamedTensor)
+        named.nnef_name = self.nnef_name
+        return named
+
+    # -- data ---------------------------------------------------------------------------------
+    @property  # type: ignore[override]
+    def data(self) -> NamedTensor:
+        """The tensor itself, so that ``param.data.nnef_name`` works."""
+        return self
+
+    @data.setter
+    def data(self, new_data: torch.Tensor) -> None:
+        """Replace the values (and possibly dtype or device) in place, keeping the name."""
+        torch._C.TensorBase.data.__set__(self, new_data)  # type: ignore[attr-defined]
+
+    # -- copies -------------------------------------------------------------------------------
+    def __deepcopy__(self, memo: dict[int, Any]) -> NamedTensor:
+        if id(self) in memo:
+            copied: NamedTensor = memo[id(self)]
+            return copied
+        with torch.no_grad():
+            values = self.as_subclass(torch.Tensor).clone()
+        copied = NamedTensor(values, self.nnef_name)
+        copied.requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        extra = {k: v for k, v in self.__dict__.items() if k != "nnef_name"}
+        copied.__dict__.update(copy.deepcopy(extra, memo))
+        return copied
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        shape = tuple(self.shape)
+        grad = ", requires_grad=True" if self.requires_grad else ""
+        return (
+            f"NamedTensor(nnef_name={self.nnef_name!r}, shape={shape}, dtype={self.dtype}, "
+            f"device={self.device}{grad})"
+        )
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: Mapping[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*args, **kwargs)
+            if func in _NOWRAP_FUNCTIONS:
+                return result
+            if func in _NAME_KEEPING_FUNCTIONS and args and isinstance(args[0], NamedTensor):
+                if result is args[0]:
+                    return result
+                return args[0]._renamed(result)
+            return _strip_names(result, args)
+
+
+def apply_name_to_tensor_in_module(model: torch.nn.Module) -> None:
+    """Turn every parameter and buffer of ``model`` into a :class:`NamedTensor`.
+
+    Each tensor is named after its dotted PyTorch path (``"layers.0.attn.q.weight"``). A
+    tensor reachable by several paths (tied weights, such as a transformer's token embedding
+    and LM head) becomes one :class:`NamedTensor`, named after its first path in module
+    registration order, and stays shared by every module that held it. Parameters stay
+    parameters (with the same ``requires_grad``), buffers stay buffers, values and storage are
+    unchanged.
+
+    Tensors that already are :class:`NamedTensor` keep their name; opaque tensors
+    (:class:`~torch_to_nnef.tensor.opaque.OpaqueTensor` and references to them) are left as
+    they are.
+    """
+    from torch_to_nnef.tensor.updater import ModTensorUpdater
+
+    updater = ModTensorUpdater(model, add_buffers=True)
+    for names, tensor in list(updater.iter_tensors()):
+        if isinstance(tensor, (OpaqueTensor, OpaqueTensorRef, NamedTensor)):
+            continue
+        if len(names) > 1:
+            LOGGER.debug("shared tensor %s is named %r", names, names[0])
+        updater.update_by_ref(tensor, NamedTensor(tensor, names[0]))
