@@ -13,6 +13,7 @@ pickling anything.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import weakref
 from collections.abc import Callable, Mapping
@@ -40,20 +41,47 @@ _S = TypeVar("_S", bound="SupportsOffloadState")
 
 # ---------------------------------------------------------------------------------------------
 # Expansion through a custom op, so that a trace records where an opaque value is produced.
-# The op is registered once at import; it finds the live opaque tensor by its Python id.
+# The op is registered once at import. A trace records an integer token, never reused, that
+# names one live opaque tensor; the registry holds the tensors weakly.
 # ---------------------------------------------------------------------------------------------
 _TRACED_OPAQUE: weakref.WeakValueDictionary[int, OpaqueTensor] = weakref.WeakValueDictionary()
+_TRACE_TOKENS = itertools.count(1)
+
+
+def _trace_token(tensor: OpaqueTensor) -> int:
+    """Return the token under which ``tensor`` is registered for traces (registering it)."""
+    token: int | None = tensor.__dict__.get("_t2n_trace_token")
+    # A copied tensor inherits its original's token: give it its own.
+    if token is None or _TRACED_OPAQUE.get(token) is not tensor:
+        token = next(_TRACE_TOKENS)
+        tensor.__dict__["_t2n_trace_token"] = token
+        _TRACED_OPAQUE[token] = tensor
+    return token
+
+
+def _traced_tensor(token: int) -> OpaqueTensor:
+    tensor = _TRACED_OPAQUE.get(token)
+    if tensor is None:
+        raise T2NErrorMisuse(
+            f"a trace expands opaque tensor #{token}, which no longer exists: keep the traced "
+            "module's source model (which holds its opaque parameters) alive while the trace runs"
+        )
+    return tensor
 
 
 @torch.library.custom_op(IR_OPAQUE_NAME, mutates_args=())  # type: ignore[misc]
-def _opaque_tensor_expand(py_id: int) -> torch.Tensor:
-    return _TRACED_OPAQUE[py_id]._to_base_tensor().clone()
+def _opaque_tensor_expand(token: int) -> torch.Tensor:
+    value: torch.Tensor = _traced_tensor(token)
+    while isinstance(value, OpaqueTensor):
+        value = value._to_base_tensor()
+    # The op's result must not alias any state the opaque tensor keeps.
+    return value.clone()
 
 
 @_opaque_tensor_expand.register_fake  # type: ignore[misc]
-def _opaque_tensor_expand_fake(py_id: int) -> torch.Tensor:
-    shell = _TRACED_OPAQUE[py_id]
-    return torch.empty(tuple(shell.shape), dtype=shell.dtype, device="meta")
+def _opaque_tensor_expand_fake(token: int) -> torch.Tensor:
+    shell = _traced_tensor(token)
+    return torch.empty(tuple(shell.shape), dtype=shell.dtype, device=shell.device)
 
 
 def _is_tracing() -> bool:
@@ -143,8 +171,7 @@ class OpaqueTensor(torch.Tensor):
         registered custom op ``t2n::opaque_tensor_expand`` so that the trace records it.
         """
         if _is_tracing():
-            _TRACED_OPAQUE[id(self)] = self
-            result: torch.Tensor = torch.ops.t2n.opaque_tensor_expand(id(self))
+            result: torch.Tensor = torch.ops.t2n.opaque_tensor_expand(_trace_token(self))
             return result
         return self._to_base_tensor()
 
@@ -253,10 +280,20 @@ class OpaqueTensorRef(torch.Tensor):
         """Return the reference itself."""
         return self
 
-    def to(self, *args: Any, **kwargs: Any) -> OpaqueTensorRef:  # type: ignore[override]
-        """Move or cast the referenced opaque tensor; the reference stays."""
-        self.opaque_tensor = self.opaque_tensor.to(*args, **kwargs)  # type: ignore[assignment]
-        return self
+    def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
+        """Move or cast the referenced opaque tensor with its own ``to()``.
+
+        Returns this reference when nothing changes, a new reference when the conversion
+        gives another opaque tensor, and the converted value itself when it is a plain tensor.
+        This reference is never modified.
+        """
+        moved = self.opaque_tensor.to(*args, **kwargs)
+        if moved is self.opaque_tensor:
+            return self
+        if isinstance(moved, OpaqueTensor):
+            meta = torch.empty(tuple(moved.shape), dtype=moved.dtype, device="meta")
+            return OpaqueTensorRef(meta, moved)
+        return moved
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         return f"OpaqueTensorRef({self.opaque_tensor!r})"
@@ -290,18 +327,18 @@ def opaque_to_final_tensor(rtensor: torch.Tensor) -> torch.Tensor:
 def set_opaque_tensor_in_params_as_ref(model: torch.nn.Module) -> None:
     """Replace every opaque parameter of ``model`` by an :class:`OpaqueTensorRef`.
 
-    Tied parameters share one reference. Call it just before tracing the model.
+    Call it just before ``torch.jit.trace``: the trace then records each use of an opaque
+    parameter as a call to ``t2n::opaque_tensor_expand``, and the traced module computes with
+    the expanded values. Tied parameters (one tensor held by several modules) share one
+    reference. Parameters that are not opaque, or are references already, are left as they are.
     """
     from torch_to_nnef.tensor.updater import ModTensorUpdater
 
     updater = ModTensorUpdater(model)
-    seen: set[int] = set()
-    for _, param in model.named_parameters(remove_duplicate=False):
-        if not isinstance(param, OpaqueTensor) or id(param) in seen:
-            continue
-        seen.add(id(param))
-        meta = torch.empty(tuple(param.shape), dtype=param.dtype, device="meta")
-        updater.update_by_ref(param, OpaqueTensorRef(meta, param))
+    for _, tensor in list(updater.iter_tensors()):
+        if isinstance(tensor, OpaqueTensor):
+            meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+            updater.update_by_ref(tensor, OpaqueTensorRef(meta, tensor))
 
 
 # ---------------------------------------------------------------------------------------------
