@@ -1,0 +1,230 @@
+"""NamedTensor and apply_name_to_tensor_in_module."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from contract import IGNORE_TRACE_DEPRECATION, LazyTensor, OpaqueContract
+from torch import nn
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor.named import NamedTensor, apply_name_to_tensor_in_module
+from torch_to_nnef.tensor.opaque import OpaqueTensorRef
+
+
+class TestNamedContract(OpaqueContract):
+    atol = 0.0
+    rtol = 0.0
+
+    def make(self, dense: torch.Tensor) -> torch.Tensor:
+        return NamedTensor(dense, "contract.weight")
+
+
+class TinyLM(nn.Module):
+    """A transformer-shaped toy: token embedding tied to the LM head, a norm with a buffer."""
+
+    def __init__(self, vocab: int = 16, width: int = 8) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, width)
+        self.block = nn.Sequential(nn.Linear(width, width), nn.GELU(), nn.LayerNorm(width))
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.lm_head = nn.Linear(width, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.block(self.embed(ids)) * self.scale)
+
+
+def _dense(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(11))
+
+
+# -- NamedTensor ------------------------------------------------------------------------------
+def test_named_tensor_shares_storage_with_its_source() -> None:
+    source = _dense(3, 4)
+    named = NamedTensor(source, "w")
+    assert named.nnef_name == "w"
+    assert named.data_ptr() == source.data_ptr()
+    named[0, 0] = 42.0
+    assert source[0, 0] == 42.0
+    assert not named.requires_grad
+
+
+def test_named_tensor_ops_return_plain_tensors_but_in_place_ops_return_itself() -> None:
+    named = NamedTensor(_dense(3, 4), "w")
+    for result in (named + 1, named.sum(), named.view(-1), named.T, named[1], torch.cat([named])):
+        assert type(result) is torch.Tensor
+    assert named.add_(1) is named
+    assert named.contiguous() is named
+
+
+def test_clone_detach_and_to_keep_the_name() -> None:
+    source = _dense(3, 4)
+    named = NamedTensor(source, "layer.weight")
+    clone = named.clone()
+    assert type(clone) is NamedTensor and clone.nnef_name == "layer.weight"
+    assert clone.data_ptr() != source.data_ptr()
+    torch.testing.assert_close(clone.as_subclass(torch.Tensor), source)
+    for converted in (
+        torch.clone(named),
+        named.detach(),
+        named.to(torch.float64),
+        named.to("cpu", torch.float16),
+        named.cpu(),
+    ):
+        assert type(converted) is NamedTensor
+        assert converted.nnef_name == "layer.weight"
+    assert named.to(torch.float32) is named
+    assert named.to(torch.float64).dtype == torch.float64
+
+
+def test_to_inside_a_forward_keeps_gradients_flowing() -> None:
+    weight = nn.Parameter(NamedTensor(_dense(3, 4), "w"), requires_grad=True)
+    weight.to(torch.float64).sum().backward()
+    assert weight.grad is not None
+    torch.testing.assert_close(weight.grad, torch.ones(3, 4))
+
+
+def test_data_is_the_named_tensor_and_assignment_keeps_the_name() -> None:
+    named = NamedTensor(_dense(3, 4), "w")
+    assert named.data is named
+    named.data = torch.zeros(3, 4, dtype=torch.float16)
+    assert type(named) is NamedTensor
+    assert named.nnef_name == "w"
+    assert named.dtype == torch.float16
+    assert named.abs().sum() == 0
+
+
+def test_parameter_of_a_named_tensor_keeps_type_and_name() -> None:
+    named = NamedTensor(_dense(3, 4), "w")
+    frozen = nn.Parameter(named, requires_grad=False)
+    assert type(frozen) is NamedTensor and isinstance(frozen, nn.Parameter)
+    assert frozen.nnef_name == "w" and not frozen.requires_grad
+    assert not isinstance(named, nn.Parameter)  # the source is left as it was
+
+    trainable = nn.Parameter(named, requires_grad=True)
+    assert trainable.requires_grad and trainable.nnef_name == "w"
+    (trainable * 2).sum().backward()
+    assert trainable.grad is not None
+
+
+def test_repr_names_the_tensor() -> None:
+    text = repr(NamedTensor(_dense(3, 4), "encoder.0.weight"))
+    assert text == (
+        "NamedTensor(nnef_name='encoder.0.weight', shape=(3, 4), dtype=torch.float32, device=cpu)"
+    )
+    trainable = nn.Parameter(NamedTensor(_dense(2), "b"))
+    assert repr(trainable).endswith("requires_grad=True)")
+
+
+def test_deepcopy_keeps_the_name_and_copies_the_values() -> None:
+    named = NamedTensor(_dense(3, 4), "w")
+    copied = copy.deepcopy(named)
+    assert type(copied) is NamedTensor and copied.nnef_name == "w"
+    assert copied.data_ptr() != named.data_ptr()
+    torch.testing.assert_close(copied.as_subclass(torch.Tensor), named.as_subclass(torch.Tensor))
+
+
+def test_save_and_load_keep_the_name(tmp_path: Path) -> None:
+    named = NamedTensor(_dense(3, 4), "w")
+    torch.save(named, tmp_path / "named.pt")
+    loaded = torch.load(tmp_path / "named.pt", weights_only=False)
+    assert type(loaded) is NamedTensor and loaded.nnef_name == "w"
+    torch.testing.assert_close(loaded.as_subclass(torch.Tensor), named.as_subclass(torch.Tensor))
+
+
+def test_named_tensor_refuses_opaque_tensors_and_bad_names() -> None:
+    with pytest.raises(T2NErrorMisuse, match=r"got LazyTensor"):
+        NamedTensor(LazyTensor(_dense(2)), "w")
+    with pytest.raises(T2NErrorMisuse, match=r"nnef_name must be a non-empty str, got ''"):
+        NamedTensor(_dense(2), "")
+    with pytest.raises(T2NErrorMisuse, match=r"got list"):
+        NamedTensor([1.0, 2.0], "w")  # type: ignore[arg-type]
+
+
+# -- apply_name_to_tensor_in_module -----------------------------------------------------------
+def test_every_parameter_and_buffer_is_named_by_its_path() -> None:
+    model = TinyLM()
+    apply_name_to_tensor_in_module(model)
+    for name, tensor in model.named_parameters():
+        assert type(tensor) is NamedTensor and tensor.nnef_name == name
+        assert isinstance(tensor, nn.Parameter)
+    for name, tensor in model.named_buffers():
+        assert type(tensor) is NamedTensor and tensor.nnef_name == name
+        assert not isinstance(tensor, nn.Parameter)
+    assert "scale" in dict(model.named_buffers())
+
+
+def test_tied_weights_share_one_named_tensor_named_by_the_first_path() -> None:
+    model = TinyLM()
+    apply_name_to_tensor_in_module(model)
+    assert model.embed.weight is model.lm_head.weight
+    assert model.embed.weight.nnef_name == "embed.weight"
+    assert len(list(model.parameters())) == len(set(map(id, model.parameters())))
+
+
+def test_naming_keeps_values_grad_flags_and_outputs() -> None:
+    model = TinyLM()
+    model.block[0].bias.requires_grad_(False)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        expected = model(ids)
+    storage = model.embed.weight.data_ptr()
+    apply_name_to_tensor_in_module(model)
+    assert model.embed.weight.data_ptr() == storage
+    assert model.embed.weight.requires_grad
+    assert not model.block[0].bias.requires_grad
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected)
+    model(ids).sum().backward()
+    assert model.embed.weight.grad is not None
+
+
+def test_opaque_tensors_and_references_are_skipped() -> None:
+    model = TinyLM()
+    lazy = nn.Parameter(LazyTensor(_dense(8, 8)), requires_grad=False)
+    model.block[0].weight = lazy
+    ref = nn.Parameter(
+        OpaqueTensorRef(torch.empty(8, device="meta"), LazyTensor(_dense(8))), requires_grad=False
+    )
+    model.block[0].bias = ref
+    apply_name_to_tensor_in_module(model)
+    assert model.block[0].weight is lazy
+    assert model.block[0].bias is ref
+    assert type(model.embed.weight) is NamedTensor
+
+
+def test_naming_twice_keeps_the_same_named_tensors() -> None:
+    model = TinyLM()
+    apply_name_to_tensor_in_module(model)
+    before = dict(model.named_parameters(remove_duplicate=False))
+    apply_name_to_tensor_in_module(model)
+    after = dict(model.named_parameters(remove_duplicate=False))
+    assert all(after[name] is tensor for name, tensor in before.items())
+
+
+def test_named_model_survives_dtype_conversion_and_deepcopy() -> None:
+    model = TinyLM()
+    apply_name_to_tensor_in_module(model)
+    twin = copy.deepcopy(model)
+    assert twin.embed.weight is twin.lm_head.weight
+    assert type(twin.embed.weight) is NamedTensor and twin.embed.weight.nnef_name == "embed.weight"
+    twin.half()
+    assert twin.embed.weight.dtype == torch.float16
+    assert type(twin.embed.weight) is NamedTensor and twin.embed.weight.nnef_name == "embed.weight"
+    assert twin.embed.weight is twin.lm_head.weight
+    assert model.embed.weight.dtype == torch.float32
+
+
+@pytest.mark.filterwarnings(IGNORE_TRACE_DEPRECATION)
+def test_named_model_can_be_traced() -> None:
+    model = TinyLM().eval()
+    ids = torch.tensor([[1, 5, 7]])
+    with torch.no_grad():
+        expected = model(ids)
+        apply_name_to_tensor_in_module(model)
+        traced = torch.jit.trace(model, (ids,))
+        torch.testing.assert_close(traced(ids), expected)
