@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 import torch.nn.functional as F
+from contract import OpaqueContract
 from torch import nn
 
 from torch_to_nnef.exceptions import (
@@ -31,6 +32,26 @@ from torch_to_nnef.tensor.quant import (
 )
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class TestQTensorContract(OpaqueContract):
+    """The opaque-tensor contract, against the tensor's own dequantized value."""
+
+    def make(self, dense: torch.Tensor) -> torch.Tensor:
+        return fp_to_tract_q4_0_with_min_max_calibration(dense)
+
+    def reference(self, subject: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        assert isinstance(subject, QTensorTractScaleOnly)
+        return subject.decompress()
+
+
+class TestQTensorArmContract(TestQTensorContract):
+    """The same contract with tract's ARM (float16) dequantization."""
+
+    def make(self, dense: torch.Tensor) -> torch.Tensor:
+        q = fp_to_tract_q4_0_with_min_max_calibration(dense)
+        q.specific_machine = "aarch64"
+        return q
 
 
 # -- independent references --------------------------------------------------------------------
@@ -168,8 +189,11 @@ def test_percentile_out_of_range_is_misuse(percentile: float) -> None:
 def test_dequantizes_to_the_dtype_of_the_weight(dtype: torch.dtype) -> None:
     weight = torch.randn(8, 64).to(dtype)
     q = fp_to_tract_q4_0_with_min_max_calibration(weight)
+    q.specific_machine = "x86_64"
     assert q.dtype == dtype
-    assert q.decompress().dtype == dtype
+    codes, scales = q.decompress_to_u8(), q.qscheme.scale.reshape(-1)
+    # the exact value rounded once to the dtype (no rounding of the scale to it first)
+    assert torch.equal(q.decompress(), reference_dequantize(codes, scales, dtype))
 
 
 def test_parameter_and_requires_grad_weight_are_accepted() -> None:

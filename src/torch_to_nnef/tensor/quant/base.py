@@ -176,9 +176,11 @@ class QScalePerGroupF16(QScheme):
         return codes.to(torch.uint8).reshape(fp_tensor.shape)
 
     def dequantize(self, u8_tensor: torch.Tensor, target_dtype: torch.dtype) -> torch.Tensor:
-        """Return ``(code - offset) * scale`` computed in ``target_dtype``.
+        """Return ``(code - offset) * scale`` as a ``target_dtype`` tensor.
 
-        The result has the shape of ``u8_tensor`` and lives on its device.
+        Each value is computed exactly, then rounded once to ``target_dtype`` (so a float16
+        result equals float16 arithmetic, and bfloat16 loses nothing to a rounded scale). The
+        result has the shape of ``u8_tensor`` and lives on its device.
 
         Raises:
             T2NErrorImpossibleQuantization: ``u8_tensor`` does not hold ``n_groups *
@@ -188,9 +190,12 @@ class QScalePerGroupF16(QScheme):
         if not target_dtype.is_floating_point:
             raise T2NErrorMisuse(f"dequantize needs a floating target dtype, got {target_dtype}")
         self._check_volume(u8_tensor.shape, "code tensor")
-        groups = u8_tensor.reshape(-1, self.group_size).to(target_dtype)
-        scale = self.scale.to(device=groups.device, dtype=target_dtype)
-        return ((groups - self.offset) * scale).reshape(u8_tensor.shape)
+        groups = u8_tensor.reshape(-1, self.group_size).to(torch.float32)
+        scale = self.scale.to(device=groups.device, dtype=torch.float32)
+        # A code (at most 8 bits) times a float16 scale (11 significant bits) is exact in
+        # float32: the only rounding is the final cast.
+        values = (groups - self.offset) * scale
+        return values.reshape(u8_tensor.shape).to(target_dtype)
 
     def clone_with_scale_factor(self, scale_factor: float | torch.Tensor) -> QScalePerGroupF16:
         """Return a new scheme whose scales are this scheme's scales divided by ``scale_factor``.
