@@ -1,0 +1,59 @@
+"""The on-disk format of offloaded tensors: safe, fast, pickle-free payload files.
+
+A payload file uses the safetensors layout (``u64`` header length, JSON header, raw
+little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` bytes, so that
+``safetensors.safe_open`` reads it and this package reads any ``.safetensors`` file.
+
+- :func:`read_layout` validates a file's header against its size before anything is allocated.
+- :func:`read_payload` / :func:`aread_payload` read entries straight into tensor buffers
+  (fresh ones, or the caller's with ``out=``); :func:`allocate` makes such buffers, pinned for
+  CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
+- :func:`write_payload` / :func:`awrite_payload` write files atomically.
+- :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
+  as several tensors plus JSON metadata naming their class tag.
+- :func:`payload_path` turns a tensor name into a file name that stays inside its directory.
+
+Every problem with a file raises :class:`~torch_to_nnef.exceptions.T2NErrorStorage` naming the
+path and the rule broken; nothing on these paths unpickles.
+"""
+
+from __future__ import annotations
+
+from torch_to_nnef.tensor.storage._aio import aread_payload as aread_payload
+from torch_to_nnef.tensor.storage._aio import awrite_payload as awrite_payload
+from torch_to_nnef.tensor.storage._buffers import allocate as allocate
+from torch_to_nnef.tensor.storage._device import to_device as to_device
+from torch_to_nnef.tensor.storage._format import DATA_ALIGNMENT as DATA_ALIGNMENT
+from torch_to_nnef.tensor.storage._format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
+from torch_to_nnef.tensor.storage._format import EntrySpec as EntrySpec
+from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
+from torch_to_nnef.tensor.storage._io import read_layout as read_layout
+from torch_to_nnef.tensor.storage._io import read_payload as read_payload
+from torch_to_nnef.tensor.storage._io import write_payload as write_payload
+from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
+from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
+from torch_to_nnef.tensor.storage._opaque import is_opaque_payload as is_opaque_payload
+from torch_to_nnef.tensor.storage._paths import payload_path as payload_path
+
+__all__ = [
+    # format
+    "DATA_ALIGNMENT",
+    "MAX_HEADER_BYTES",
+    "EntrySpec",
+    "PayloadLayout",
+    # reading
+    "read_layout",
+    "read_payload",
+    "aread_payload",
+    "allocate",
+    "to_device",
+    # writing
+    "write_payload",
+    "awrite_payload",
+    # opaque payloads
+    "encode_opaque",
+    "decode_opaque",
+    "is_opaque_payload",
+    # file names
+    "payload_path",
+]

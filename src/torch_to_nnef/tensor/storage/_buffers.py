@@ -1,0 +1,232 @@
+"""Host buffers: byte views over tensor memory, allocation and validation of read targets.
+
+Readers fill tensors through :func:`byte_view`, a writable ``memoryview`` over the tensor's own
+memory (no numpy, no intermediate ``bytes``); writers send tensor memory to the file the same
+way, staging non-contiguous tensors through a bounded buffer instead of a full copy.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.opaque import OpaqueTensor
+from torch_to_nnef.tensor.storage._device import pin_host_memory
+from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout, dtype_code
+
+__all__ = ["allocate"]
+
+STAGING_BYTES = 16 * 1024 * 1024
+"""Size of the staging buffer through which non-contiguous tensors are written."""
+
+
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A flat, writable ``memoryview`` of the bytes of a dense CPU tensor, without copying.
+
+    The view keeps ``tensor`` alive. ``tensor`` must be on the CPU, contiguous and have no
+    pending conjugate or negative bit (the callers check it).
+    """
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
+    array._t2n_owner = tensor  # type: ignore[attr-defined]  # the view's base keeps it alive
+    return memoryview(array).cast("B")
+
+
+# ---------------------------------------------------------------------------------------------
+# Read targets
+# ---------------------------------------------------------------------------------------------
+def select_entries(layout: PayloadLayout, names: Iterable[str] | None) -> list[EntrySpec]:
+    """The entries named by ``names`` (all entries when ``None``), in the requested order.
+
+    Raises:
+        T2NErrorStorage: a name is not an entry of the file.
+    """
+    if names is None:
+        return list(layout.entries.values())
+    if isinstance(names, str):
+        raise T2NErrorMisuse(f"names must be an iterable of entry names, not the str {names!r}")
+    selected: dict[str, EntrySpec] = {}
+    for name in names:
+        spec = layout.entries.get(name)
+        if spec is None:
+            raise T2NErrorStorage(
+                f"payload file '{layout.path}' has no entry {name!r}; it holds "
+                f"{sorted(layout.entries)}"
+            )
+        selected[name] = spec
+    return list(selected.values())
+
+
+def allocate(
+    layout: PayloadLayout, names: Iterable[str] | None = None, *, pin_memory: bool = False
+) -> dict[str, torch.Tensor]:
+    """Allocate uninitialised CPU tensors matching entries of ``layout``.
+
+    Args:
+        layout: the payload the buffers are for.
+        names: the entries to allocate (all when ``None``).
+        pin_memory: allocate page-locked memory, for fast copies to a CUDA device. Honoured
+            only when CUDA is available (pinning needs a CUDA runtime); otherwise ordinary
+            memory is returned.
+
+    Returns:
+        the buffers by entry name, in the order of ``names`` (file order by default).
+
+    Raises:
+        T2NErrorStorage: a name is not an entry of the payload.
+    """
+    pin = pin_host_memory(pin_memory)
+    return {
+        spec.name: torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+        for spec in select_entries(layout, names)
+    }
+
+
+@dataclass(frozen=True)
+class ReadPlan:
+    """What a read produces and where each byte goes."""
+
+    result: dict[str, torch.Tensor]  # by entry name, in the requested order
+    jobs: list[tuple[int, memoryview]]  # (absolute file offset, destination), by offset
+
+
+def plan_read(
+    layout: PayloadLayout,
+    out: Mapping[str, torch.Tensor] | None,
+    names: Iterable[str] | None,
+) -> ReadPlan:
+    """Pick (and check) or allocate a buffer per requested entry, before any I/O.
+
+    Raises:
+        T2NErrorStorage: a requested name is not an entry of the payload.
+        T2NErrorMisuse: ``out`` holds a name that is not requested, or a buffer that does not
+            match its entry (dtype, shape, CPU, contiguity).
+    """
+    specs = select_entries(layout, names)
+    provided = dict(out) if out is not None else {}
+    wanted = {spec.name for spec in specs}
+    unexpected = sorted(name for name in provided if name not in wanted)
+    if unexpected:
+        raise T2NErrorMisuse(
+            f"out holds buffers for {unexpected}, which are not read from '{layout.path}' "
+            f"(reading {sorted(wanted)}); pass only buffers for the requested entries"
+        )
+    result: dict[str, torch.Tensor] = {}
+    for spec in specs:
+        buffer = provided.get(spec.name)
+        if buffer is None:
+            buffer = torch.empty(spec.shape, dtype=spec.dtype)
+        else:
+            _check_out_buffer(layout, spec, buffer)
+        result[spec.name] = buffer
+    jobs = [
+        (spec.start, byte_view(result[spec.name]))
+        for spec in sorted(specs, key=lambda spec: spec.start)
+        if spec.nbytes
+    ]
+    return ReadPlan(result, jobs)
+
+
+def _check_out_buffer(layout: PayloadLayout, spec: EntrySpec, buffer: object) -> None:
+    expected = f"a contiguous cpu {spec.dtype} tensor of shape {spec.shape}"
+    if not isinstance(buffer, torch.Tensor) or isinstance(buffer, OpaqueTensor):
+        raise T2NErrorMisuse(
+            f"out[{spec.name!r}] must be {expected} to receive entry {spec.name!r} of "
+            f"'{layout.path}', got {type(buffer).__name__}"
+        )
+    problems = []
+    if buffer.dtype != spec.dtype:
+        problems.append(f"dtype {buffer.dtype}")
+    if tuple(buffer.shape) != spec.shape:
+        problems.append(f"shape {tuple(buffer.shape)}")
+    if buffer.device.type != "cpu":
+        problems.append(f"device {buffer.device}")
+    if buffer.layout != torch.strided or not buffer.is_contiguous():
+        problems.append("a non-contiguous layout")
+    if buffer.is_conj() or buffer.is_neg():
+        problems.append("a pending conjugate or negative bit")
+    if problems:
+        raise T2NErrorMisuse(
+            f"out[{spec.name!r}] must be {expected} to receive entry {spec.name!r} of "
+            f"'{layout.path}', but it has {', '.join(problems)}; allocate it with "
+            "storage.allocate(layout)"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Write sources
+# ---------------------------------------------------------------------------------------------
+def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """Check the tensors to write and bring them to the CPU (other devices are copied).
+
+    Non-contiguous CPU tensors are kept as they are; :func:`tensor_pieces` streams them.
+
+    Raises:
+        T2NErrorMisuse: not a mapping of str to plain strided tensors of a storable dtype.
+    """
+    if not isinstance(tensors, Mapping):
+        raise T2NErrorMisuse(
+            f"tensors must be a mapping of names to tensors, got {type(tensors).__name__}"
+        )
+    prepared: list[tuple[str, torch.Tensor]] = []
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise T2NErrorMisuse(f"tensor names must be str, got {name!r}")
+        if isinstance(tensor, OpaqueTensor):
+            raise T2NErrorMisuse(
+                f"tensor {name!r} is a {type(tensor).__name__}: write its offload state with "
+                "storage.encode_opaque(value), or expand it with opaque_to_final_tensor() first"
+            )
+        if not isinstance(tensor, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
+            )
+        if tensor.layout != torch.strided:
+            raise T2NErrorMisuse(
+                f"tensor {name!r} has layout {tensor.layout}; convert it with .to_dense() first"
+            )
+        if tensor.device.type == "meta":
+            raise T2NErrorMisuse(f"tensor {name!r} is on the meta device and holds no data")
+        dtype_code(tensor.dtype)
+        value = tensor.detach()
+        if value.device.type != "cpu":
+            value = value.to("cpu")
+        if value.is_conj():
+            value = value.resolve_conj()
+        if value.is_neg():
+            value = value.resolve_neg()
+        prepared.append((name, value))
+    return prepared
+
+
+def tensor_pieces(tensor: torch.Tensor, staging_bytes: int = STAGING_BYTES) -> Iterator[memoryview]:
+    """The bytes of a CPU tensor in logical (row-major) order, as successive byte views.
+
+    A contiguous tensor is one view of its own memory. A non-contiguous one is copied slab by
+    slab through a staging buffer of at most ``staging_bytes`` (or one row of it), which is
+    reused: consume each view before asking for the next.
+    """
+    if tensor.numel() == 0:
+        return
+    if tensor.is_contiguous():
+        yield byte_view(tensor)
+        return
+    rows = tensor.shape[0]
+    row_bytes = tensor[0].numel() * tensor.element_size()
+    if row_bytes > staging_bytes and tensor.dim() > 1:
+        for index in range(rows):
+            yield from tensor_pieces(tensor[index], staging_bytes)
+        return
+    rows_per_slab = max(1, staging_bytes // row_bytes)
+    staging = torch.empty((min(rows_per_slab, rows), *tensor.shape[1:]), dtype=tensor.dtype)
+    for first in range(0, rows, rows_per_slab):
+        count = min(rows_per_slab, rows - first)
+        slab = staging[:count]
+        slab.copy_(tensor[first : first + count])
+        yield byte_view(slab)

@@ -1,0 +1,395 @@
+"""Synchronous payload I/O: layout parsing, reads into tensor buffers, atomic writes.
+
+Reads use ``os.preadv`` at absolute offsets straight into the destination tensors, one system
+call for each run of adjacent entries, looping on short reads. Writes go to a temporary file
+created next to the destination (``O_CREAT | O_EXCL | O_NOFOLLOW``), which is flushed to disk
+and renamed over the destination: a crash leaves either the old or the new payload.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import secrets
+import stat as stat_module
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor.storage._buffers import plan_read, prepare_tensors, tensor_pieces
+from torch_to_nnef.tensor.storage._format import (
+    PREFIX_BYTES,
+    HeaderPlan,
+    PayloadLayout,
+    check_metadata,
+    file_identity,
+    header_length,
+    parse_header,
+    plan_header,
+)
+
+__all__ = ["read_layout", "read_payload", "write_payload"]
+
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # so that opening a FIFO never blocks
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK
+_IOV_MAX = 1024  # buffers per vectored read: the POSIX minimum of IOV_MAX
+_TEMP_ATTEMPTS = 8
+
+
+# ---------------------------------------------------------------------------------------------
+# Opening and checking
+# ---------------------------------------------------------------------------------------------
+def os_error_message(exc: OSError) -> str:
+    """The readable part of an ``OSError``."""
+    return exc.strerror or str(exc)
+
+
+def open_for_reading(path: Path) -> tuple[int, os.stat_result]:
+    """Open ``path`` read-only and check that it is a regular file.
+
+    Returns:
+        the file descriptor (the caller closes it) and the file's ``stat``.
+
+    Raises:
+        T2NErrorStorage: the file cannot be opened or is not a regular file.
+    """
+    try:
+        fd = os.open(path, READ_FLAGS)
+    except OSError as exc:
+        raise T2NErrorStorage(
+            f"cannot open payload file '{path}': {os_error_message(exc)}"
+        ) from exc
+    try:
+        stat = check_regular_file(path, fd)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, stat
+
+
+def check_regular_file(path: Path, fd: int) -> os.stat_result:
+    """``fstat`` the open ``fd``; raise :class:`T2NErrorStorage` unless it is a regular file."""
+    try:
+        stat = os.fstat(fd)
+    except OSError as exc:
+        raise T2NErrorStorage(
+            f"cannot inspect payload file '{path}': {os_error_message(exc)}"
+        ) from exc
+    if not stat_module.S_ISREG(stat.st_mode):
+        kind = "a directory" if stat_module.S_ISDIR(stat.st_mode) else "not a regular file"
+        raise T2NErrorStorage(f"payload path '{path}' is {kind}; a payload must be a regular file")
+    return stat
+
+
+def check_unchanged(layout: PayloadLayout, stat: os.stat_result) -> None:
+    """Raise :class:`T2NErrorStorage` if the file is not the one ``layout`` was made from."""
+    changed = (
+        file_identity(stat) != layout.identity
+        if layout.identity is not None
+        else stat.st_size != layout.file_size
+    )
+    if changed:
+        raise T2NErrorStorage(
+            f"payload file '{layout.path}' was replaced or modified since its layout was read "
+            f"({stat.st_size} bytes now, {layout.file_size} then); call read_layout() again"
+        )
+
+
+def short_read(path: Path, offset: int, what: str) -> T2NErrorStorage:
+    """The error for a file that ends before ``offset`` while reading ``what``."""
+    return T2NErrorStorage(
+        f"payload file '{path}' ended at byte {offset} while reading {what} (truncated file)"
+    )
+
+
+def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
+    if hasattr(os, "preadv"):
+        return os.preadv(fd, views, offset)
+    os.lseek(fd, offset, os.SEEK_SET)
+    return os.readv(fd, views)
+
+
+def pread_exact(fd: int, path: Path, views: list[memoryview], offset: int, what: str) -> None:
+    """Fill ``views`` with the bytes of ``fd`` that start at ``offset``, in order.
+
+    Loops on short reads; a read that returns nothing before the views are full means the
+    file is shorter than expected.
+
+    Raises:
+        T2NErrorStorage: the file is too short, or the read failed.
+    """
+    pending = [view for view in views if len(view)]
+    while pending:
+        batch = pending[:_IOV_MAX]
+        try:
+            count = _preadv(fd, batch, offset)
+        except OSError as exc:
+            raise T2NErrorStorage(
+                f"cannot read payload file '{path}' at byte {offset}: {os_error_message(exc)}"
+            ) from exc
+        if count == 0:
+            raise short_read(path, offset, what)
+        offset += count
+        while count:
+            head = pending[0]
+            if count >= len(head):
+                count -= len(head)
+                pending.pop(0)
+            else:
+                pending[0] = head[count:]
+                count = 0
+
+
+def contiguous_runs(jobs: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
+    """Group ``(offset, view)`` jobs sorted by offset into runs of adjacent file ranges."""
+    runs: list[tuple[int, list[memoryview]]] = []
+    end = -1
+    for offset, view in jobs:
+        if runs and offset == end:
+            runs[-1][1].append(view)
+        else:
+            runs.append((offset, [view]))
+        end = offset + len(view)
+    return runs
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading
+# ---------------------------------------------------------------------------------------------
+def read_layout(path: str | os.PathLike[str]) -> PayloadLayout:
+    """Read and validate the header of the payload file ``path``.
+
+    Nothing is allocated for the data: the header is checked against the file size first
+    (length field at most :data:`MAX_HEADER_BYTES` and within the file, UTF-8 JSON object,
+    known dtypes, non-negative shapes, offsets contiguous from 0 up to the end of the file,
+    each span equal to ``numel * itemsize``, ``__metadata__`` mapping str to str).
+
+    Args:
+        path: the payload file (ours, or any ``.safetensors`` file).
+
+    Returns:
+        the layout of the file.
+
+    Raises:
+        T2NErrorStorage: the file is missing, not a regular file, unreadable or invalid; the
+            message names the path and the rule broken.
+    """
+    path = Path(path)
+    fd, stat = open_for_reading(path)
+    try:
+        prefix = bytearray(PREFIX_BYTES)
+        if stat.st_size >= PREFIX_BYTES:
+            pread_exact(fd, path, [memoryview(prefix)], 0, "the header length")
+        length = header_length(path, bytes(prefix), stat.st_size)
+        raw = bytearray(length)
+        pread_exact(fd, path, [memoryview(raw)], PREFIX_BYTES, "the header")
+    finally:
+        os.close(fd)
+    entries, metadata = parse_header(path, bytes(raw), stat.st_size)
+    return PayloadLayout(path, entries, metadata, stat.st_size, identity=file_identity(stat))
+
+
+def read_payload(
+    layout: PayloadLayout,
+    *,
+    out: Mapping[str, torch.Tensor] | None = None,
+    names: Iterable[str] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read entries of a payload file straight into CPU tensors.
+
+    Args:
+        layout: the file's layout, from :func:`read_layout` or :func:`write_payload`.
+        out: buffers to read into instead of allocating, by entry name (buffer reuse); each
+            must be a contiguous CPU tensor of the entry's dtype and shape. Entries without a
+            buffer here get a fresh one.
+        names: the entries to read (all when ``None``).
+
+    Returns:
+        the tensors by entry name in the order of ``names`` (file order by default); the
+        tensors of ``out`` are returned themselves, filled.
+
+    Raises:
+        T2NErrorStorage: the file is missing, changed since ``layout`` was read, truncated or
+            unreadable, or lacks a requested entry.
+        T2NErrorMisuse: a buffer of ``out`` does not match its entry or is not requested.
+    """
+    fd, stat = open_for_reading(layout.path)
+    try:
+        check_unchanged(layout, stat)
+        plan = plan_read(layout, out, names)
+        if hasattr(os, "posix_fadvise") and plan.jobs:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        for offset, views in contiguous_runs(plan.jobs):
+            pread_exact(fd, layout.path, views, offset, "tensor data")
+    finally:
+        os.close(fd)
+    return plan.result
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+def write_error(path: Path, exc: OSError) -> T2NErrorStorage:
+    """The error for a failed write of the payload ``path``."""
+    return T2NErrorStorage(
+        f"cannot write payload file '{path}': {os_error_message(exc)}; the previous content "
+        "of the file, if any, is unchanged"
+    )
+
+
+class AtomicFile:
+    """A temporary file next to ``destination`` that replaces it atomically on :meth:`commit`.
+
+    Use: :meth:`create`, :meth:`write` the content, :meth:`commit`; :meth:`discard` in every
+    case (a no-op after a commit). The temporary file is created with
+    ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random hidden name, so a symbolic link planted
+    at that name is never followed. The methods raise
+    ``OSError``; callers turn it into :class:`T2NErrorStorage` and call :meth:`discard`.
+    """
+
+    def __init__(self, destination: Path) -> None:
+        self.destination = destination
+        self.temp: Path | None = None
+        self.fd: int | None = None
+
+    def create(self) -> None:
+        """Create the temporary file under a fresh random name."""
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
+        for attempt in range(_TEMP_ATTEMPTS):
+            candidate = self.destination.with_name(
+                f".{self.destination.name[:100]}.{secrets.token_hex(8)}.tmp"
+            )
+            try:
+                self.fd = os.open(candidate, flags, 0o644)
+            except FileExistsError:
+                if attempt == _TEMP_ATTEMPTS - 1:
+                    raise
+                continue
+            self.temp = candidate
+            return
+
+    def write(self, view: memoryview) -> None:
+        """Write all of ``view``, looping on partial writes."""
+        assert self.fd is not None
+        while len(view):
+            view = view[os.write(self.fd, view) :]
+
+    def commit(self, *, fsync: bool) -> os.stat_result:
+        """Flush, close and rename the temporary file over the destination.
+
+        With ``fsync`` the data and then the directory entry are forced to disk.
+
+        Returns:
+            the ``stat`` of the committed file.
+        """
+        assert self.fd is not None and self.temp is not None
+        if fsync:
+            os.fsync(self.fd)
+        stat = os.fstat(self.fd)
+        fd, self.fd = self.fd, None
+        os.close(fd)
+        os.replace(self.temp, self.destination)
+        self.temp = None
+        if fsync:
+            _fsync_directory(self.destination.parent)
+        return stat
+
+    def discard(self) -> None:
+        """Close and remove the temporary file, if still there; never raises ``OSError``."""
+        if self.fd is not None:
+            fd, self.fd = self.fd, None
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if self.temp is not None:
+            temp, self.temp = self.temp, None
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+
+
+def _fsync_directory(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems without dir fsync
+            raise
+    finally:
+        os.close(fd)
+
+
+def prepare_write(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None
+) -> tuple[HeaderPlan, dict[str, torch.Tensor]]:
+    """Check what is to be written and lay it out: the header and the CPU tensors by name."""
+    prepared = dict(prepare_tensors(tensors))
+    plan = plan_header(
+        [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in prepared.items()],
+        check_metadata(metadata),
+    )
+    return plan, prepared
+
+
+def committed_layout(path: Path, plan: HeaderPlan, stat: os.stat_result) -> PayloadLayout:
+    """The layout of a file just committed from ``plan``."""
+    if stat.st_size != plan.file_size:
+        raise T2NErrorStorage(
+            f"payload file '{path}' has {stat.st_size} bytes after writing, "
+            f"expected {plan.file_size}"
+        )
+    return PayloadLayout(
+        path, plan.entries, plan.metadata, stat.st_size, identity=file_identity(stat)
+    )
+
+
+def write_payload(
+    path: str | os.PathLike[str],
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str] | None = None,
+    *,
+    fsync: bool = True,
+) -> PayloadLayout:
+    """Write ``tensors`` and ``metadata`` to the payload file ``path``, atomically.
+
+    The file is written next to ``path`` under a temporary name, forced to disk, and renamed
+    over ``path``: readers and crashes see the old file or the new one, never a mix. A symbolic
+    link at ``path`` is replaced, not followed. Tensor data goes to the file from the tensors'
+    own memory; non-contiguous tensors are streamed through a bounded staging buffer, tensors
+    on other devices are copied to the CPU first.
+
+    Args:
+        path: the destination file; its directory must exist.
+        tensors: the entries to write, by name (any order; the file orders them by decreasing
+            element size).
+        metadata: strings stored as the header's ``__metadata__``.
+        fsync: force data and directory entry to disk before returning (turn off only for
+            scratch files that need not survive a power loss).
+
+    Returns:
+        the layout of the written file.
+
+    Raises:
+        T2NErrorMisuse: a tensor, name or metadata item cannot be stored.
+        T2NErrorStorage: the file cannot be written (the ``OSError`` is chained); the
+            temporary file is removed and ``path`` is unchanged.
+    """
+    path = Path(path)
+    plan, by_name = prepare_write(tensors, metadata)
+    atomic = AtomicFile(path)
+    try:
+        atomic.create()
+        atomic.write(memoryview(plan.header))
+        for name in plan.entries:
+            for piece in tensor_pieces(by_name[name]):
+                atomic.write(piece)
+        stat = atomic.commit(fsync=fsync)
+    except OSError as exc:
+        raise write_error(path, exc) from exc
+    finally:
+        atomic.discard()
+    return committed_layout(path, plan, stat)

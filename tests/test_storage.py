@@ -1,0 +1,609 @@
+"""Payload files: round trips, safetensors interop, atomic writes, names, buffers, opaque values."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import safetensors.torch
+import torch
+from safetensors import safe_open
+
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.opaque import OpaqueTensor, SupportsOffloadState
+from torch_to_nnef.tensor.storage._buffers import byte_view, tensor_pieces
+from torch_to_nnef.tensor.storage._device import _copy_stream, _should_pin
+from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
+
+ALL_DTYPES = sorted(set(DTYPE_BY_CODE.values()), key=str)
+SHAPES = {
+    "scalar": (),
+    "empty": (0, 3),
+    "vector": (7,),
+    "matrix": (5, 6),
+    "rank4": (2, 3, 1, 4),
+}
+
+
+def make_tensor(dtype: torch.dtype, shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
+    """Deterministic values of any storable dtype."""
+    generator = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=generator).bool()
+    if dtype.is_complex:
+        return torch.randn(shape, dtype=dtype, generator=generator)
+    if dtype.is_floating_point:
+        return (torch.randn(shape, generator=generator) * 4).to(dtype)
+    return torch.randint(-100, 100, shape, generator=generator).to(dtype)
+
+
+def raw_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's values as bytes in row-major order (works for every dtype)."""
+    return tensor.contiguous().reshape(-1).view(torch.uint8)
+
+
+def assert_same(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    assert actual.dtype == expected.dtype
+    assert tuple(actual.shape) == tuple(expected.shape)
+    assert torch.equal(raw_bytes(actual), raw_bytes(expected))
+
+
+def data_start(layout: storage.PayloadLayout) -> int:
+    with open(layout.path, "rb") as file:
+        return 8 + int.from_bytes(file.read(8), "little")
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips and interop
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_round_trip_of_every_dtype_and_shape(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensors = {
+        name: make_tensor(dtype, shape, seed=i) for i, (name, shape) in enumerate(SHAPES.items())
+    }
+    tensors["transposed"] = make_tensor(dtype, (4, 6), seed=9).t()
+    assert not tensors["transposed"].is_contiguous()
+    path = tmp_path / "payload.safetensors"
+
+    written = storage.write_payload(path, tensors)
+    layout = storage.read_layout(path)
+    loaded = storage.read_payload(layout)
+
+    assert layout == written
+    assert list(loaded) == list(layout.entries)
+    for name, tensor in tensors.items():
+        assert_same(loaded[name], tensor)
+        assert loaded[name].is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ALL_DTYPES, ids=str)
+def test_safetensors_reads_our_files_and_we_read_theirs(tmp_path: Path, dtype: torch.dtype) -> None:
+    tensors = {name: make_tensor(dtype, shape, seed=3) for name, shape in SHAPES.items()}
+    ours = tmp_path / "ours.safetensors"
+    storage.write_payload(ours, tensors, {"origin": "t2n", "note": "ünïcode"})
+
+    with safe_open(str(ours), "pt") as file:
+        assert file.metadata() == {"origin": "t2n", "note": "ünïcode"}
+        assert set(file.keys()) == set(tensors)
+        for name, tensor in tensors.items():
+            assert_same(file.get_tensor(name), tensor)
+
+    theirs = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(tensors, str(theirs), metadata={"format": "pt"})
+    layout = storage.read_layout(theirs)
+    assert layout.metadata == {"format": "pt"}
+    loaded = storage.read_payload(layout)
+    for name, tensor in tensors.items():
+        assert_same(loaded[name], tensor)
+
+
+def test_safetensors_file_with_unaligned_data_loads(tmp_path: Path) -> None:
+    tensors = {"odd": torch.arange(3, dtype=torch.uint8), "x": torch.randn(5, dtype=torch.float64)}
+    path = tmp_path / "theirs.safetensors"
+    safetensors.torch.save_file(tensors, str(path))
+    layout = storage.read_layout(path)
+
+    assert data_start(layout) % 8 == 0 and data_start(layout) % storage.DATA_ALIGNMENT != 0
+    loaded = storage.read_payload(layout)
+    assert_same(loaded["odd"], tensors["odd"])
+    assert_same(loaded["x"], tensors["x"])
+
+
+def test_data_section_is_page_aligned_and_entries_aligned_to_itemsize(tmp_path: Path) -> None:
+    tensors = {
+        "byte": torch.arange(3, dtype=torch.uint8),
+        "half": torch.randn(5).half(),
+        "double": torch.randn(3, dtype=torch.float64),
+        "float": torch.randn(7),
+    }
+    layout = storage.write_payload(tmp_path / "p.safetensors", tensors, {"k": "v" * 5000})
+
+    start = data_start(layout)
+    assert start % storage.DATA_ALIGNMENT == 0
+    assert start == 8192  # the long metadata pushes the data to the second page
+    assert min(entry.start for entry in layout.entries.values()) == start
+    assert list(layout.entries) == ["double", "float", "half", "byte"]
+    for entry in layout.entries.values():
+        assert entry.start % entry.dtype.itemsize == 0
+    assert layout.file_size == os.path.getsize(layout.path) == start + layout.nbytes
+    with open(layout.path, "rb") as file:
+        header = file.read(start)[8:]
+    assert header.rstrip(b" ").endswith(b"}")
+    assert json.loads(header)["__metadata__"] == {"k": "v" * 5000}
+
+
+def test_large_non_contiguous_tensor_is_written_through_staging(tmp_path: Path) -> None:
+    big = torch.randn(1536, 4096).t()  # 24 MiB, more than one staging slab
+    layout = storage.write_payload(tmp_path / "big.safetensors", {"w": big})
+    assert_same(storage.read_payload(layout)["w"], big)
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [
+        torch.randn(40, 30).t(),
+        torch.randn(9, 50, 3).permute(2, 0, 1),
+        torch.randn(300)[::3],
+        torch.randn(4, 3, 64)[:, :, ::2],
+    ],
+    ids=["transposed", "permuted", "strided-vector", "strided-rows"],
+)
+@pytest.mark.parametrize("staging_bytes", [1, 64, 1000, 1 << 20])
+def test_tensor_pieces_stream_non_contiguous_tensors_in_order(
+    tensor: torch.Tensor, staging_bytes: int
+) -> None:
+    pieces = [bytes(piece) for piece in tensor_pieces(tensor, staging_bytes)]
+    assert b"".join(pieces) == bytes(byte_view(tensor.contiguous()))
+    assert max(len(piece) for piece in pieces) <= max(
+        staging_bytes, tensor[0].numel() * tensor.element_size(), tensor.element_size()
+    )
+
+
+def test_conjugate_and_negative_views_are_written_resolved(tmp_path: Path) -> None:
+    value = torch.randn(4, dtype=torch.complex64)
+    tensors = {"conj": value.conj(), "neg": torch._neg_view(torch.randn(3))}
+    assert tensors["conj"].is_conj() and tensors["neg"].is_neg()
+    loaded = storage.read_payload(storage.write_payload(tmp_path / "c.safetensors", tensors))
+    assert torch.equal(loaded["conj"], tensors["conj"].resolve_conj())
+    assert torch.equal(loaded["neg"], tensors["neg"].resolve_neg())
+
+
+def test_tensors_that_require_grad_and_parameters_are_written(tmp_path: Path) -> None:
+    weight = torch.nn.Parameter(torch.randn(3, 2))
+    loaded = storage.read_payload(storage.write_payload(tmp_path / "p.safetensors", {"w": weight}))
+    assert type(loaded["w"]) is torch.Tensor
+    assert torch.equal(loaded["w"], weight.detach())
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading: names, buffers, stale layouts
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def three(tmp_path: Path) -> tuple[storage.PayloadLayout, dict[str, torch.Tensor]]:
+    tensors = {"a": torch.randn(3, 4), "b": torch.arange(6, dtype=torch.int16), "c": torch.randn(2)}
+    return storage.write_payload(tmp_path / "three.safetensors", tensors), tensors
+
+
+def test_read_selected_names_in_requested_order(three: Any) -> None:
+    layout, tensors = three
+    loaded = storage.read_payload(layout, names=["c", "a"])
+    assert list(loaded) == ["c", "a"]
+    assert torch.equal(loaded["c"], tensors["c"]) and torch.equal(loaded["a"], tensors["a"])
+
+
+def test_unknown_name_raises_storage_error_listing_entries(three: Any) -> None:
+    layout, _ = three
+    with pytest.raises(T2NErrorStorage, match=r"has no entry 'zz'; it holds \['a', 'b', 'c'\]"):
+        storage.read_payload(layout, names=["a", "zz"])
+    with pytest.raises(T2NErrorStorage, match=str(layout.path)):
+        storage.allocate(layout, ["zz"])
+
+
+def test_out_buffers_are_filled_in_place(three: Any) -> None:
+    layout, tensors = three
+    buffers = storage.allocate(layout)
+    pointers = {name: buffer.data_ptr() for name, buffer in buffers.items()}
+
+    for _ in range(2):  # the same buffers serve repeated reads
+        loaded = storage.read_payload(layout, out=buffers)
+        for name, tensor in tensors.items():
+            assert loaded[name] is buffers[name]
+            assert loaded[name].data_ptr() == pointers[name]
+            assert torch.equal(loaded[name], tensor)
+
+
+def test_partial_out_allocates_the_rest(three: Any) -> None:
+    layout, tensors = three
+    only_a = storage.allocate(layout, ["a"])
+    loaded = storage.read_payload(layout, out=only_a)
+    assert loaded["a"] is only_a["a"]
+    assert torch.equal(loaded["b"], tensors["b"])
+
+
+@pytest.mark.parametrize(
+    ("buffer", "problem"),
+    [
+        (torch.empty(3, 4, dtype=torch.float64), "dtype torch.float64"),
+        (torch.empty(4, 3), r"shape \(4, 3\)"),
+        (torch.empty(4, 3).t(), "non-contiguous"),
+        (torch.empty(3, 4, device="meta"), "device meta"),
+        ("not a tensor", "got str"),
+    ],
+    ids=["dtype", "shape", "non-contiguous", "device", "type"],
+)
+def test_mismatched_out_buffer_is_misuse_naming_both_sides(
+    three: Any, buffer: Any, problem: str
+) -> None:
+    layout, _ = three
+    with pytest.raises(T2NErrorMisuse) as info:
+        storage.read_payload(layout, out={"a": buffer})
+    message = str(info.value)
+    assert "torch.float32 tensor of shape (3, 4)" in message
+    assert str(layout.path) in message
+    assert re.search(problem, message)
+
+
+def test_out_buffer_for_an_entry_not_read_is_misuse(three: Any) -> None:
+    layout, _ = three
+    with pytest.raises(T2NErrorMisuse, match=r"out holds buffers for \['b'\]"):
+        storage.read_payload(layout, names=["a"], out={"b": torch.empty(6, dtype=torch.int16)})
+
+
+def test_names_must_not_be_a_string(three: Any) -> None:
+    layout, _ = three
+    with pytest.raises(T2NErrorMisuse, match="not the str 'abc'"):
+        storage.read_payload(layout, names="abc")
+
+
+def test_stale_layout_is_refused_after_the_file_is_replaced(three: Any) -> None:
+    layout, _ = three
+    storage.write_payload(layout.path, {"a": torch.zeros(3, 4)})
+    with pytest.raises(T2NErrorStorage, match="replaced or modified since its layout was read"):
+        storage.read_payload(layout)
+
+
+def test_allocate_honours_pin_memory_only_with_cuda(three: Any) -> None:
+    layout, _ = three
+    buffers = storage.allocate(layout, pin_memory=True)
+    assert {name: (b.dtype, tuple(b.shape)) for name, b in buffers.items()} == {
+        name: (e.dtype, e.shape) for name, e in layout.entries.items()
+    }
+    for buffer in buffers.values():
+        assert buffer.is_pinned() == torch.cuda.is_available()
+        assert buffer.device.type == "cpu"
+    assert not any(b.is_pinned() for b in storage.allocate(layout, pin_memory=False).values())
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------
+def test_pinning_and_stream_choice_on_this_machine() -> None:
+    assert _should_pin("cpu") is False
+    assert _should_pin(torch.device("meta")) is False
+    assert _should_pin("cuda:0") is torch.cuda.is_available()
+    assert _copy_stream("cpu") is None
+    assert _copy_stream(torch.device("meta")) is None
+
+
+def test_to_device_cpu_returns_the_host_tensor() -> None:
+    host = torch.randn(3)
+    assert storage.to_device(host, "cpu") is host
+    assert storage.to_device(host, torch.device("cpu")) is host
+
+
+def test_to_device_other_devices_copy() -> None:
+    moved = storage.to_device(torch.randn(2, 3), "meta")
+    assert moved.device.type == "meta" and tuple(moved.shape) == (2, 3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_to_device_cuda_copies_on_one_cached_stream_per_device() -> None:  # pragma: no cover
+    stream = _copy_stream("cuda:0")
+    assert stream is not None and _copy_stream(torch.device("cuda", 0)) is stream
+    for host in (torch.randn(1000), torch.randn(1000).pin_memory()):
+        moved = storage.to_device(host, "cuda:0")
+        assert moved.device == torch.device("cuda", 0)
+        assert torch.equal(moved.cpu(), host)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing: atomicity, symlinks, errors
+# ---------------------------------------------------------------------------------------------
+def test_symlink_at_destination_is_replaced_not_followed(tmp_path: Path) -> None:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    victim = outside / "victim.txt"
+    victim.write_bytes(b"precious")
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    destination = offload_dir / "w.safetensors"
+    destination.symlink_to(victim)
+
+    layout = storage.write_payload(destination, {"w": torch.ones(4)})
+
+    assert victim.read_bytes() == b"precious"
+    assert not destination.is_symlink() and destination.is_file()
+    assert torch.equal(storage.read_payload(layout)["w"], torch.ones(4))
+    assert sorted(p.name for p in offload_dir.iterdir()) == ["w.safetensors"]
+
+
+def test_rewrite_replaces_content_and_leaves_no_temporary_files(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    storage.write_payload(path, {"w": torch.zeros(10)})
+    layout = storage.write_payload(path, {"w": torch.ones(3), "extra": torch.arange(2)})
+    assert torch.equal(storage.read_payload(storage.read_layout(path))["w"], torch.ones(3))
+    assert layout == storage.read_layout(path)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+
+
+def test_write_into_missing_directory_raises_storage_error(tmp_path: Path) -> None:
+    path = tmp_path / "missing" / "p.safetensors"
+    with pytest.raises(T2NErrorStorage, match=f"cannot write payload file '{path}'") as info:
+        storage.write_payload(path, {"w": torch.zeros(2)})
+    assert isinstance(info.value.__cause__, FileNotFoundError)
+
+
+def test_write_onto_a_directory_fails_and_removes_the_temporary_file(tmp_path: Path) -> None:
+    target = tmp_path / "p.safetensors"
+    target.mkdir()
+    with pytest.raises(T2NErrorStorage, match=str(target)) as info:
+        storage.write_payload(target, {"w": torch.zeros(2)})
+    assert isinstance(info.value.__cause__, OSError)
+    assert [p.name for p in tmp_path.iterdir()] == ["p.safetensors"]
+    assert target.is_dir()
+
+
+@pytest.mark.parametrize(
+    ("tensors", "metadata", "message"),
+    [
+        ({"__metadata__": torch.zeros(1)}, None, "reserved"),
+        ({"c": torch.zeros(2, dtype=torch.complex128)}, None, "complex128"),
+        ({"m": torch.zeros(2, device="meta")}, None, "meta device"),
+        ({"s": torch.eye(2).to_sparse()}, None, "sparse"),
+        ({"x": [1.0, 2.0]}, None, "must be a torch.Tensor, got list"),
+        ({3: torch.zeros(1)}, None, "names must be str"),
+        ({"bad\udc80": torch.zeros(1)}, None, "valid Unicode"),
+        ({"w": torch.zeros(1)}, {"k": 1}, "str to str"),
+        ([torch.zeros(1)], None, "mapping of names"),
+    ],
+    ids=[
+        "reserved",
+        "complex128",
+        "meta",
+        "sparse",
+        "list",
+        "int-name",
+        "surrogate",
+        "meta-int",
+        "seq",
+    ],
+)
+def test_unstorable_input_is_misuse(
+    tmp_path: Path, tensors: Any, metadata: Any, message: str
+) -> None:
+    with pytest.raises(T2NErrorMisuse, match=message):
+        storage.write_payload(tmp_path / "p.safetensors", tensors, metadata)
+    assert list(tmp_path.iterdir()) == []
+
+
+_CRASH_WRITER = textwrap.dedent(
+    """
+    import sys, torch
+    from torch_to_nnef.tensor import storage
+    path = sys.argv[1]
+    values = [torch.full((4 << 20,), 1.0), torch.full((4 << 20,), 2.0)]
+    storage.write_payload(path, {"w": values[0]})
+    print("ready", flush=True)
+    i = 1
+    while True:
+        storage.write_payload(path, {"w": values[i % 2], "n": torch.tensor(i)})
+        i += 1
+    """
+)
+
+
+@pytest.mark.timeout(90)
+def test_killed_writer_leaves_the_old_or_the_new_payload(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    generator = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        process = subprocess.Popen(
+            [sys.executable, "-c", _CRASH_WRITER, str(path)], stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert process.stdout is not None and process.stdout.readline() == "ready\n"
+            time.sleep(float(torch.rand((), generator=generator)) * 0.4)
+        finally:
+            process.send_signal(signal.SIGKILL)
+            process.wait(timeout=30)
+            assert process.stdout is not None
+            process.stdout.close()
+        loaded = storage.read_payload(storage.read_layout(path))
+        assert loaded["w"].shape == (4 << 20,)
+        assert torch.unique(loaded["w"]).tolist() in ([1.0], [2.0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Names
+# ---------------------------------------------------------------------------------------------
+HOSTILE_NAMES = [
+    "model.layers.0.weight",
+    "../../../etc/passwd",
+    "/absolute/path",
+    "..",
+    ".",
+    ".hidden",
+    "",
+    "a/../../b",
+    "back\\slash\\..\\x",
+    "nul\x00byte",
+    "dots...in..middle",
+    "ünïcödé名前",
+    "x" * 5000,
+    "/" * 300,
+]
+
+
+@pytest.mark.parametrize("name", HOSTILE_NAMES, ids=range(len(HOSTILE_NAMES)))
+def test_payload_paths_stay_inside_the_offload_directory(tmp_path: Path, name: str) -> None:
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    path = storage.payload_path(offload_dir, name, "id42")
+
+    assert path.parent == offload_dir.resolve()
+    assert path.name.endswith(".id42.safetensors")
+    assert not path.name.startswith(".")
+    assert ".." not in path.name
+    assert len(path.name) <= 120 + len(".id42.safetensors")
+    assert set(path.name) <= set(
+        "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-"
+    )
+
+    storage.write_payload(path, {"w": torch.zeros(1)})
+    assert [p.name for p in offload_dir.iterdir()] == [path.name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["offload"]
+
+
+def test_payload_path_keeps_plain_names_readable_and_long_names_distinct(tmp_path: Path) -> None:
+    plain = storage.payload_path(tmp_path, "model.layers.0.weight", "abc")
+    assert plain.name == "model.layers.0.weight.abc.safetensors"
+    first = storage.payload_path(tmp_path, "y" * 500 + "1", "abc")
+    second = storage.payload_path(tmp_path, "y" * 500 + "2", "abc")
+    assert first != second
+    assert storage.payload_path(tmp_path, "rel", "abc").is_absolute()
+
+
+@pytest.mark.parametrize("storage_id", ["", "../x", "a/b", "a.b", "x" * 65, "nul\x00", 7])
+def test_invalid_storage_id_is_misuse(tmp_path: Path, storage_id: Any) -> None:
+    with pytest.raises(T2NErrorMisuse, match="storage_id must be"):
+        storage.payload_path(tmp_path, "w", storage_id)
+
+
+def test_non_string_name_is_misuse(tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorMisuse, match="must be a str, got int"):
+        storage.payload_path(tmp_path, 5, "abc")  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------
+# Opaque payloads
+# ---------------------------------------------------------------------------------------------
+class ScaledInt8(OpaqueTensor, SupportsOffloadState):
+    """A tiny opaque tensor: int8 values times a float scale."""
+
+    offload_tag = "tests.test_storage.ScaledInt8"
+    values: torch.Tensor
+    scale: float
+
+    @staticmethod
+    def __new__(cls, values: torch.Tensor, scale: float) -> ScaledInt8:
+        shell: ScaledInt8 = OpaqueTensor._make_shell(cls, values.shape, torch.float32, "cpu")
+        shell.values = values
+        shell.scale = scale
+        return shell
+
+    def __init__(self, values: torch.Tensor, scale: float) -> None:
+        super().__init__()
+
+    def _to_base_tensor(self) -> torch.Tensor:
+        return self.values.float() * self.scale
+
+    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"values": self.values}, {"scale": self.scale, "kind": ["int8", 1]}
+
+    @classmethod
+    def from_offload_state(
+        cls, tensors: dict[str, torch.Tensor], attributes: dict[str, Any]
+    ) -> ScaledInt8:
+        assert attributes["kind"] == ["int8", 1]
+        return cls(tensors["values"], attributes["scale"])
+
+
+class NotJsonAble(ScaledInt8):
+    offload_tag = "tests.test_storage.NotJsonAble"
+
+    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        return {"values": self.values}, {"scale": object()}
+
+
+def test_opaque_value_round_trips_through_a_payload_file(tmp_path: Path) -> None:
+    value = ScaledInt8(torch.randint(-128, 127, (4, 5), dtype=torch.int8), 0.25)
+    tensors, metadata = storage.encode_opaque(value)
+    assert metadata == {
+        "t2n.class": "tests.test_storage.ScaledInt8",
+        "t2n.attributes": '{"kind": ["int8", 1], "scale": 0.25}',
+    }
+    assert storage.is_opaque_payload(metadata)
+
+    layout = storage.write_payload(tmp_path / "q.safetensors", tensors, metadata)
+    layout = storage.read_layout(layout.path)
+    rebuilt = storage.decode_opaque(storage.read_payload(layout), layout.metadata)
+
+    assert type(rebuilt) is ScaledInt8
+    assert torch.equal(rebuilt.values, value.values) and rebuilt.scale == 0.25
+    assert torch.equal(rebuilt.to_base_tensor(), value.to_base_tensor())
+
+
+def test_plain_payloads_are_not_opaque() -> None:
+    assert not storage.is_opaque_payload({})
+    assert not storage.is_opaque_payload({"format": "pt"})
+
+
+def test_encode_rejects_values_without_offload_state_and_non_json_attributes() -> None:
+    with pytest.raises(T2NErrorMisuse, match="does not implement SupportsOffloadState"):
+        storage.encode_opaque(torch.zeros(2))  # type: ignore[arg-type]
+    with pytest.raises(T2NErrorMisuse, match="must be JSON-able"):
+        storage.encode_opaque(NotJsonAble(torch.zeros(2, dtype=torch.int8), 1.0))
+
+
+@pytest.mark.parametrize(
+    ("metadata", "message"),
+    [
+        (
+            {"t2n.class": "tests.test_storage.ScaledInt8", "t2n.attributes": "{not json"},
+            "not valid JSON",
+        ),
+        ({"t2n.class": "tests.test_storage.ScaledInt8", "t2n.attributes": "[1, 2]"}, "JSON object"),
+        ({"t2n.class": "tests.test_storage.ScaledInt8"}, "lacks"),
+        ({"t2n.class": "no.such.Class", "t2n.attributes": "{}"}, "unknown offload class tag"),
+    ],
+    ids=["bad-json", "not-object", "missing", "unknown-tag"],
+)
+def test_decode_rejects_bad_metadata_with_storage_error(
+    metadata: dict[str, str], message: str
+) -> None:
+    with pytest.raises(T2NErrorStorage, match=message):
+        storage.decode_opaque({"values": torch.zeros(2, dtype=torch.int8)}, metadata)
+
+
+def test_public_api_is_exactly_exported() -> None:
+    assert sorted(storage.__all__) == sorted(
+        [
+            "DATA_ALIGNMENT",
+            "MAX_HEADER_BYTES",
+            "EntrySpec",
+            "PayloadLayout",
+            "read_layout",
+            "read_payload",
+            "aread_payload",
+            "allocate",
+            "to_device",
+            "write_payload",
+            "awrite_payload",
+            "encode_opaque",
+            "decode_opaque",
+            "is_opaque_payload",
+            "payload_path",
+        ]
+    )
+    assert storage.DATA_ALIGNMENT == 4096
+    assert storage.MAX_HEADER_BYTES == 100 * 1024 * 1024
