@@ -326,6 +326,9 @@ _INPLACE_OPERATORS = frozenset(
 # Trailing-underscore methods that do not write the tensor's values.
 _NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
 _WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
+# Functions that only read the shells' metadata, on top of those of OpaqueTensor. nn.Module._apply
+# asks the first one for every tensor on `model.to(...)`: it must not load anything.
+_METADATA_ONLY: frozenset[Callable[..., Any]] = frozenset({torch._has_compatible_shallow_copy_type})
 
 
 def _writes_first_argument(func: Callable[..., Any]) -> bool:
@@ -1059,6 +1062,9 @@ class OffloadedTensor(OpaqueTensor):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        if func in _METADATA_ONLY:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
             result = args[0]._apply_in_place(func, args[1:], kwargs)
         else:

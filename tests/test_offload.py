@@ -1,0 +1,701 @@
+"""OffloadedTensor: payload files, loads, writes, ownership, and its place among torch tensors."""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import re
+import threading
+from pathlib import Path
+
+import pytest
+import safetensors
+import safetensors.torch
+import torch
+import torch.nn.functional as F
+from contract import OpaqueContract
+from torch import nn
+
+from torch_to_nnef.exceptions import (
+    T2NErrorCheckpoint,
+    T2NErrorInconsistentTensor,
+    T2NErrorMisuse,
+    T2NErrorNotImplemented,
+    T2NErrorStorage,
+)
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.checkpoint import offload_module
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.opaque import opaque_to_final_tensor
+from torch_to_nnef.tensor.quant import (
+    QTensorTractScaleOnly,
+    fp_to_tract_q4_0_with_min_max_calibration,
+)
+
+
+def seeded(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=generator).to(dtype)
+
+
+def sample(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """Deterministic values of any dtype (bool and integers included)."""
+    generator = torch.Generator().manual_seed(len(shape) * 31 + sum(shape))
+    values = torch.randn(shape, generator=generator) * 50
+    if dtype == torch.bool:
+        return values > 0
+    if dtype == torch.uint8:
+        return values.abs().to(dtype)
+    return values.to(dtype)
+
+
+def files_in(directory: Path) -> set[str]:
+    return {path.name for path in directory.iterdir()}
+
+
+def digest(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture
+def weight() -> torch.Tensor:
+    return seeded(6, 8)
+
+
+@pytest.fixture
+def offloaded(weight: torch.Tensor, tmp_path: Path) -> OffloadedTensor:
+    return OffloadedTensor.from_original_tensor(weight, "layers.0.weight", tmp_path)
+
+
+class TestOffloadedContract(OpaqueContract):
+    atol = 0.0
+    rtol = 0.0
+
+    @pytest.fixture
+    def make_subject(self, tmp_path: Path) -> object:
+        return lambda dense: OffloadedTensor.from_original_tensor(dense, "w", tmp_path)
+
+
+class TestOffloadedQTensorContract(OpaqueContract):
+    """An offloaded Q4_0 tensor behaves as the QTensor it stands for."""
+
+    atol = 1e-6
+    to_dtypes = ((torch.float64, 1e-6), (torch.float16, 1e-2))
+
+    @pytest.fixture
+    def make_subject(self, tmp_path: Path) -> object:
+        def make(dense: torch.Tensor) -> torch.Tensor:
+            quantized = fp_to_tract_q4_0_with_min_max_calibration(dense)
+            return OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+
+        return make
+
+    def reference(self, subject: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
+        return fp_to_tract_q4_0_with_min_max_calibration(dense).decompress()
+
+
+# ---------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------
+DTYPES = [
+    torch.float64,
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+if hasattr(torch, "float8_e4m3fn"):
+    DTYPES.append(torch.float8_e4m3fn)
+SHAPES = [(), (0,), (7,), (3, 5), (2, 3, 4), (2, 0, 3)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_round_trip_of_every_dtype_and_shape(dtype: torch.dtype, tmp_path: Path) -> None:
+    for shape in SHAPES:
+        value = sample(shape, dtype)
+        offloaded = OffloadedTensor.from_original_tensor(value, f"t{len(shape)}", tmp_path)
+        assert (offloaded.shape, offloaded.dtype, offloaded.device) == (
+            value.shape,
+            dtype,
+            torch.device("cpu"),
+        )
+        assert offloaded.numel() == value.numel()
+        assert not offloaded.is_meta
+        reloaded = offloaded.reload()
+        assert type(reloaded) is torch.Tensor
+        assert reloaded.dtype == dtype
+        assert torch.equal(reloaded, value), shape
+
+
+def test_non_contiguous_values_round_trip(tmp_path: Path) -> None:
+    value = seeded(5, 7).t()[1:, ::2]
+    offloaded = OffloadedTensor.from_original_tensor(value, "strided", tmp_path)
+    assert torch.equal(offloaded.reload(), value)
+
+
+def test_payload_is_a_safetensors_file(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
+    with safetensors.safe_open(str(offloaded.offload_path), framework="pt") as handle:
+        (key,) = list(handle.keys())
+        assert torch.equal(handle.get_tensor(key), weight)
+    assert offloaded.offload_path.parent == offloaded.offload_dir
+    assert offloaded.owns_payload
+
+
+def test_reload_on_another_device_keeps_the_target(offloaded: OffloadedTensor) -> None:
+    offloaded.to("cuda:0")  # no data moves: only the target changes
+    assert offloaded.device == torch.device("cuda:0")
+    value = offloaded.reload("cpu")
+    assert value.device == torch.device("cpu")
+    assert offloaded.device == torch.device("cuda:0")
+    assert offloaded.target_device == torch.device("cuda:0")
+    with pytest.raises(T2NErrorMisuse, match="meta device"):
+        offloaded.reload("meta")
+
+
+def test_values_on_another_device_than_the_target(weight: torch.Tensor, tmp_path: Path) -> None:
+    offloaded = OffloadedTensor(weight, "cuda:1", tmp_path, "w", torch.Tensor)
+    assert offloaded.device == torch.device("cuda:1")
+    assert torch.equal(offloaded.reload("cpu"), weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# Writes
+# ---------------------------------------------------------------------------------------------
+def test_update_values_replaces_the_payload(offloaded: OffloadedTensor) -> None:
+    path = offloaded.offload_path
+    new = seeded(6, 8, seed=1)
+    offloaded.update_values(new)
+    assert torch.equal(offloaded.reload(), new)
+    assert offloaded.offload_path == path
+    assert files_in(path.parent) == {path.name}  # no temporary file left behind
+
+
+def test_update_values_strict_shape_names_both_shapes(offloaded: OffloadedTensor) -> None:
+    before = offloaded.reload()
+    with pytest.raises(T2NErrorMisuse, match=re.escape("(6, 9)") + ".*" + re.escape("(6, 8)")):
+        offloaded.update_values(torch.zeros(6, 9))
+    assert torch.equal(offloaded.reload(), before)
+
+
+def test_update_values_strict_dtype_names_both_dtypes(offloaded: OffloadedTensor) -> None:
+    with pytest.raises(T2NErrorMisuse, match=r"torch\.float16.*torch\.float32"):
+        offloaded.update_values(torch.zeros(6, 8, dtype=torch.float16))
+
+
+def test_update_values_can_change_shape_and_dtype(offloaded: OffloadedTensor) -> None:
+    new = torch.arange(12, dtype=torch.int16).reshape(3, 4)
+    offloaded.update_values(new, strict_shape=False, strict_dtype=False)
+    assert offloaded.shape == (3, 4)
+    assert offloaded.dtype == torch.int16
+    assert offloaded.element_size() == 2
+    assert offloaded.storage_key == (("tensor", torch.int16, (3, 4)),)
+    assert torch.equal(offloaded.reload(), new)
+
+
+def test_update_values_from_another_offloaded_tensor(
+    offloaded: OffloadedTensor, tmp_path: Path
+) -> None:
+    source = OffloadedTensor.from_original_tensor(seeded(6, 8, seed=3), "source", tmp_path)
+    offloaded.update_values(source)
+    assert torch.equal(offloaded.reload(), source.reload())
+    offloaded.update_values(offloaded)  # itself: nothing to do
+    assert torch.equal(offloaded.reload(), source.reload())
+
+
+def test_set_routes_to_update_values(offloaded: OffloadedTensor) -> None:
+    new = seeded(2, 24, seed=4)
+    assert offloaded.set_(new) is offloaded
+    assert offloaded.shape == (2, 24)
+    assert torch.equal(offloaded.reload(), new)
+    with pytest.raises(T2NErrorMisuse, match=r"torch\.float64.*torch\.float32"):
+        offloaded.set_(new.double())
+    with pytest.raises(T2NErrorNotImplemented, match="only takes a source tensor"):
+        offloaded.set_(new, 0, (2, 24))
+
+
+def test_data_setter_routes_to_update_values(offloaded: OffloadedTensor) -> None:
+    assert offloaded.data is offloaded
+    new = seeded(6, 8, seed=5).half()
+    offloaded.data = new
+    assert offloaded.dtype == torch.float16
+    assert torch.equal(offloaded.reload(), new)
+    offloaded.data = offloaded  # what nn.Module._apply does after an in-place .to()
+    assert torch.equal(offloaded.reload(), new)
+
+
+def test_to_dtype_rewrites_the_payload(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
+    assert offloaded.to(torch.float16) is offloaded
+    assert offloaded.dtype == torch.float16
+    with safetensors.safe_open(str(offloaded.offload_path), framework="pt") as handle:
+        assert handle.get_tensor("tensor").dtype == torch.float16
+    assert torch.equal(offloaded.reload(), weight.half())
+
+
+def test_to_device_and_dtype_in_one_call(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
+    assert offloaded.to("cuda:0", torch.float64) is offloaded
+    assert (offloaded.device, offloaded.dtype) == (torch.device("cuda:0"), torch.float64)
+    assert torch.equal(offloaded.reload("cpu"), weight.double())
+    offloaded.to(device="cpu")
+    assert offloaded.device == torch.device("cpu")
+
+
+def test_to_refuses_what_it_cannot_do(offloaded: OffloadedTensor) -> None:
+    with pytest.raises(T2NErrorNotImplemented, match="copy=True"):
+        offloaded.to(torch.float16, copy=True)
+    with pytest.raises(T2NErrorNotImplemented, match="memory_format"):
+        offloaded.to(memory_format=torch.channels_last)
+    with pytest.raises(T2NErrorMisuse, match=r"arguments of torch\.Tensor\.to"):
+        offloaded.to("not a device")
+
+
+def test_in_place_operations_write_back(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
+    assert offloaded.mul_(2) is offloaded
+    assert torch.equal(offloaded.reload(), weight * 2)
+    offloaded[0] = 0
+    expected = weight * 2
+    expected[0] = 0
+    assert torch.equal(offloaded.reload(), expected)
+    handle = offloaded
+    handle += 1
+    assert handle is offloaded
+    assert torch.equal(offloaded.reload(), expected + 1)
+    with torch.no_grad():
+        nn.init.zeros_(offloaded)
+    assert torch.count_nonzero(offloaded.reload()) == 0
+
+
+def test_copy_broadcasts_and_casts(offloaded: OffloadedTensor) -> None:
+    offloaded.copy_(torch.arange(8, dtype=torch.int64))
+    assert torch.equal(offloaded.reload(), torch.arange(8.0).expand(6, 8))
+
+
+def test_load_state_dict_writes_offloaded_parameters(tmp_path: Path) -> None:
+    linear = nn.Linear(8, 6)
+    linear.weight = nn.Parameter(
+        OffloadedTensor.from_original_tensor(linear.weight, "weight", tmp_path),
+        requires_grad=False,
+    )
+    source = nn.Linear(8, 6)
+    linear.load_state_dict(source.state_dict())
+    assert isinstance(linear.weight, OffloadedTensor)
+    assert torch.equal(linear.weight.reload(), source.weight.detach())
+
+
+def test_concurrent_writer_and_readers_see_whole_values(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    """Readers retry when a write replaces the file under them; they never see a mix."""
+    other = -weight
+    errors: list[BaseException] = []
+    seen: list[bool] = []
+    stop = threading.Event()
+
+    def write() -> None:
+        try:
+            for index in range(40):
+                offloaded.update_values(other if index % 2 == 0 else weight)
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+        finally:
+            stop.set()
+
+    def read() -> None:
+        try:
+            while not stop.is_set():
+                value = offloaded.reload()
+                seen.append(torch.equal(value, weight) or torch.equal(value, other))
+        except BaseException as exc:  # reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=write)] + [threading.Thread(target=read) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert not errors
+    assert seen and all(seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# Torch operations and modules
+# ---------------------------------------------------------------------------------------------
+def test_linear_of_an_offloaded_weight_equals_the_dense_one(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    x = seeded(3, 8, seed=7)
+    result = F.linear(x, offloaded)
+    assert type(result) is torch.Tensor
+    assert torch.equal(result, F.linear(x, weight))
+
+
+def test_parameter_in_linear_conv_and_embedding(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    modules = {
+        "linear": (nn.Linear(8, 4), seeded(2, 8)),
+        "conv": (nn.Conv2d(3, 4, 3), seeded(1, 3, 6, 6)),
+        "embedding": (nn.Embedding(10, 4), torch.tensor([[1, 5, 9]])),
+    }
+    for name, (module, x) in modules.items():
+        with torch.no_grad():
+            expected = module(x)
+        offloaded = OffloadedTensor.from_original_tensor(module.weight, name, tmp_path)
+        module.weight = nn.Parameter(offloaded, requires_grad=False)
+        assert module.weight is offloaded
+        assert isinstance(module.weight, nn.Parameter)
+        with torch.no_grad():
+            result = module(x)
+        assert type(result) is torch.Tensor
+        assert torch.equal(result, expected), name
+
+
+def test_module_to_retargets_and_casts_in_place(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[1].weight = model[0].weight  # tied
+    offload_module(model, tmp_path)
+    weight = model[0].weight
+    model.to("cuda:0")  # every tensor is offloaded: only targets change
+    assert model[0].weight is weight and model[1].weight is weight
+    assert weight.device == torch.device("cuda:0")
+    model.to("cpu", torch.float64)
+    assert model[0].weight is weight and weight.dtype == torch.float64
+    model.half()  # assigns .data: written back in float16
+    assert model[1].weight is weight and weight.dtype == torch.float16
+    x = torch.randn(2, 4, dtype=torch.float16)
+    assert model(x).dtype == torch.float16
+
+
+def test_len_and_metadata_do_not_load(offloaded: OffloadedTensor) -> None:
+    offloaded.offload_path.unlink()  # any load would now fail
+    assert len(offloaded) == 6
+    assert offloaded.size() == (6, 8)
+    assert offloaded.dim() == 2
+    assert offloaded.numel() == 48
+    assert offloaded.is_floating_point()
+    with pytest.raises(T2NErrorStorage):
+        offloaded.reload()
+
+
+def test_repr_and_hash(offloaded: OffloadedTensor, tmp_path: Path) -> None:
+    text = repr(offloaded)
+    for part in ("OffloadedTensor", "layers.0.weight", "(6, 8)", "torch.float32", "cpu"):
+        assert part in text
+    assert str(offloaded.offload_path) in text
+    other = OffloadedTensor.from_original_tensor(torch.zeros(6, 8), "layers.0.weight", tmp_path)
+    assert other.offload_path != offloaded.offload_path
+    table = {offloaded: "a", other: "b"}
+    assert table[offloaded] == "a" and table[other] == "b"
+    assert hash(offloaded) == hash(offloaded)
+    assert len({offloaded, other, offloaded}) == 2
+
+
+def test_pickling_is_refused(offloaded: OffloadedTensor) -> None:
+    import pickle
+
+    with pytest.raises(T2NErrorNotImplemented, match="cannot be pickled"):
+        pickle.dumps(offloaded)
+
+
+def test_force_gc_collect_collects_after_each_loading_op(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    collections: list[str] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(phase)
+
+    eager = OffloadedTensor(weight, "cpu", tmp_path, "eager", torch.Tensor, force_gc_collect=True)
+    lazy = OffloadedTensor(weight, "cpu", tmp_path, "lazy", torch.Tensor)
+    gc.disable()
+    gc.callbacks.append(on_gc)
+    try:
+        _ = lazy + 1
+        _ = lazy.shape
+        assert collections == []
+        _ = eager + 1
+        assert len(collections) == 1
+        _ = eager.shape  # metadata only: no load, no collection
+        assert len(collections) == 1
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()
+
+
+# ---------------------------------------------------------------------------------------------
+# Construction, adoption and ownership of files
+# ---------------------------------------------------------------------------------------------
+def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path) -> None:
+    path = storage.payload_path(tmp_path, "adopted", "sid0")
+    storage.write_payload(path, {"tensor": weight})
+    adopted = OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
+    assert adopted.offload_path == path
+    assert torch.equal(adopted.reload(), weight)
+    announced = torch.empty(6, 8, device="meta")
+    again = OffloadedTensor(announced, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
+    assert again.shape == (6, 8)
+    wrong = torch.empty(2, 2, device="meta")
+    with pytest.raises(T2NErrorInconsistentTensor, match=re.escape("(2, 2)")):
+        OffloadedTensor(wrong, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
+    with pytest.raises(T2NErrorMisuse, match="storage_id"):
+        OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor)
+    with pytest.raises(T2NErrorStorage, match="No such file"):
+        OffloadedTensor(None, "cpu", tmp_path, "absent", torch.Tensor, storage_id="sid0")
+    del again, adopted
+    gc.collect()
+    assert not path.exists()  # adopted files are owned
+
+
+def test_a_new_payload_never_replaces_an_existing_file(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    first = OffloadedTensor(weight, "cpu", tmp_path, "w", torch.Tensor, storage_id="same")
+    with pytest.raises(T2NErrorMisuse, match="already exists"):
+        OffloadedTensor(weight * 2, "cpu", tmp_path, "w", torch.Tensor, storage_id="same")
+    assert torch.equal(first.reload(), weight)
+
+
+def test_inconsistent_constructor_arguments(weight: torch.Tensor, tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorMisuse, match="QTensorTractScaleOnly"):
+        OffloadedTensor(weight, "cpu", tmp_path, "w", QTensorTractScaleOnly)
+    with pytest.raises(T2NErrorMisuse, match="meta tensor"):
+        OffloadedTensor.from_original_tensor(torch.empty(2, device="meta"), "m", tmp_path)
+    with pytest.raises(T2NErrorMisuse, match="name must be a str"):
+        OffloadedTensor(weight, "cpu", tmp_path, 3, torch.Tensor)  # type: ignore[arg-type]
+
+
+def test_deleting_removes_only_owned_files(weight: torch.Tensor, tmp_path: Path) -> None:
+    first = OffloadedTensor.from_original_tensor(weight, "first", tmp_path)
+    second = OffloadedTensor.from_original_tensor(weight, "second", tmp_path)
+    checkpoint = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": weight}, str(checkpoint))
+    before = digest(checkpoint)
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "w", offload_dir=tmp_path)
+    first_path, second_path = first.offload_path, second.offload_path
+    del first
+    gc.collect()
+    assert not first_path.exists()
+    assert second_path.exists() and checkpoint.exists()
+    del pointing
+    gc.collect()
+    assert digest(checkpoint) == before
+    assert files_in(tmp_path) == {second_path.name, checkpoint.name}
+    assert torch.equal(second.reload(), weight)
+
+
+def test_private_directory_lives_as_long_as_its_tensors(weight: torch.Tensor) -> None:
+    first = OffloadedTensor.from_original_tensor(weight, "a")
+    second = OffloadedTensor.from_original_tensor(weight, "b")
+    directory = first.offload_path.parent
+    assert second.offload_path.parent == directory
+    del first
+    gc.collect()
+    assert directory.exists()
+    assert torch.equal(second.reload(), weight)
+    del second
+    gc.collect()
+    assert not directory.exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors pointing into a checkpoint
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    path = tmp_path / "checkpoint" / "model.safetensors"
+    path.parent.mkdir()
+    tensors = {"a.weight": seeded(4, 4, seed=10), "b.bias": seeded(4, seed=11).double()}
+    safetensors.torch.save_file(tensors, str(path))
+    return path
+
+
+def test_from_safetensors_reads_in_place(checkpoint: Path, tmp_path: Path) -> None:
+    offload_dir = tmp_path / "offload"
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "b.bias", offload_dir=offload_dir)
+    assert (pointing.shape, pointing.dtype) == ((4,), torch.float64)
+    assert pointing.offload_path == checkpoint.resolve()
+    assert not pointing.owns_payload
+    assert "key='b.bias'" in repr(pointing)
+    assert torch.equal(pointing.reload(), seeded(4, seed=11).double())
+    assert not offload_dir.exists()  # nothing copied
+
+
+def test_writing_copies_on_write(checkpoint: Path, tmp_path: Path) -> None:
+    before = digest(checkpoint)
+    offload_dir = tmp_path / "offload"
+    pointing = OffloadedTensor.from_safetensors(
+        checkpoint, "a.weight", offload_dir=offload_dir, name="a.weight"
+    )
+    pointing.add_(1)
+    assert digest(checkpoint) == before
+    assert pointing.owns_payload
+    assert pointing.offload_path.parent == offload_dir.resolve()
+    assert torch.equal(pointing.reload(), seeded(4, 4, seed=10) + 1)
+    copy = pointing.offload_path
+    del pointing
+    gc.collect()
+    assert not copy.exists() and checkpoint.exists()
+
+
+def test_from_safetensors_errors(checkpoint: Path, tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorCheckpoint, match=r"no tensor 'c'.*'a\.weight', 'b\.bias'"):
+        OffloadedTensor.from_safetensors(checkpoint, "c")
+    with pytest.raises(T2NErrorStorage, match="No such file"):
+        OffloadedTensor.from_safetensors(tmp_path / "absent.safetensors", "a")
+    layout = storage.read_layout(checkpoint)
+    shared = {key: OffloadedTensor.from_safetensors(layout, key) for key in layout.entries}
+    assert {key: tuple(t.shape) for key, t in shared.items()} == {
+        "a.weight": (4, 4),
+        "b.bias": (4,),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Offloaded QTensor
+# ---------------------------------------------------------------------------------------------
+@pytest.fixture
+def quantized() -> QTensorTractScaleOnly:
+    return fp_to_tract_q4_0_with_min_max_calibration(seeded(8, 64, seed=20))
+
+
+def test_offloaded_qtensor_reloads_as_a_qtensor(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    offloaded = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+    assert offloaded.offloaded_tensor_type is QTensorTractScaleOnly
+    assert (offloaded.shape, offloaded.dtype) == (quantized.shape, quantized.dtype)
+    assert "offloaded_tensor_type=QTensorTractScaleOnly" in repr(offloaded)
+    reloaded = offloaded.reload()
+    assert type(reloaded) is QTensorTractScaleOnly
+    assert torch.equal(reloaded.decompress(), quantized.decompress())
+    assert torch.equal(opaque_to_final_tensor(offloaded), quantized.decompress())
+    x = seeded(3, 64, seed=21)
+    assert torch.equal(F.linear(x, offloaded), F.linear(x, quantized.decompress()))
+
+
+def test_write_in_file_from_the_offloaded_form_is_identical(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    offloaded = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path / "offload")
+    resident = quantized.write_in_file(tmp_path / "resident", "layer.weight")
+    from_disk = offloaded.reload().write_in_file(tmp_path / "offloaded", "layer.weight")
+    assert resident.read_bytes() == from_disk.read_bytes()
+
+
+def test_offloaded_qtensor_cast_and_in_place_rules(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    offloaded = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+    offloaded.to(torch.float16)
+    reloaded = offloaded.reload()
+    assert type(reloaded) is QTensorTractScaleOnly and reloaded.dtype == torch.float16
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
+        offloaded.mul_(2)
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
+        offloaded.copy_(torch.zeros(8, 64))
+    with pytest.raises(T2NErrorMisuse, match="floating dtypes only"):
+        offloaded.to(torch.int8)
+    assert offloaded.dtype == torch.float16
+
+
+# ---------------------------------------------------------------------------------------------
+# What the residency pool relies on
+# ---------------------------------------------------------------------------------------------
+def test_storage_key_and_payload_nbytes(
+    offloaded: OffloadedTensor, checkpoint: Path, quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    assert offloaded.payload_nbytes == 6 * 8 * 4
+    assert offloaded.storage_key == (("tensor", torch.float32, (6, 8)),)
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "a.weight")
+    assert pointing.storage_key == (("tensor", torch.float32, (4, 4)),)  # by logical name
+    assert pointing.payload_nbytes == 64  # the entry, not the whole checkpoint
+    q = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+    assert q.storage_key == (("scale", torch.float16, (16,)), ("u8_blob", torch.uint8, (256,)))
+    assert q.payload_nbytes == 16 * 2 + 256
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_aload_reads_into_given_buffers(
+    offloaded: OffloadedTensor, weight: torch.Tensor, checkpoint: Path, tmp_path: Path
+) -> None:
+    value = await offloaded._aload(torch.device("cpu"))
+    assert torch.equal(value, weight)
+    buffers = offloaded._host_buffers(value)
+    assert buffers is not None and buffers["tensor"] is value
+    # A tensor with the same storage key loads into those buffers (here: from a checkpoint).
+    same_key = OffloadedTensor.from_original_tensor(seeded(6, 8, seed=30), "other", tmp_path)
+    assert same_key.storage_key == offloaded.storage_key
+    reused = await same_key._aload(torch.device("cpu"), out=buffers)
+    assert reused is value
+    assert torch.equal(value, seeded(6, 8, seed=30))
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "a.weight")
+    target = torch.empty(4, 4)
+    assert await pointing._aload(torch.device("cpu"), out={"tensor": target}) is target
+    assert torch.equal(target, seeded(4, 4, seed=10))
+    with pytest.raises(T2NErrorMisuse, match="not entries of this payload"):
+        await pointing._aload(torch.device("cpu"), out={"a.weight": target})
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_aload_of_an_opaque_payload_and_host_buffers(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    offloaded = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+    value = await offloaded._aload(torch.device("cpu"))
+    assert type(value) is QTensorTractScaleOnly
+    assert torch.equal(value.decompress(), quantized.decompress())
+    assert offloaded._host_buffers(value) is None
+
+
+def test_host_buffers_only_for_whole_cpu_buffers(offloaded: OffloadedTensor) -> None:
+    value = offloaded._reload_unmanaged()
+    assert offloaded._host_buffers(value) == {"tensor": value}
+    assert offloaded._host_buffers(value.t()) is None
+    assert offloaded._host_buffers(value.double()) is None
+    larger = torch.empty(7, 8)
+    assert offloaded._host_buffers(larger[:6]) is None  # a view of a larger buffer
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(20)
+async def test_aupdate_values_writes_atomically_with_checks(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    new = seeded(6, 8, seed=40)
+    await offloaded._aupdate_values(new)
+    assert torch.equal(offloaded._reload_unmanaged(), new)
+    with pytest.raises(T2NErrorMisuse, match=re.escape("(2, 2)") + ".*" + re.escape("(6, 8)")):
+        await offloaded._aupdate_values(torch.zeros(2, 2))
+    with pytest.raises(T2NErrorMisuse, match=r"torch\.float64.*torch\.float32"):
+        await offloaded._aupdate_values(new.double())
+    assert torch.equal(offloaded._reload_unmanaged(), new)
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(30)
+async def test_concurrent_async_writes_and_loads(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    import anyio
+
+    values = [weight + index for index in range(6)]
+    loaded: list[torch.Tensor] = []
+
+    async def load_many() -> None:
+        for _ in range(10):
+            loaded.append(await offloaded._aload(torch.device("cpu")))
+
+    async with anyio.create_task_group() as group:
+        for value in values:
+            group.start_soon(offloaded._aupdate_values, value)
+        group.start_soon(load_many)
+    final = offloaded._reload_unmanaged()
+    assert any(torch.equal(final, value) for value in values)
+    candidates = [weight, *values]
+    assert all(any(torch.equal(seen, value) for value in candidates) for seen in loaded)
