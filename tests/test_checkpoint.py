@@ -1,0 +1,311 @@
+"""offload_module and load_offloaded_checkpoint on a small model with a tied weight."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import hashlib
+import json
+import re
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse
+from torch_to_nnef.tensor.checkpoint import (
+    SAFETENSORS_INDEX_NAME,
+    load_offloaded_checkpoint,
+    offload_module,
+)
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.quant import (
+    QTensorTractScaleOnly,
+    fp_to_tract_q4_0_with_min_max_calibration,
+)
+
+VOCAB, WIDTH = 48, 32
+
+
+class Net(nn.Module):
+    """Embedding, Conv1d, Linear and LayerNorm layers; the head is tied to the embedding."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, WIDTH)
+        self.conv = nn.Conv1d(WIDTH, WIDTH, 3, padding=1)
+        self.proj = nn.Linear(WIDTH, WIDTH)
+        self.norm = nn.LayerNorm(WIDTH)
+        self.head = nn.Linear(WIDTH, VOCAB, bias=False)
+        self.head.weight = self.embed.weight
+        self.register_buffer("scale", torch.tensor(0.5))
+        self.register_buffer("scratch", torch.zeros(2), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed(ids)
+        hidden = self.conv(hidden.transpose(1, 2)).transpose(1, 2)
+        hidden = torch.relu(self.proj(hidden)) * self.scale
+        return self.head(self.norm(hidden))
+
+
+IDS = torch.tensor([[1, 4, 9, 16, 25], [0, 2, 3, 5, 7]])
+
+
+@pytest.fixture
+def dense() -> Net:
+    torch.manual_seed(0)
+    # Without gradients, as offloaded parameters are: PyTorch may pick other kernels (with
+    # other roundings) for parameters that require gradients.
+    model = Net().eval().requires_grad_(False)
+    with torch.no_grad():
+        model.norm.weight.uniform_(0.5, 1.5)
+        model.norm.bias.uniform_(-0.5, 0.5)
+    return model
+
+
+def output(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        result: torch.Tensor = model(IDS)
+    return result
+
+
+def state_without_ties(model: Net) -> dict[str, torch.Tensor]:
+    """The state dict as checkpoints store it: a tied tensor under its first name only."""
+    state = {key: value.detach().clone() for key, value in model.state_dict().items()}
+    del state["head.weight"]
+    return state
+
+
+def write_sharded(state: dict[str, torch.Tensor], directory: Path, shards: int = 2) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    keys = sorted(state)
+    weight_map: dict[str, str] = {}
+    for index in range(shards):
+        name = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {key: state[key] for key in keys[index::shards]}
+        safetensors.torch.save_file(part, str(directory / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(part, name))
+    index_path = directory / SAFETENSORS_INDEX_NAME
+    index_path.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return index_path
+
+
+def write_index(directory: Path, weight_map: dict[str, str]) -> Path:
+    path = directory / SAFETENSORS_INDEX_NAME
+    path.write_text(json.dumps({"weight_map": weight_map}))
+    return path
+
+
+def meta_model() -> Net:
+    with torch.device("meta"):
+        return Net()
+
+
+def digests(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+# ---------------------------------------------------------------------------------------------
+# offload_module
+# ---------------------------------------------------------------------------------------------
+def test_offload_module_matches_the_dense_model(dense: Net, tmp_path: Path) -> None:
+    expected = output(dense)
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    tensors = list(model.parameters()) + list(model.buffers())
+    assert all(isinstance(t, OffloadedTensor) for t in tensors)
+    assert all(isinstance(p, nn.Parameter) and not p.requires_grad for p in model.parameters())
+    assert model.head.weight is model.embed.weight  # still tied
+    assert model.head.weight._name == "embed.weight"
+    # One file per distinct tensor (the tied weight is stored once).
+    distinct = {id(t) for t in tensors}
+    assert len(list(tmp_path.iterdir())) == len(distinct)
+    assert torch.equal(output(model), expected)
+
+
+def test_offload_module_options(dense: Net, tmp_path: Path) -> None:
+    model = offload_module(copy.deepcopy(dense), tmp_path, include_buffers=False, min_bytes=256)
+    assert isinstance(model.embed.weight, OffloadedTensor)  # 48 x 32 x 4 bytes
+    assert isinstance(model.proj.weight, OffloadedTensor)  # 32 x 32 x 4 bytes
+    assert not isinstance(model.proj.bias, OffloadedTensor)  # 128 bytes: kept resident
+    assert not isinstance(model.scale, OffloadedTensor)  # buffers excluded
+    assert type(model.proj.bias) is nn.Parameter  # resident parameters are untouched
+    assert torch.equal(output(model), output(dense))
+    again = offload_module(model, tmp_path)  # offloaded tensors are left as they are
+    assert isinstance(again.scale, OffloadedTensor)
+    with pytest.raises(T2NErrorMisuse, match="cannot be negative"):
+        offload_module(model, tmp_path, min_bytes=-1)
+
+
+def test_offload_module_keeps_quantized_weights_quantized(dense: Net, tmp_path: Path) -> None:
+    model = copy.deepcopy(dense)
+    model.proj.weight = nn.Parameter(
+        fp_to_tract_q4_0_with_min_max_calibration(model.proj.weight.detach()),
+        requires_grad=False,
+    )
+    expected = output(model)
+    offload_module(model, tmp_path)
+    assert isinstance(model.proj.weight, OffloadedTensor)
+    assert model.proj.weight.offloaded_tensor_type is QTensorTractScaleOnly
+    assert torch.equal(output(model), expected)
+
+
+def test_offload_module_refuses_meta_tensors(tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorMisuse, match="meta tensor"):
+        offload_module(meta_model(), tmp_path)
+
+
+def test_offloaded_model_files_go_away_with_the_model(dense: Net, tmp_path: Path) -> None:
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    assert any(tmp_path.iterdir())
+    del model
+    gc.collect()
+    assert not any(tmp_path.iterdir())
+
+
+# ---------------------------------------------------------------------------------------------
+# load_offloaded_checkpoint
+# ---------------------------------------------------------------------------------------------
+def test_sharded_checkpoint_matches_the_dense_model(dense: Net, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    write_sharded(state_without_ties(dense), checkpoint)
+    before = digests(checkpoint)
+    model = load_offloaded_checkpoint(meta_model(), checkpoint)
+    assert model.head.weight is model.embed.weight
+    assert isinstance(model.embed.weight, OffloadedTensor)
+    assert model.embed.weight._name == "embed.weight"
+    assert not model.embed.weight.owns_payload
+    assert isinstance(model.scale, OffloadedTensor)
+    assert model.scratch.is_meta  # non-persistent buffer absent from the checkpoint
+    assert torch.equal(output(model), output(dense))
+    del model
+    gc.collect()
+    assert digests(checkpoint) == before
+
+
+def test_single_file_checkpoint_by_file_and_by_directory(dense: Net, tmp_path: Path) -> None:
+    path = tmp_path / "model.safetensors"
+    safetensors.torch.save_file(state_without_ties(dense), str(path))
+    by_file = load_offloaded_checkpoint(meta_model(), path)
+    by_directory = load_offloaded_checkpoint(meta_model(), tmp_path)
+    assert torch.equal(output(by_file), output(dense))
+    assert torch.equal(output(by_directory), output(dense))
+
+
+def test_checkpoint_by_index_path_and_target_device(dense: Net, tmp_path: Path) -> None:
+    index = write_sharded(state_without_ties(dense), tmp_path / "ckpt", shards=3)
+    model = load_offloaded_checkpoint(meta_model(), index, device="cuda:0")
+    assert all(p.device == torch.device("cuda:0") for p in model.parameters())
+    for tensor in model.parameters():
+        tensor.to("cpu")  # (model.to() would fail on the meta non-persistent buffer)
+    model.scale.to("cpu")
+    assert torch.equal(output(model), output(dense))
+
+
+def test_writes_copy_on_write_and_leave_the_checkpoint(dense: Net, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    write_sharded(state_without_ties(dense), checkpoint)
+    before = digests(checkpoint)
+    offload_dir = tmp_path / "offload"
+    model = load_offloaded_checkpoint(meta_model(), checkpoint, offload_dir=offload_dir)
+    model.proj.weight.mul_(2)
+    with torch.no_grad():
+        dense.proj.weight.mul_(2)
+    assert torch.equal(output(model), output(dense))
+    assert digests(checkpoint) == before
+    assert [p.name for p in offload_dir.iterdir()] == [model.proj.weight.offload_path.name]
+
+
+def test_mismatches_are_all_listed_and_the_model_is_unchanged(dense: Net, tmp_path: Path) -> None:
+    state = state_without_ties(dense)
+    del state["conv.bias"]
+    state["proj.weight"] = state["proj.weight"][:, :8].contiguous()
+    state["norm.bias"] = state["norm.bias"].double()
+    state["extra.weight"] = torch.zeros(3)
+    write_sharded(state, tmp_path / "ckpt")
+    model = meta_model()
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(model, tmp_path / "ckpt")
+    message = str(caught.value)
+    assert "1 missing key(s): 'conv.bias'" in message
+    assert "1 unexpected key(s): 'extra.weight'" in message
+    assert re.search(r"'proj\.weight': checkpoint shape \(32, 8\).*model shape \(32, 32\)", message)
+    assert re.search(r"'norm\.bias': .*dtype torch\.float64.*dtype torch\.float32", message)
+    assert all(t.is_meta for t in model.parameters())  # nothing was bound
+
+    # Without strict, missing and unexpected keys are fine; mismatches are not.
+    with pytest.raises(T2NErrorCheckpoint, match="mismatch") as caught:
+        load_offloaded_checkpoint(model, tmp_path / "ckpt", strict=False)
+    assert "missing" not in str(caught.value)
+
+
+def test_non_strict_binding_of_the_common_keys(dense: Net, tmp_path: Path) -> None:
+    state = state_without_ties(dense)
+    del state["conv.bias"]
+    state["extra.weight"] = torch.zeros(3)
+    write_sharded(state, tmp_path / "ckpt")
+    model = load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt", strict=False)
+    assert model.conv.bias.is_meta
+    assert isinstance(model.conv.weight, OffloadedTensor)
+    assert torch.equal(model.conv.weight.reload(), dense.conv.weight.detach())
+
+
+def test_missing_tied_key_names_all_its_names(dense: Net, tmp_path: Path) -> None:
+    state = state_without_ties(dense)
+    del state["embed.weight"]
+    write_sharded(state, tmp_path / "ckpt")
+    with pytest.raises(T2NErrorCheckpoint, match=r"'embed\.weight' \(tied with 'head\.weight'\)"):
+        load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt")
+
+
+def test_tied_weight_found_under_its_second_name(dense: Net, tmp_path: Path) -> None:
+    state = state_without_ties(dense)
+    state["head.weight"] = state.pop("embed.weight")
+    write_sharded(state, tmp_path / "ckpt")
+    model = load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt")
+    assert model.head.weight is model.embed.weight
+    assert torch.equal(output(model), output(dense))
+
+
+@pytest.mark.parametrize(
+    "shard",
+    ["../outside.safetensors", "/etc/passwd", "sub/../../outside.safetensors", "C:\\x.safetensors"],
+)
+def test_index_paths_must_stay_inside_the_checkpoint(shard: str, tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    safetensors.torch.save_file(
+        {"proj.bias": torch.zeros(WIDTH)}, str(tmp_path / "outside.safetensors")
+    )
+    write_index(directory, {"proj.bias": shard})
+    with pytest.raises(T2NErrorCheckpoint, match="outside its directory"):
+        load_offloaded_checkpoint(meta_model(), directory, strict=False)
+
+
+def test_index_symlink_leading_outside_is_refused(tmp_path: Path) -> None:
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    outside = tmp_path / "outside.safetensors"
+    safetensors.torch.save_file({"proj.bias": torch.zeros(WIDTH)}, str(outside))
+    (directory / "link.safetensors").symlink_to(outside)
+    write_index(directory, {"proj.bias": "link.safetensors"})
+    with pytest.raises(T2NErrorCheckpoint, match="outside its directory"):
+        load_offloaded_checkpoint(meta_model(), directory, strict=False)
+
+
+def test_invalid_checkpoints(dense: Net, tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorCheckpoint, match="does not exist"):
+        load_offloaded_checkpoint(meta_model(), tmp_path / "absent.safetensors")
+    with pytest.raises(T2NErrorCheckpoint, match="neither"):
+        load_offloaded_checkpoint(meta_model(), tmp_path)
+    (tmp_path / SAFETENSORS_INDEX_NAME).write_text("{not json")
+    with pytest.raises(T2NErrorCheckpoint, match="not valid JSON"):
+        load_offloaded_checkpoint(meta_model(), tmp_path)
+    (tmp_path / SAFETENSORS_INDEX_NAME).write_text(json.dumps({"weight_map": ["a"]}))
+    with pytest.raises(T2NErrorCheckpoint, match="weight_map"):
+        load_offloaded_checkpoint(meta_model(), tmp_path)
+    safetensors.torch.save_file({"proj.bias": torch.zeros(WIDTH)}, str(tmp_path / "s.safetensors"))
+    write_index(tmp_path, {"proj.bias": "s.safetensors", "proj.weight": "s.safetensors"})
+    with pytest.raises(T2NErrorCheckpoint, match=r"'proj\.weight' \(in 's\.safetensors'\)"):
+        load_offloaded_checkpoint(meta_model(), tmp_path)
