@@ -1,0 +1,108 @@
+"""Crash safety: a writer killed (SIGKILL) at random moments of update_values never tears a file.
+
+Writers are forked from a forkserver that imported torch once, so that each of the many short
+writer processes starts in milliseconds.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import runpy
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+
+ELEMENTS = 8 << 20  # 32 MiB of float32
+KILLS = 20
+NAME = "big.weight"
+STORAGE_ID = "crash"
+
+# Runs in the writer process: adopt the payload file and rewrite it forever, alternating the
+# two values, until killed.
+WRITER = """
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+
+tensor = OffloadedTensor(None, "cpu", OFFLOAD_DIR, NAME, torch.Tensor, storage_id=STORAGE_ID)
+old = torch.arange(ELEMENTS, dtype=torch.float32)
+new = -old
+READY.set()
+while True:
+    tensor.update_values(new)
+    tensor.update_values(old)
+"""
+
+
+def old_values() -> torch.Tensor:
+    return torch.arange(ELEMENTS, dtype=torch.float32)
+
+
+def start_writer(
+    context: multiprocessing.context.ForkServerContext, script: Path, offload_dir: Path
+) -> tuple[multiprocessing.process.BaseProcess, object]:
+    ready = context.Event()
+    scope = {
+        "OFFLOAD_DIR": str(offload_dir),
+        "NAME": NAME,
+        "STORAGE_ID": STORAGE_ID,
+        "ELEMENTS": ELEMENTS,
+        "READY": ready,
+    }
+    process = context.Process(
+        target=runpy.run_path, args=(str(script),), kwargs={"init_globals": scope}
+    )
+    process.start()
+    return process, ready
+
+
+@pytest.mark.timeout(60)
+def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
+    offload_dir = tmp_path / "offload"
+    script = tmp_path / "writer.py"
+    script.write_text(WRITER)
+    old = old_values()
+    new = -old
+    owner = OffloadedTensor(old, "cpu", offload_dir, NAME, torch.Tensor, storage_id=STORAGE_ID)
+    path = owner.offload_path
+    started = time.perf_counter()
+    owner.update_values(old)
+    write_seconds = time.perf_counter() - started
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["torch", "torch_to_nnef.tensor.offload"])
+    chooser = random.Random(1234)
+    outcomes = {"old": 0, "new": 0}
+    interrupted_writes = 0
+    for _ in range(KILLS):
+        process, ready = start_writer(context, script, offload_dir)
+        try:
+            assert ready.wait(timeout=30), "the writer process did not start"  # type: ignore[attr-defined]
+            time.sleep(chooser.uniform(0.0, 2.5 * write_seconds))
+        finally:
+            process.kill()
+            process.join(timeout=10)
+        assert process.exitcode == -9, "the writer must die by SIGKILL, not on its own"
+
+        # A fresh reader: the file is valid and holds exactly one of the two values.
+        value = OffloadedTensor.from_safetensors(path, "tensor").reload()
+        if torch.equal(value, old):
+            outcomes["old"] += 1
+        else:
+            assert torch.equal(value, new), "the payload holds neither the old nor the new values"
+            outcomes["new"] += 1
+        assert storage.read_layout(path).nbytes == ELEMENTS * 4
+        leftovers = [p for p in offload_dir.iterdir() if p != path]
+        interrupted_writes += bool(leftovers)
+        for leftover in leftovers:  # temporary files of interrupted writes
+            assert leftover.name.startswith(".") and leftover.name.endswith(".tmp")
+            leftover.unlink()
+
+    assert sum(outcomes.values()) == KILLS
+    # The kills did land in the middle of writes: the property was really exercised.
+    assert interrupted_writes > 0
