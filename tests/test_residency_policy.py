@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from torch_to_nnef.tensor.residency._policy import (
     FixedPolicy,
     LRUPolicy,
     ResidencyStrategy,
+    ScheduledPolicy,
     make_policy,
 )
 
@@ -83,3 +86,65 @@ def test_cost_is_flat_in_the_number_of_entries() -> None:
     assert policy.victims(3) == [0, 1, 2]
     policy.touch(3)
     assert policy.victims(1) == [4]
+
+
+def _hit_ratio(strategy: ResidencyStrategy, passes: int, layers: int, capacity: int) -> float:
+    """Replay a cyclic scan of equal-sized values through a policy, as the actor would."""
+    policy = make_policy(strategy, budget=capacity)
+    resident: set[int] = set()
+    hits = accesses = 0
+    for _ in range(passes):
+        for key in range(layers):
+            accesses += 1
+            policy.access(key)
+            if key in resident:
+                hits += 1
+                policy.touch(key)
+                continue
+            resident.add(key)
+            policy.release(key, 1, policy.admit(key, 1))
+            for victim in policy.victims(len(resident) - capacity):
+                resident.discard(victim)
+                policy.forget(victim, 1, True)
+    return hits / accesses
+
+
+def test_lru_misses_every_access_of_a_cyclic_scan_bigger_than_the_budget() -> None:
+    assert _hit_ratio(ResidencyStrategy.LRU, passes=10, layers=24, capacity=6) == 0.0
+
+
+def test_scheduled_learns_the_cycle_and_matches_fixed() -> None:
+    fixed = _hit_ratio(ResidencyStrategy.FIXED, passes=20, layers=24, capacity=6)
+    scheduled = _hit_ratio(ResidencyStrategy.SCHEDULED, passes=20, layers=24, capacity=6)
+    assert fixed == pytest.approx(6 / 24 * 19 / 20)
+    # The first pass learns the order; every later pass hits capacity-1 values at least.
+    assert scheduled >= 5 / 24 * 19 / 20
+
+
+def test_scheduled_evicts_the_value_used_farthest_in_the_future() -> None:
+    policy = ScheduledPolicy(budget=3)
+    policy.declare([10, 11, 12, 13, 14])
+    for key in (10, 11, 12):
+        policy.access(key)
+        policy.release(key, 1, True)
+    # At 12: 10 is next needed in 3 steps, 11 in 4, 12 in 5: 12 is farthest.
+    assert policy.victims(1) == [12]
+    policy.access(13)
+    policy.release(13, 1, True)
+    assert policy.victims(1) == [13]
+    policy.hold(10)
+    assert policy.victims(1) == [11]
+    # Keys outside the schedule go first.
+    policy.release(99, 1, True)
+    policy.release(10, 1, True)
+    assert policy.victims(1) == [99]
+
+
+def test_scheduled_declaration_keeps_evictable_values() -> None:
+    policy = ScheduledPolicy(budget=2)
+    for key in (1, 2, 3):
+        policy.release(key, 1, True)
+    policy.declare([3, 2, 1])
+    policy.access(2)
+    assert policy.victims(2) == [2, 3]
+    assert policy.evictable_bytes() == 1

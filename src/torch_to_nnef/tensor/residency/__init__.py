@@ -12,12 +12,15 @@ from torch_to_nnef.tensor.residency._pool import (
     TensorResidencyPool,
 )
 from torch_to_nnef.tensor.residency._scope import active_tensor_residency
+from torch_to_nnef.tensor.residency._stream import ModuleStream, stream_modules
 
 __all__ = [
+    "ModuleStream",
     "PoolStats",
     "ResidencyStrategy",
     "TensorPrefetch",
     "TensorResidencyLease",
     "TensorResidencyPool",
     "active_tensor_residency",
+    "stream_modules",
 ]

@@ -26,7 +26,8 @@ import torch
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse, T2NErrorStorage
-from torch_to_nnef.tensor.residency._policy import RetentionPolicy
+from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPolicy
+from torch_to_nnef.tensor.residency._spares import SpareBuffers
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -53,6 +54,8 @@ class PoolStats(NamedTuple):
     """Bytes written by those write-backs."""
     load_errors: int
     """Loads that failed (missing or corrupt files)."""
+    reused_buffers: int = 0
+    """Loads that read into the host buffers of an evicted value instead of fresh memory."""
 
 
 class _IO:
@@ -173,6 +176,8 @@ class _Actor:
         # Counters; foreign-thread hits are counted under a lock and their recency replayed.
         self._hits = self._misses = self._loads = self._bytes_read = 0
         self._evictions = self._write_backs = self._bytes_written = self._load_errors = 0
+        self._reused_buffers = 0
+        self.spares = SpareBuffers()
         self._foreign_lock = threading.Lock()
         self._foreign_hits = 0
         self._foreign_touches: deque[int] = deque()
@@ -250,6 +255,7 @@ class _Actor:
             write_backs=self._write_backs,
             bytes_written=self._bytes_written,
             load_errors=self._load_errors,
+            reused_buffers=self._reused_buffers,
         )
 
     def count_foreign_hit(self, key: int) -> None:
@@ -294,6 +300,7 @@ class _Actor:
         self.check_open()
         self._replay_touches()
         entry = self._entry_for(source, device)
+        self.policy.access(entry.key)
         if entry.value is not None:
             self._hits += 1
             self.policy.touch(entry.key)
@@ -329,6 +336,8 @@ class _Actor:
         entry = ticket.entry
         if entry is None or self.entries.get(entry.key) is not entry:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
+        if ticket.first_try:
+            self.policy.access(entry.key)
         if entry.value is not None and not (ticket.read_write and entry.write is not None):
             if ticket.first_try:
                 self._hits += 1
@@ -394,6 +403,12 @@ class _Actor:
         self._maybe_release(entry)
         self.enforce()
 
+    def declare_schedule(self, keys: list[int]) -> None:
+        self.drain()
+        self.check_open()
+        if isinstance(self.policy, ScheduledPolicy):
+            self.policy.declare(keys)
+
     def is_pinned(self, source: OffloadedTensor) -> bool:
         entry = self.entries.get(id(source))
         return entry is not None and entry.pinned
@@ -427,6 +442,10 @@ class _Actor:
     def _start_load(self, entry: _Entry) -> None:
         io = entry.load = _IO("load")
         self._jobs.add(io)
+        out = None
+        if entry.device.type == "cpu":
+            out = self.spares.take(entry.source.storage_key)
+            self._reused_buffers += out is not None
 
         async def job() -> None:
             value: torch.Tensor | None = None
@@ -435,7 +454,7 @@ class _Actor:
                 async with self._limiter:
                     # Shielded: the worker thread reads into the buffer until it is done.
                     with anyio.CancelScope(shield=True):
-                        value = await entry.source._aload(entry.device)
+                        value = await entry.source._aload(entry.device, out)
             except Exception as exc:
                 error = exc
             self._on_loaded(entry, io, value, error)
@@ -516,10 +535,14 @@ class _Actor:
         del self.entries[entry.key]
         self.published.pop(entry.key, None)
         self.policy.forget(entry.key, entry.nbytes, entry.retained)
-        if entry.value is not None:
+        value, entry.value = entry.value, None
+        if value is not None:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
-        entry.value = None
+            if entry.device.type == "cpu":
+                buffers = entry.source._host_buffers(value)
+                if buffers is not None:
+                    self.spares.offer(entry.source.storage_key, entry.nbytes, value, buffers)
 
     def _start_write(self, entry: _Entry) -> _IO:
         io = entry.write = _IO("write")
@@ -628,6 +651,7 @@ class _Actor:
     def finish_close(self) -> None:
         for entry in list(self.entries.values()):
             self._remove(entry)
+        self.spares.clear()
         self.closing = False
         self.closed = True
 

@@ -12,7 +12,14 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
-__all__ = ["FixedPolicy", "LRUPolicy", "ResidencyStrategy", "RetentionPolicy", "make_policy"]
+__all__ = [
+    "FixedPolicy",
+    "LRUPolicy",
+    "ResidencyStrategy",
+    "RetentionPolicy",
+    "ScheduledPolicy",
+    "make_policy",
+]
 
 
 class ResidencyStrategy(enum.Enum):
@@ -25,10 +32,18 @@ class ResidencyStrategy(enum.Enum):
         Admit the first values that fit the budget (first fit, in completion order) and keep
         them for the pool's lifetime; later values are delivered to their callers and dropped
         once no lease holds them. Rejects manual pins.
+    ``SCHEDULED``
+        Follow a cyclic access order (declared with
+        :meth:`TensorResidencyPool.declare_schedule`, by :func:`stream_modules`, or learnt
+        from the first pass) and evict the value whose next use is farthest away, the value
+        just loaded included, so a pass bigger than the budget keeps a stable subset instead
+        of missing on every access as LRU does. Before it knows the order it behaves as LRU.
+        Supports manual pins.
     """
 
     LRU = "lru"
     FIXED = "fixed"
+    SCHEDULED = "scheduled"
 
 
 class RetentionPolicy:
@@ -68,9 +83,12 @@ class RetentionPolicy:
         self._doomed.pop(key, None)
 
     def touch(self, key: int) -> None:
-        """The value was used."""
+        """The value was used (a request, a lease ending)."""
         if key in self._evictable:
             self._evictable.move_to_end(key)
+
+    def access(self, key: int) -> None:
+        """A consumer asked for the value (resolve or acquire; not a prefetch)."""
 
     def forget(self, key: int, nbytes: int, retained: bool) -> None:
         """The value left the pool."""
@@ -83,11 +101,19 @@ class RetentionPolicy:
         chosen = list(self._doomed)
         freed = sum(self._doomed.values())
         self._doomed.clear()
-        while freed < excess and self._evictable:
-            key, nbytes = self._evictable.popitem(last=False)
-            chosen.append(key)
-            freed += nbytes
+        while freed < excess:
+            picked = self._pop_victim()
+            if picked is None:
+                break
+            chosen.append(picked[0])
+            freed += picked[1]
         return chosen
+
+    def _pop_victim(self) -> tuple[int, int] | None:
+        """Remove and return the next retained value to evict, as ``(key, nbytes)``."""
+        if not self._evictable:
+            return None
+        return self._evictable.popitem(last=False)
 
     def evictable_bytes(self) -> int:
         """Bytes of the retained, evictable values (O(n); for invariant checks in tests)."""
@@ -130,8 +156,139 @@ class FixedPolicy(RetentionPolicy):
             self.admitted_bytes -= nbytes
 
 
+class _Fenwick:
+    """Counts over positions ``0..n-1`` with O(log n) update, prefix sum and k-th search."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.total = 0
+        self._tree = [0] * (size + 1)
+        self._top = 1 << max(size.bit_length() - 1, 0)
+
+    def add(self, index: int, delta: int) -> None:
+        self.total += delta
+        i = index + 1
+        while i <= self.size:
+            self._tree[i] += delta
+            i += i & -i
+
+    def prefix(self, index: int) -> int:
+        """Sum over positions ``0..index``."""
+        total, i = 0, index + 1
+        while i > 0:
+            total += self._tree[i]
+            i -= i & -i
+        return total
+
+    def kth(self, k: int) -> int:
+        """The smallest position whose prefix sum reaches ``k`` (1-based)."""
+        position, step = 0, self._top
+        while step:
+            nxt = position + step
+            if nxt <= self.size and self._tree[nxt] < k:
+                position = nxt
+                k -= self._tree[nxt]
+            step >>= 1
+        return position
+
+
+class ScheduledPolicy(RetentionPolicy):
+    """Farthest-next-use retention over a cyclic schedule (see
+    :attr:`ResidencyStrategy.SCHEDULED`).
+
+    With every key used once per pass, the evictable value used farthest in the future is the
+    one whose position lies just behind the consumer's (cyclically): a predecessor search in a
+    Fenwick tree over schedule positions, O(log n). Keys outside the schedule go first, in LRU
+    order.
+    """
+
+    strategy = ResidencyStrategy.SCHEDULED
+
+    def __init__(self, budget: int | None) -> None:
+        super().__init__(budget)
+        self._position: dict[int, int] = {}
+        self._order: list[int] = []
+        self._tree = _Fenwick(0)
+        self._scheduled: dict[int, int] = {}  # evictable scheduled keys -> nbytes
+        self._cursor = -1
+        self._learning: list[int] = []
+        self._learnt: set[int] = set()
+
+    # -- the schedule ----------------------------------------------------------------------------
+    @property
+    def schedule_known(self) -> bool:
+        return bool(self._order)
+
+    def declare(self, keys: list[int]) -> None:
+        """Use ``keys`` (one pass, in order; repeats ignored) as the cyclic schedule."""
+        order = list(dict.fromkeys(keys))
+        evictable = {**self._evictable, **self._scheduled}
+        self._evictable = OrderedDict()
+        self._scheduled = {}
+        self._order = order
+        self._position = {key: i for i, key in enumerate(order)}
+        self._tree = _Fenwick(len(order))
+        self._cursor = -1
+        self._learning = []
+        self._learnt = set()
+        for key, nbytes in evictable.items():
+            self._insert(key, nbytes)
+
+    def access(self, key: int) -> None:
+        position = self._position.get(key)
+        if position is not None:
+            self._cursor = position
+            return
+        if self._order:
+            return
+        if key in self._learnt:  # the first pass is over: it is the schedule
+            self.declare(self._learning)
+            self._cursor = self._position[key]
+            return
+        self._learnt.add(key)
+        self._learning.append(key)
+
+    # -- evictable set ---------------------------------------------------------------------------
+    def _insert(self, key: int, nbytes: int) -> None:
+        position = self._position.get(key)
+        if position is None:
+            self._evictable[key] = nbytes
+        elif key not in self._scheduled:
+            self._scheduled[key] = nbytes
+            self._tree.add(position, 1)
+
+    def release(self, key: int, nbytes: int, retained: bool) -> None:
+        if retained:
+            self._insert(key, nbytes)
+        else:
+            self._doomed[key] = nbytes
+
+    def hold(self, key: int) -> None:
+        super().hold(key)
+        if self._scheduled.pop(key, None) is not None:
+            self._tree.add(self._position[key], -1)
+
+    def _pop_victim(self) -> tuple[int, int] | None:
+        picked = super()._pop_victim()  # keys outside the schedule go first
+        if picked is not None or not self._scheduled:
+            return picked
+        key = self._farthest()
+        self._tree.add(self._position[key], -1)
+        return key, self._scheduled.pop(key)
+
+    def _farthest(self) -> int:
+        tree = self._tree
+        behind = tree.prefix(self._cursor) if self._cursor >= 0 else 0
+        return self._order[tree.kth(behind if behind else tree.total)]
+
+    def evictable_bytes(self) -> int:
+        return super().evictable_bytes() + sum(self._scheduled.values())
+
+
 def make_policy(strategy: ResidencyStrategy, budget: int | None) -> RetentionPolicy:
     """Return a fresh policy implementing ``strategy`` under ``budget`` bytes."""
     if strategy is ResidencyStrategy.LRU:
         return LRUPolicy(budget)
+    if strategy is ResidencyStrategy.SCHEDULED:
+        return ScheduledPolicy(budget)
     return FixedPolicy(budget)

@@ -6,7 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -136,7 +136,7 @@ class TensorResidencyLease:
     dirty when it ends, and the pool writes it back before evicting it, on flush and on close.
     """
 
-    __slots__ = ("_device", "_entry", "_mode", "_pool", "_source")
+    __slots__ = ("_device", "_entry", "_mode", "_pool", "_reply", "_source", "_ticket")
 
     def __init__(
         self, pool: TensorResidencyPool, source: OffloadedTensor, device: torch.device, mode: str
@@ -146,6 +146,8 @@ class TensorResidencyLease:
         self._device = device
         self._mode = mode
         self._entry: _Entry | None = None
+        self._ticket: _Ticket | None = None
+        self._reply: concurrent.futures.Future[Any] | None = None
 
     @property
     def mode(self) -> str:
@@ -157,7 +159,29 @@ class TensorResidencyLease:
             raise T2NErrorMisuse("this lease is already held: a lease can be entered once")
         return _Ticket(self._source, self._device, self._mode == "read_write")
 
+    def _begin(self) -> None:
+        """Start acquiring without waiting, so that ``__enter__`` later finds the value loaded.
+
+        Only from a thread other than the pool's loop thread (elsewhere it does nothing). A
+        begun lease holds its value as soon as it is loaded: enter it, or :meth:`_cancel` it.
+        """
+        pool = self._pool
+        pool._ensure_running()
+        if self._ticket is None and not pool._host.on_loop_thread():
+            self._ticket = self._check_unused()
+            self._reply = pool._acquire_begin(self._ticket)
+
+    def _cancel(self) -> None:
+        """Drop a begun lease that will not be entered."""
+        ticket, self._ticket, self._reply = self._ticket, None, None
+        if ticket is not None and self._entry is None:
+            self._pool._acquire_cancel(ticket)
+
     def __enter__(self) -> torch.Tensor:
+        if self._reply is not None and self._ticket is not None:
+            ticket, reply, self._reply = self._ticket, self._reply, None
+            value, self._entry = self._pool._acquire_wait(ticket, reply)
+            return value
         ticket = self._check_unused()
         value, self._entry = self._pool._acquire_sync(ticket)
         return value
@@ -169,6 +193,7 @@ class TensorResidencyLease:
         tb: TracebackType | None,
     ) -> None:
         entry, self._entry = self._entry, None
+        self._ticket = None
         if entry is not None:
             self._pool._release(entry, self._mode == "read_write")
 
@@ -527,6 +552,12 @@ class TensorResidencyPool:
             assert ticket.entry is not None
             return result, ticket.entry
 
+        return self._acquire_wait(ticket, self._acquire_begin(ticket))
+
+    def _acquire_begin(self, ticket: _Ticket) -> concurrent.futures.Future[Any]:
+        """Send an acquire from a foreign thread; its reply completes once the lease is granted."""
+        actor = self._actor
+
         def run(reply: concurrent.futures.Future[Any]) -> Any:
             def attempt() -> None:
                 if ticket.abandoned or reply.done():
@@ -553,13 +584,22 @@ class TensorResidencyPool:
             attempt()
             return _PENDING
 
-        reply = self._send(run)
+        return self._send(run)
+
+    def _acquire_wait(
+        self, ticket: _Ticket, reply: concurrent.futures.Future[Any]
+    ) -> tuple[torch.Tensor, _Entry]:
         try:
             return reply.result()  # type: ignore[no-any-return]
         except BaseException:
             if not reply.done():  # interrupted while waiting: drop the reservation or lease
-                self._post(lambda: actor.abandon(ticket))
+                self._post(lambda: self._actor.abandon(ticket))
             raise
+
+    def _acquire_cancel(self, ticket: _Ticket) -> None:
+        """Drop an acquire that was begun and will never be entered (any thread)."""
+        if self._host.running:
+            self._simple(lambda: self._actor.abandon(ticket))
 
     async def _acquire_async(self, ticket: _Ticket) -> tuple[torch.Tensor, _Entry]:
         actor = self._actor
@@ -662,6 +702,19 @@ class TensorResidencyPool:
             self._actor.check_open()
             return step()  # nothing is loaded yet: no loop, no contention
         return self._send(lambda reply: step()).result()
+
+    def declare_schedule(self, sources: Iterable[OffloadedTensor]) -> None:
+        """Declare the cyclic order in which ``sources`` are used (one pass).
+
+        ``ResidencyStrategy.SCHEDULED`` then evicts the value whose next use is farthest away;
+        without a declaration it learns the order from the first pass. Other strategies
+        ignore the schedule. :func:`stream_modules` declares it for you.
+        """
+        keys = []
+        for source in sources:
+            self._check_source(source)
+            keys.append(id(source))
+        self._simple(lambda: self._actor.declare_schedule(keys))
 
     # ------------------------------------------------------------------------------------------
     # evict / flush / close

@@ -1,0 +1,194 @@
+"""Prefetch-ahead streaming of a model's layers through a residency pool."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Iterable, Sequence
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import offload as _offload
+from torch_to_nnef.tensor.residency._scope import _ACTIVE_RESIDENCY
+
+if TYPE_CHECKING:
+    from torch_to_nnef.tensor.offload import OffloadedTensor
+    from torch_to_nnef.tensor.residency._pool import (
+        TDevice,
+        TensorResidencyLease,
+        TensorResidencyPool,
+    )
+
+__all__ = ["ModuleStream", "stream_modules"]
+
+
+def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
+    found: dict[int, OffloadedTensor] = {}
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if isinstance(tensor, _offload.OffloadedTensor):
+            found.setdefault(id(tensor), tensor)
+    return list(found.values())
+
+
+class ModuleStream:
+    """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
+
+    A context manager: leaving it (or :meth:`close`) removes the hooks.
+    """
+
+    def __init__(
+        self,
+        pool: TensorResidencyPool,
+        modules: Sequence[torch.nn.Module],
+        depth: int = 1,
+        device: TDevice | None = None,
+    ) -> None:
+        if not isinstance(depth, int) or depth < 0:
+            raise T2NErrorMisuse(f"depth must be an int >= 0, got {depth!r}")
+        self.pool = pool
+        self.depth = depth
+        self.device = device
+        self.groups = [_offloaded_tensors(m) for m in modules]
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._begun_everywhere: list[dict[int, list[TensorResidencyLease]]] = []
+        self._handles: list[Any] = []
+        pool.declare_schedule(t for group in self.groups for t in group)
+        for index, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
+            self._handles.append(
+                module.register_forward_hook(self._post_hook(index), always_call=True)
+            )
+
+    # -- hooks -------------------------------------------------------------------------------
+    def _state(self) -> tuple[dict[int, list[Any]], dict[int, list[TensorResidencyLease]]]:
+        """This thread's held leases (a stack per module) and begun leases (by module)."""
+        local = self._local
+        if not hasattr(local, "held"):
+            local.held = {}
+            local.begun = {}
+            with self._lock:
+                self._begun_everywhere.append(local.begun)
+        return local.held, local.begun
+
+    def _begin(self, index: int, begun: dict[int, list[TensorResidencyLease]]) -> None:
+        """Start leasing module ``index``'s tensors, so they are loaded and held in time."""
+        if index in begun:
+            return
+        leases = []
+        for tensor in self.groups[index]:
+            lease = self.pool.acquire(tensor, self.device)
+            lease._begin()
+            if lease._reply is None:  # on the loop thread: a plain prefetch instead
+                self.pool.prefetch(tensor, self.device)
+            leases.append(lease)
+        begun[index] = leases
+
+    def _pre_hook(self, index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            pool = self.pool
+            held, begun = self._state()
+            token = None
+            if _ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
+                device = None if self.device is None else torch.device(self.device)
+                token = _ACTIVE_RESIDENCY.set((pool, device))
+            entered: list[TensorResidencyLease] = []
+            try:
+                self._begin(index, begun)
+                for lease in begun.pop(index):
+                    lease.__enter__()
+                    entered.append(lease)
+                count = len(self.groups)
+                for step in range(1, min(self.depth, count - 1) + 1):
+                    ahead = index + step
+                    if ahead < count:
+                        self._begin(ahead, begun)
+                    else:  # the next forward's first modules: loaded, not held
+                        for tensor in self.groups[ahead % count]:
+                            pool.prefetch(tensor, self.device)
+            except BaseException:
+                for lease in entered:
+                    lease.__exit__(None, None, None)
+                if token is not None:
+                    _ACTIVE_RESIDENCY.reset(token)
+                raise
+            held.setdefault(index, []).append((token, entered))
+
+        return hook
+
+    def _post_hook(self, index: int) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            held, begun = self._state()
+            if sys.exc_info()[1] is not None:
+                # The forward is failing: drop what was begun for modules that will not run.
+                for leases in begun.values():
+                    for lease in leases:
+                        lease._cancel()
+                begun.clear()
+            stack = held.get(index)
+            if not stack:
+                return  # the pre-hook failed: nothing is held
+            token, entered = stack.pop()
+            for lease in entered:
+                lease.__exit__(None, None, None)
+            if token is not None:
+                _ACTIVE_RESIDENCY.reset(token)
+
+        return hook
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Remove the hooks and drop leases begun for modules that did not run (idempotent)."""
+        handles, self._handles = self._handles, []
+        for handle in handles:
+            handle.remove()
+        with self._lock:
+            begun_everywhere, self._begun_everywhere = self._begun_everywhere, []
+        for begun in begun_everywhere:
+            for leases in begun.values():
+                for lease in leases:
+                    lease._cancel()
+            begun.clear()
+
+    def __enter__(self) -> ModuleStream:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def stream_modules(
+    pool: TensorResidencyPool,
+    modules: Iterable[torch.nn.Module],
+    depth: int = 1,
+    device: TDevice | None = None,
+) -> ModuleStream:
+    """Stream ``modules`` (in execution order) through ``pool``, prefetching ahead.
+
+    When module ``i`` starts (a forward pre-hook), its offloaded parameters and buffers are
+    leased and leases on those of modules ``i+1 .. i+depth`` begin: they load in the
+    background and stay held until their module has run, whatever the strategy. Past the
+    last module, the next forward's first modules are prefetched (loaded, not held). Leases
+    end when their module returns, even on error. The access order is declared to the pool, so
+    ``ResidencyStrategy.SCHEDULED`` knows it from the first pass. A forward outside a
+    ``pool.scope()`` is served by the pool too. Works for sync forwards, forwards in
+    ``anyio.to_thread.run_sync`` workers and several concurrent forwards.
+
+    Args:
+        pool: the pool that serves the values.
+        modules: the layers, in the order the forward runs them (transformer blocks, stages).
+        depth: how many modules ahead to prefetch (0: none).
+        device: where values are delivered (default: each tensor's target device).
+
+    Returns:
+        a :class:`ModuleStream`; close it (or leave its ``with`` block) to remove the hooks.
+    """
+    return ModuleStream(pool, list(modules), depth, device)

@@ -1,0 +1,109 @@
+"""Prefetch-ahead streaming of a model bigger than the pool's budget."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import pytest
+import torch
+
+from torch_to_nnef.tensor.checkpoint import offload_module
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import (
+    ResidencyStrategy,
+    TensorResidencyPool,
+    active_tensor_residency,
+    stream_modules,
+)
+
+pytestmark = [pytest.mark.timeout(60)]
+WIDTH = 64
+LAYER_BYTES = (WIDTH * WIDTH + WIDTH) * 4
+
+
+class Blocks(torch.nn.Module):
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(WIDTH, WIDTH) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x
+
+
+def offloaded_blocks(tmp_path: Path, count: int = 12) -> tuple[Blocks, Blocks]:
+    dense = Blocks(count)
+    model = Blocks(count)
+    offload_module(model, tmp_path)
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+    return dense, model
+
+
+@pytest.mark.parametrize("depth", [0, 1, 2])
+def test_sync_forward_streams_under_the_budget(tmp_path: Path, depth: int) -> None:
+    dense, model = offloaded_blocks(tmp_path)
+    x = torch.randn(4, WIDTH)
+    with TensorResidencyPool(max_cached_bytes=3 * LAYER_BYTES) as pool:
+        with stream_modules(pool, model.blocks, depth=depth) as stream:
+            for _ in range(3):
+                assert torch.allclose(model(x), dense(x), atol=1e-6)
+                assert pool.resident_bytes <= 3 * LAYER_BYTES
+                assert active_tensor_residency() is None  # the hooks restore the context
+            assert pool._actor.leased_entries == 0
+        stats = pool.stats()
+        assert stats.loads >= 24 * 3 * 2 // 3  # most values were read again each pass
+        hooks = [m._forward_pre_hooks for m in model.blocks] + [m._forward_hooks for m in model.blocks]
+        assert not any(hooks), "closing the stream removes its hooks"
+        stream.close()  # idempotent
+
+
+def test_forward_in_worker_threads_and_concurrent_requests(tmp_path: Path) -> None:
+    dense, model = offloaded_blocks(tmp_path)
+    inputs = [torch.randn(2, WIDTH) for _ in range(8)]
+
+    async def serve() -> list[torch.Tensor]:
+        async with TensorResidencyPool(max_cached_bytes=4 * LAYER_BYTES, max_workers=2) as pool:
+            results: list[torch.Tensor] = [torch.empty(0)] * len(inputs)
+            with stream_modules(pool, model.blocks, depth=1):
+
+                async def request(i: int) -> None:
+                    results[i] = await anyio.to_thread.run_sync(model, inputs[i])
+
+                async with anyio.create_task_group() as tg:
+                    for i in range(len(inputs)):
+                        tg.start_soon(request, i)
+            assert pool._actor.leased_entries == 0
+            return results
+
+    for x, y in zip(inputs, anyio.run(serve), strict=True):
+        assert torch.allclose(y, dense(x), atol=1e-6)
+
+
+def test_leases_are_released_when_a_layer_raises(tmp_path: Path) -> None:
+    _, model = offloaded_blocks(tmp_path, count=3)
+    with TensorResidencyPool() as pool, stream_modules(pool, model.blocks):
+        with pytest.raises(RuntimeError):
+            model(torch.randn(2, WIDTH + 1))
+        assert pool._actor.leased_entries == 0
+
+
+@pytest.mark.parametrize("strategy", list(ResidencyStrategy))
+def test_strategies_on_the_streaming_workload(tmp_path: Path, strategy: ResidencyStrategy) -> None:
+    dense, model = offloaded_blocks(tmp_path, count=16)
+    x = torch.randn(2, WIDTH)
+    budget = 6 * LAYER_BYTES
+    passes, accesses = 6, 6 * 32
+    with TensorResidencyPool(max_cached_bytes=budget, strategy=strategy) as pool:
+        with pool.scope(), stream_modules(pool, model.blocks, depth=1):
+            for _ in range(passes):
+                assert torch.allclose(model(x), dense(x), atol=1e-6)
+        stats = pool.stats()
+    # Accesses served without a disk read.
+    served = 1 - stats.loads / accesses
+    if strategy is ResidencyStrategy.LRU:
+        assert served < 0.05, "a cyclic scan bigger than the budget defeats LRU"
+    else:
+        assert served > 0.15, f"{strategy}: only {served:.2f} of accesses served from memory"
