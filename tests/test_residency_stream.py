@@ -55,7 +55,9 @@ def test_sync_forward_streams_under_the_budget(tmp_path: Path, depth: int) -> No
             assert pool._actor.leased_entries == 0
         stats = pool.stats()
         assert stats.loads >= 24 * 3 * 2 // 3  # most values were read again each pass
-        hooks = [m._forward_pre_hooks for m in model.blocks] + [m._forward_hooks for m in model.blocks]
+        hooks = [m._forward_pre_hooks for m in model.blocks] + [
+            m._forward_hooks for m in model.blocks
+        ]
         assert not any(hooks), "closing the stream removes its hooks"
         stream.close()  # idempotent
 

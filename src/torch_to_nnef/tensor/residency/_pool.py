@@ -498,7 +498,8 @@ class TensorResidencyPool:
         """Async twin of :meth:`resolve`: await the value without blocking the loop."""
         target = self._target(source, device)
         if not self._host.on_loop_thread():
-            return await self._foreign_async(lambda: self.aresolve(source, target))
+            value: torch.Tensor = await self._foreign_async(lambda: self.aresolve(source, target))
+            return value
         result = self._actor.resolve_step(source, target)
         if isinstance(result, _IO):
             await result.wait()

@@ -69,7 +69,7 @@ class SpareBuffers:
             if spare.free():
                 self._drop(spare)
                 return {
-                    name: torch.empty(0, dtype=dtype).set_(spare.storages[name], 0, shape)
+                    name: torch.empty(0, dtype=dtype).set_(spare.storages[name]).view(shape)
                     for name, dtype, shape in key
                 }
         return None
