@@ -31,6 +31,7 @@ from torch_to_nnef.tensor.quant import (
     QTensorTractScaleOnly,
     fp_to_tract_q4_0_with_min_max_calibration,
 )
+from torch_to_nnef.tensor.residency import TensorResidencyPool
 
 
 def seeded(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.Tensor:
@@ -144,6 +145,19 @@ def test_payload_is_a_safetensors_file(offloaded: OffloadedTensor, weight: torch
         assert torch.equal(handle.get_tensor(key), weight)
     assert offloaded.offload_path.parent == offloaded.offload_dir
     assert offloaded.owns_payload
+
+
+def test_reload_inside_a_residency_scope_goes_through_the_pool(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    x = seeded(3, 8, seed=7)
+    with TensorResidencyPool(max_cached_bytes=1 << 20) as pool, pool.scope():
+        first = F.linear(x, offloaded)
+        second = F.linear(x, offloaded)
+        assert pool.is_resident(offloaded)
+        assert torch.equal(offloaded.reload(), weight)
+        assert pool.stats().loads == 1
+    assert torch.equal(first, F.linear(x, weight)) and torch.equal(second, first)
 
 
 def test_reload_on_another_device_keeps_the_target(offloaded: OffloadedTensor) -> None:
@@ -382,6 +396,7 @@ def test_len_and_metadata_do_not_load(offloaded: OffloadedTensor) -> None:
 
 def test_repr_and_hash(offloaded: OffloadedTensor, tmp_path: Path) -> None:
     text = repr(offloaded)
+    assert offloaded.name == "layers.0.weight"
     for part in ("OffloadedTensor", "layers.0.weight", "(6, 8)", "torch.float32", "cpu"):
         assert part in text
     assert str(offloaded.offload_path) in text

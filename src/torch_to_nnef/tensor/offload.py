@@ -652,6 +652,11 @@ class OffloadedTensor(OpaqueTensor):
         )
 
     # -- what the tensor stands for ----------------------------------------------------------
+    @property  # type: ignore[override]
+    def name(self) -> str:  # type: ignore[override]
+        """The tensor's name (its PyTorch path, typically), as given at creation."""
+        return self._name
+
     @property
     def target_device(self) -> torch.device:
         """The device :meth:`reload` delivers the value to (the tensor's ``device``)."""
