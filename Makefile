@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[test,bench,demo]"
+	$(PY) -m pip install -q -e ".[test,bench,demo,docs]"
 	touch $(STAMP)
 
 lint: install
@@ -28,17 +28,20 @@ pytest: install
 
 test: lint typecheck pytest
 
-demo:
-	@echo "make demo: the streaming demo is not built yet" >&2; exit 1
+# The main job: stream a synthetic model bigger than its memory budget (flags: DEMO_ARGS=...).
+demo: install
+	$(VENV)/bin/t2n-residency demo $(DEMO_ARGS)
 
-bench:
-	@echo "make bench: the benchmark suite is not built yet" >&2; exit 1
+# Every benchmark, results in benchmarks/results/ (JSON, summary.md, timeline.png).
+bench: install
+	$(PY) benchmarks/run_all.py
 
-stress:
-	@echo "make stress: the stress suite is not built yet" >&2; exit 1
+# Longer fault, load and leak runs than the bounded ones inside `make test`.
+stress: install
+	$(PY) tests/stress/run.py
 
-docs:
-	@echo "make docs: the documentation site is not built yet" >&2; exit 1
+docs: install
+	$(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
