@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import re
 import signal
@@ -21,7 +22,7 @@ from safetensors import safe_open
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.opaque import OpaqueTensor, SupportsOffloadState
-from torch_to_nnef.tensor.storage._buffers import byte_view, tensor_pieces
+from torch_to_nnef.tensor.storage._buffers import advise_huge_pages, byte_view, tensor_pieces
 from torch_to_nnef.tensor.storage._device import _copy_stream, _should_pin
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
 
@@ -284,6 +285,14 @@ def test_allocate_honours_pin_memory_only_with_cuda(three: Any) -> None:
     assert not any(b.is_pinned() for b in storage.allocate(layout, pin_memory=False).values())
 
 
+def test_huge_page_hint_applies_to_large_fresh_buffers_only() -> None:
+    assert advise_huge_pages(torch.empty(1000)) is False
+    large = torch.arange(4 << 20, dtype=torch.float32)
+    hinted = advise_huge_pages(large)
+    assert hinted is (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"))
+    assert torch.equal(large, torch.arange(4 << 20, dtype=torch.float32))  # values untouched
+
+
 # ---------------------------------------------------------------------------------------------
 # Devices
 # ---------------------------------------------------------------------------------------------
@@ -393,6 +402,13 @@ def test_unstorable_input_is_misuse(
 ) -> None:
     with pytest.raises(T2NErrorMisuse, match=message):
         storage.write_payload(tmp_path / "p.safetensors", tensors, metadata)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_header_over_the_reader_limit_is_refused_by_the_writer(tmp_path: Path) -> None:
+    metadata = {"big": "x" * storage.MAX_HEADER_BYTES}
+    with pytest.raises(T2NErrorMisuse, match="over the 104857600 bytes readers accept"):
+        storage.write_payload(tmp_path / "p.safetensors", {"w": torch.zeros(1)}, metadata)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -607,3 +623,29 @@ def test_public_api_is_exactly_exported() -> None:
     )
     assert storage.DATA_ALIGNMENT == 4096
     assert storage.MAX_HEADER_BYTES == 100 * 1024 * 1024
+
+
+@pytest.mark.timeout(60)
+def test_storage_benchmark_runs_in_quick_mode(tmp_path: Path) -> None:
+    script = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_storage.py"
+    output = tmp_path / "storage.json"
+    completed = subprocess.run(
+        [sys.executable, str(script), "--quick", "--output", str(output)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert completed.returncode == 0, completed.stderr
+    assert "f.readinto (reference)" in completed.stdout
+    document = json.loads(output.read_text())
+    assert document["benchmark"] == "storage" and document["config"]["quick"] is True
+    methods = {row["method"]: row for row in document["results"]}
+    assert {
+        "sync, fresh buffers",
+        "sync, reused buffers",
+        "async, 1 worker",
+        "async, 2 workers",
+    } <= set(methods)
+    assert all(row["gbps_best"] > 0 for row in methods.values())
+    assert methods["f.readinto (reference)"]["ratio_vs_reference"] == 1.0

@@ -215,7 +215,7 @@ async def awrite_payload(
             loop.run_in_executor(executor, functools.partial(atomic.commit, fsync=fsync))
         )
     except OSError as exc:
-        raise write_error(path, exc) from exc
+        raise write_error(path, exc, replaced=atomic.replaced) from exc
     finally:
         await _uncancellable(loop.run_in_executor(executor, atomic.discard))
     return committed_layout(path, plan, stat)

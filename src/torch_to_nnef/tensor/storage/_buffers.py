@@ -3,12 +3,19 @@
 Readers fill tensors through :func:`byte_view`, a writable ``memoryview`` over the tensor's own
 memory (no numpy, no intermediate ``bytes``); writers send tensor memory to the file the same
 way, staging non-contiguous tensors through a bounded buffer instead of a full copy.
+
+Fresh buffers of a few MiB or more are advised to use transparent huge pages on Linux: filling
+new memory then costs one page fault per 2 MiB instead of one per 4 KiB, which more than
+doubles the throughput of reads into fresh buffers.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Iterable, Iterator, Mapping
+import functools
+import mmap
+import sys
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +30,10 @@ __all__ = ["allocate"]
 STAGING_BYTES = 16 * 1024 * 1024
 """Size of the staging buffer through which non-contiguous tensors are written."""
 
+HUGE_PAGE_BYTES = 2 * 1024 * 1024
+HUGE_PAGE_MIN_BUFFER_BYTES = 2 * HUGE_PAGE_BYTES
+"""Fresh buffers at least this large are advised to use transparent huge pages."""
+
 
 def byte_view(tensor: torch.Tensor) -> memoryview:
     """A flat, writable ``memoryview`` of the bytes of a dense CPU tensor, without copying.
@@ -36,6 +47,42 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     array = (ctypes.c_char * nbytes).from_address(tensor.data_ptr())
     array._t2n_owner = tensor  # type: ignore[attr-defined]  # the view's base keeps it alive
     return memoryview(array).cast("B")
+
+
+@functools.cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is None or not sys.platform.startswith("linux"):
+        return None
+    function = ctypes.CDLL(None, use_errno=True).madvise
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function  # type: ignore[no-any-return]
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> bool:
+    """Hint Linux to back the 2 MiB-aligned interior of a large CPU buffer with huge pages.
+
+    Only a hint (``madvise(MADV_HUGEPAGE)``): it changes no value and its failure is ignored.
+
+    Returns:
+        whether the hint was given.
+    """
+    madvise = _madvise()
+    nbytes = tensor.numel() * tensor.element_size()
+    if madvise is None or nbytes < HUGE_PAGE_MIN_BUFFER_BYTES or tensor.device.type != "cpu":
+        return False
+    start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    end = (tensor.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    return end > start and madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
+
+
+def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
+    """An uninitialised CPU tensor to read into (pinned when ``pin``)."""
+    buffer = torch.empty(shape, dtype=dtype, pin_memory=pin)
+    if not pin:
+        advise_huge_pages(buffer)
+    return buffer
 
 
 # ---------------------------------------------------------------------------------------------
@@ -83,7 +130,7 @@ def allocate(
     """
     pin = pin_host_memory(pin_memory)
     return {
-        spec.name: torch.empty(spec.shape, dtype=spec.dtype, pin_memory=pin)
+        spec.name: empty_buffer(spec.shape, spec.dtype, pin=pin)
         for spec in select_entries(layout, names)
     }
 
@@ -117,14 +164,15 @@ def plan_read(
             f"out holds buffers for {unexpected}, which are not read from '{layout.path}' "
             f"(reading {sorted(wanted)}); pass only buffers for the requested entries"
         )
-    result: dict[str, torch.Tensor] = {}
     for spec in specs:
-        buffer = provided.get(spec.name)
-        if buffer is None:
-            buffer = torch.empty(spec.shape, dtype=spec.dtype)
-        else:
-            _check_out_buffer(layout, spec, buffer)
-        result[spec.name] = buffer
+        if spec.name in provided:
+            _check_out_buffer(layout, spec, provided[spec.name])
+    result = {
+        spec.name: provided[spec.name]
+        if spec.name in provided
+        else empty_buffer(spec.shape, spec.dtype)
+        for spec in specs
+    }
     jobs = [
         (spec.start, byte_view(result[spec.name]))
         for spec in sorted(specs, key=lambda spec: spec.start)

@@ -54,8 +54,8 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     ``non_blocking=True`` on the device's dedicated copy stream from a pinned host buffer (a
     pageable ``host`` is first staged into pinned memory), after the stream has waited for the
     work already queued on the current stream; the function synchronises that stream before
-    returning. Other devices use a plain blocking ``Tensor.to``. Safe to call from worker
-    threads.
+    returning. Other devices (and a ``host`` that is not on the CPU) use a plain blocking
+    ``Tensor.to``. Safe to call from worker threads.
 
     Args:
         host: a CPU tensor (typically a buffer filled by :func:`read_payload`).
@@ -65,10 +65,10 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         the tensor on ``device``, its values complete.
     """
     target = torch.device(device)
-    if target.type == "cpu":
+    if target.type == "cpu" and host.device.type == "cpu":
         return host
     stream = _copy_stream(target)
-    if stream is None:
+    if stream is None or host.device.type != "cpu":
         return host.to(target)
     index = _cuda_index(target)
     source = host if host.is_pinned() else _pinned_copy(host)

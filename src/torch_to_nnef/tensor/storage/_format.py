@@ -119,14 +119,15 @@ class PayloadLayout:
         entries: the entries by name, in file order (increasing ``start``).
         metadata: the header's ``"__metadata__"`` strings (``{}`` when absent).
         file_size: the file size in bytes when the layout was read or written.
+        identity: ``(st_dev, st_ino, st_size, st_mtime_ns)`` of that file, set by the readers
+            and writers of this package; reads refuse a file whose identity differs (it was
+            replaced or modified since). ``None`` (a layout built by hand) checks the size only.
     """
 
     path: Path
     entries: Mapping[str, EntrySpec]
     metadata: Mapping[str, str]
     file_size: int
-    # (st_dev, st_ino, st_size, st_mtime_ns) of the file the layout describes; the readers
-    # refuse a file that changed since, instead of returning data of another layout.
     identity: tuple[int, int, int, int] | None = field(
         default=None, repr=False, compare=False, kw_only=True
     )
@@ -186,7 +187,8 @@ def plan_header(
     data section starts at a multiple of :data:`DATA_ALIGNMENT`.
 
     Raises:
-        T2NErrorMisuse: a name is reserved or not valid UTF-8, or a dtype has no file code.
+        T2NErrorMisuse: a name is reserved or not valid Unicode, a dtype has no file code, or
+            the header would exceed :data:`MAX_HEADER_BYTES`.
     """
     ordered = sorted(specs, key=lambda spec: -_itemsize(spec[1]))
     offsets: list[tuple[str, torch.dtype, tuple[int, ...], int, int]] = []
@@ -214,6 +216,11 @@ def plan_header(
             f"in {exc.object[exc.start : exc.end]!r}"
         ) from exc
     padded = -(-(PREFIX_BYTES + len(text)) // DATA_ALIGNMENT) * DATA_ALIGNMENT - PREFIX_BYTES
+    if padded > MAX_HEADER_BYTES:
+        raise T2NErrorMisuse(
+            f"the payload header would take {padded} bytes, over the {MAX_HEADER_BYTES} bytes "
+            "readers accept; store fewer entries or less metadata per file"
+        )
     header = _LENGTH_PREFIX.pack(padded) + text + b" " * (padded - len(text))
     data_start = len(header)
     entries = {
@@ -269,7 +276,7 @@ def header_length(path: Path, prefix: bytes, file_size: int) -> int:
 
 
 def parse_header(
-    path: Path, raw: bytes, file_size: int
+    path: Path, raw: bytes | bytearray, file_size: int
 ) -> tuple[dict[str, EntrySpec], dict[str, str]]:
     """Validate the JSON header ``raw`` of a file of ``file_size`` bytes.
 
@@ -335,7 +342,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def _decode_json(path: Path, raw: bytes) -> dict[str, Any]:
+def _decode_json(path: Path, raw: bytes | bytearray) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:

@@ -191,7 +191,7 @@ def read_layout(path: str | os.PathLike[str]) -> PayloadLayout:
         pread_exact(fd, path, [memoryview(raw)], PREFIX_BYTES, "the header")
     finally:
         os.close(fd)
-    entries, metadata = parse_header(path, bytes(raw), stat.st_size)
+    entries, metadata = parse_header(path, raw, stat.st_size)
     return PayloadLayout(path, entries, metadata, stat.st_size, identity=file_identity(stat))
 
 
@@ -235,11 +235,15 @@ def read_payload(
 # ---------------------------------------------------------------------------------------------
 # Writing
 # ---------------------------------------------------------------------------------------------
-def write_error(path: Path, exc: OSError) -> T2NErrorStorage:
-    """The error for a failed write of the payload ``path``."""
+def write_error(path: Path, exc: OSError, *, replaced: bool) -> T2NErrorStorage:
+    """The error for a failed write of the payload ``path`` (``replaced``: after the rename)."""
+    outcome = (
+        "the new content is in place but may not survive a power loss"
+        if replaced
+        else "the previous content of the file, if any, is unchanged"
+    )
     return T2NErrorStorage(
-        f"cannot write payload file '{path}': {os_error_message(exc)}; the previous content "
-        "of the file, if any, is unchanged"
+        f"cannot write payload file '{path}': {os_error_message(exc)}; {outcome}"
     )
 
 
@@ -257,6 +261,7 @@ class AtomicFile:
         self.destination = destination
         self.temp: Path | None = None
         self.fd: int | None = None
+        self.replaced = False
 
     def create(self) -> None:
         """Create the temporary file under a fresh random name."""
@@ -296,6 +301,7 @@ class AtomicFile:
         os.close(fd)
         os.replace(self.temp, self.destination)
         self.temp = None
+        self.replaced = True
         if fsync:
             _fsync_directory(self.destination.parent)
         return stat
@@ -389,7 +395,7 @@ def write_payload(
                 atomic.write(piece)
         stat = atomic.commit(fsync=fsync)
     except OSError as exc:
-        raise write_error(path, exc) from exc
+        raise write_error(path, exc, replaced=atomic.replaced) from exc
     finally:
         atomic.discard()
     return committed_layout(path, plan, stat)
