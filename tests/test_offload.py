@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import hashlib
 import re
@@ -232,7 +233,7 @@ def test_set_routes_to_update_values(offloaded: OffloadedTensor) -> None:
         offloaded.set_(new, 0, (2, 24))
 
 
-def test_data_setter_routes_to_update_values(offloaded: OffloadedTensor) -> None:
+def test_data_setter_routes_to_update_values(offloaded: OffloadedTensor, tmp_path: Path) -> None:
     assert offloaded.data is offloaded
     new = seeded(6, 8, seed=5).half()
     offloaded.data = new
@@ -240,6 +241,13 @@ def test_data_setter_routes_to_update_values(offloaded: OffloadedTensor) -> None
     assert torch.equal(offloaded.reload(), new)
     offloaded.data = offloaded  # what nn.Module._apply does after an in-place .to()
     assert torch.equal(offloaded.reload(), new)
+    # The device of the new data becomes the target (here another offloaded tensor's).
+    elsewhere = OffloadedTensor(seeded(3, 3, seed=6), "cuda:0", tmp_path, "elsewhere")
+    offloaded.data = elsewhere
+    assert (offloaded.shape, offloaded.device) == ((3, 3), torch.device("cuda:0"))
+    assert torch.equal(offloaded.reload("cpu"), seeded(3, 3, seed=6))
+    with pytest.raises(T2NErrorMisuse, match="meta device"):
+        offloaded.data = torch.empty(3, 3, device="meta")
 
 
 def test_to_dtype_rewrites_the_payload(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
@@ -408,6 +416,26 @@ def test_repr_and_hash(offloaded: OffloadedTensor, tmp_path: Path) -> None:
     assert len({offloaded, other, offloaded}) == 2
 
 
+def test_deepcopy_keeps_models_offloaded(
+    weight: torch.Tensor, checkpoint: Path, tmp_path: Path
+) -> None:
+    model = nn.Sequential(nn.Linear(8, 6), nn.Linear(6, 8))
+    model[0].weight = nn.Parameter(
+        OffloadedTensor.from_original_tensor(weight, "0.weight", tmp_path), requires_grad=False
+    )
+    model.register_buffer("pointing", OffloadedTensor.from_safetensors(checkpoint, "a.weight"))
+    duplicate = copy.deepcopy(model)
+    copied, original = duplicate[0].weight, model[0].weight
+    assert isinstance(copied, OffloadedTensor) and isinstance(copied, nn.Parameter)
+    assert copied.offload_path != original.offload_path
+    assert copied.offload_path.parent == original.offload_path.parent
+    assert torch.equal(copied.reload(), weight)
+    copied.mul_(0)
+    assert torch.equal(original.reload(), weight)
+    assert duplicate.pointing.offload_path == model.pointing.offload_path  # same checkpoint
+    assert not duplicate.pointing.owns_payload
+
+
 def test_pickling_is_refused(offloaded: OffloadedTensor) -> None:
     import pickle
 
@@ -456,6 +484,8 @@ def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path)
     wrong = torch.empty(2, 2, device="meta")
     with pytest.raises(T2NErrorInconsistentTensor, match=re.escape("(2, 2)")):
         OffloadedTensor(wrong, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
+    gc.collect()
+    assert path.exists()  # a refused adoption takes nothing
     with pytest.raises(T2NErrorMisuse, match="storage_id"):
         OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor)
     with pytest.raises(T2NErrorStorage, match="No such file"):

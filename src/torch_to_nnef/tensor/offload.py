@@ -25,6 +25,7 @@ layout.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import logging
 import os
@@ -326,9 +327,6 @@ _INPLACE_OPERATORS = frozenset(
 # Trailing-underscore methods that do not write the tensor's values.
 _NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
 _WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
-# Functions that only read the shells' metadata, on top of those of OpaqueTensor. nn.Module._apply
-# asks the first one for every tensor on `model.to(...)`: it must not load anything.
-_METADATA_ONLY: frozenset[Callable[..., Any]] = frozenset({torch._has_compatible_shallow_copy_type})
 
 
 def _writes_first_argument(func: Callable[..., Any]) -> bool:
@@ -413,7 +411,6 @@ class OffloadedTensor(OpaqueTensor):
     _binding: _Binding
     _private: _PrivateDir | None
     _write_lock: threading.Lock
-    _payload_version: int
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -491,7 +488,7 @@ class OffloadedTensor(OpaqueTensor):
         directory = Path(offload_dir)
         path = storage.payload_path(directory, name, storage_id)
         layout = storage.read_layout(path)
-        binding = _bind_file(layout, _OwnedFile(path))
+        binding = _bind_file(layout, owned=None)  # owned only once every check passed
         if binding.opaque:
             # The shape and dtype of an opaque value are its own: decode it once to learn them.
             value = storage.decode_opaque(
@@ -508,7 +505,7 @@ class OffloadedTensor(OpaqueTensor):
             )
         _check_value_type(value_type, offloaded_tensor_type, name, error=T2NErrorInconsistentTensor)
         return cls._make(
-            binding,
+            dataclasses.replace(binding, owned=_OwnedFile(path)),
             shape=shape,
             dtype=dtype,
             device=device,
@@ -545,7 +542,6 @@ class OffloadedTensor(OpaqueTensor):
         self._binding = binding
         self._private = private
         self._write_lock = threading.Lock()
-        self._payload_version = 0
         return self
 
     # -- constructors ------------------------------------------------------------------------
@@ -705,6 +701,41 @@ class OffloadedTensor(OpaqueTensor):
             f"dtype={self.dtype}, device={self.device}, {where}{kind})"
         )
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
+        """An independent offloaded copy (``copy.deepcopy`` of a model keeps it offloaded).
+
+        A tensor pointing into a checkpoint is copied as another pointer into it; one owning
+        its payload gets a new payload file in the same directory (a private directory
+        stays private). Parameter status, target device, name and options are kept.
+        """
+        existing = memo.get(id(self))
+        if isinstance(existing, OffloadedTensor):
+            return existing
+        binding = self._binding
+        duplicate: OffloadedTensor
+        if binding.owned is None:
+            duplicate = type(self).from_safetensors(
+                binding.layout,
+                binding.names[_PLAIN_ENTRY],
+                offload_dir=self.offload_dir,
+                device=self.device,
+                name=self._name,
+            )
+            duplicate.force_gc_collect = self.force_gc_collect
+        else:
+            duplicate = type(self)(
+                self._reload_unmanaged(_CPU),
+                self.device,
+                None if self._private is not None else self.offload_dir,
+                self._name,
+                self.offloaded_tensor_type,
+                self.force_gc_collect,
+            )
+        if self.__dict__.get("_is_param"):
+            duplicate._is_param = True  # what nn.Parameter(duplicate, requires_grad=False) sets
+        memo[id(self)] = duplicate
+        return duplicate
+
     def __reduce_ex__(self, protocol: Any) -> Any:
         raise T2NErrorNotImplemented(
             f"OffloadedTensor {self._name!r} cannot be pickled: its value lives in "
@@ -847,12 +878,21 @@ class OffloadedTensor(OpaqueTensor):
                 both), or ``values`` is not a storable tensor.
             T2NErrorStorage: the file cannot be written (the old payload stays).
         """
+        self._replace_value(values, strict_shape, strict_dtype, device=None)
+
+    def _replace_value(
+        self,
+        values: torch.Tensor,
+        strict_shape: bool,
+        strict_dtype: bool,
+        device: torch.device | None,
+    ) -> None:
+        """Write ``values`` as the payload and, if ``device`` is given, retarget to it."""
         if values is self:
             return
         if isinstance(values, OffloadedTensor):
             values = values.reload(_CPU)
-        encoded = self._check_update(values, strict_shape, strict_dtype)
-        self._write_locked(encoded)
+        self._write_locked(self._check_update(values, strict_shape, strict_dtype), device)
 
     async def _aupdate_values(self, values: torch.Tensor) -> None:
         """:meth:`update_values` for async code, with the same strict checks.
@@ -886,8 +926,11 @@ class OffloadedTensor(OpaqueTensor):
             )
         return _encode(values)
 
-    def _write_locked(self, encoded: _Encoded) -> None:
-        """Write ``encoded`` to the tensor's own file and switch to it (blocking)."""
+    def _write_locked(self, encoded: _Encoded, device: torch.device | None = None) -> None:
+        """Write ``encoded`` to the tensor's own file and switch to it (blocking).
+
+        The shell takes the new shape and dtype (and ``device`` when given) in the same step.
+        """
         with self._write_lock:
             binding = self._binding
             if binding.owned is not None:
@@ -901,8 +944,7 @@ class OffloadedTensor(OpaqueTensor):
                 else _bind_plain(layout, owned)
             )
             self.offloaded_tensor_type = encoded.value_type
-            self._payload_version += 1
-            self._reshell(encoded.shape, encoded.dtype, self.device)
+            self._reshell(encoded.shape, encoded.dtype, device or self.device)
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
@@ -1003,9 +1045,7 @@ class OffloadedTensor(OpaqueTensor):
         if not isinstance(new_data, torch.Tensor):
             raise T2NErrorMisuse(f"data must be a torch.Tensor, got {type(new_data).__name__}")
         device = _canonical_device(new_data.device)
-        self.update_values(new_data, strict_shape=False, strict_dtype=False)
-        with self._write_lock:
-            self._reshell(tuple(self.shape), self.dtype, device)
+        self._replace_value(new_data, strict_shape=False, strict_dtype=False, device=device)
 
     def set_(self, source: torch.Tensor, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
         """Replace the value by ``source`` (same dtype, any shape, as torch's ``set_``).
@@ -1067,7 +1107,8 @@ class OffloadedTensor(OpaqueTensor):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func in _METADATA_ONLY:
+        if func is torch._has_compatible_shallow_copy_type:
+            # Metadata only; nn.Module._apply asks it for every tensor on model.to(...).
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
