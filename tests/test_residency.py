@@ -629,3 +629,29 @@ async def test_evicted_buffers_are_reused_but_never_while_referenced(tmp_path: P
         assert stats.reused_buffers + len(seen) >= stats.loads - 2
         del kept, kept_view
         check_invariants(pool)
+
+
+@pytest.mark.parametrize(
+    ("option", "env", "expected"),
+    [
+        (None, None, "uvloop"),
+        (False, None, "asyncio"),
+        (None, "0", "asyncio"),
+        (True, None, "uvloop"),
+    ],
+)
+def test_private_loop_runs_on_uvloop_unless_opted_out(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    option: bool | None,
+    env: str | None,
+    expected: str,
+) -> None:
+    if env is not None:
+        monkeypatch.setenv("T2N_RESIDENCY_UVLOOP", env)
+    (t,) = make_tensors(tmp_path, 1)
+    with TensorResidencyPool(use_uvloop=option) as pool:
+        pool.resolve(t)
+        loop = pool._host.loop
+        assert loop is not None
+        assert type(loop).__module__.split(".")[0] == expected
