@@ -7,6 +7,7 @@ writer processes starts in milliseconds.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.synchronize
 import random
 import runpy
 import time
@@ -45,7 +46,7 @@ def old_values() -> torch.Tensor:
 
 def start_writer(
     context: multiprocessing.context.ForkServerContext, script: Path, offload_dir: Path
-) -> tuple[multiprocessing.process.BaseProcess, object]:
+) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.synchronize.Event]:
     ready = context.Event()
     scope = {
         "OFFLOAD_DIR": str(offload_dir),
@@ -82,7 +83,7 @@ def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
     for _ in range(KILLS):
         process, ready = start_writer(context, script, offload_dir)
         try:
-            assert ready.wait(timeout=30), "the writer process did not start"  # type: ignore[attr-defined]
+            assert ready.wait(timeout=30), "the writer process did not start"
             time.sleep(chooser.uniform(0.0, 2.5 * write_seconds))
         finally:
             process.kill()
