@@ -269,6 +269,21 @@ def _materialize(
     return storage.to_device(host[binding.names[_PLAIN_ENTRY]], device)
 
 
+def _read_targets(
+    binding: _Binding, out: Mapping[str, torch.Tensor] | None, device: torch.device
+) -> dict[str, torch.Tensor] | None:
+    """The host buffers a read of ``binding`` fills, by entry name; ``None``: fresh ones.
+
+    ``out`` (by logical name) when given; for a CUDA target, pinned buffers, so that the copy
+    to the device starts from them without staging.
+    """
+    if out is not None:
+        return binding.by_entry(out)
+    if device.type == "cuda":
+        return storage.allocate(binding.layout, binding.file_names, pin_memory=True)
+    return None
+
+
 def _is_whole_host_buffer(tensor: Any, spec: storage.EntrySpec) -> bool:
     """Whether ``tensor`` is a dense CPU tensor owning exactly the memory of entry ``spec``."""
     return (
@@ -776,7 +791,11 @@ class OffloadedTensor(OpaqueTensor):
         while True:
             binding = self._binding
             try:
-                host = storage.read_payload(binding.layout, names=binding.file_names)
+                host = storage.read_payload(
+                    binding.layout,
+                    out=_read_targets(binding, None, target),
+                    names=binding.file_names,
+                )
             except T2NErrorStorage:
                 attempt += 1
                 if attempt < _READ_ATTEMPTS and self._replaced_since(binding):
@@ -807,7 +826,7 @@ class OffloadedTensor(OpaqueTensor):
         attempt = 0
         while True:
             binding = self._binding
-            file_out = None if out is None else binding.by_entry(out)
+            file_out = _read_targets(binding, out, target)
             try:
                 host = await storage.aread_payload(
                     binding.layout, out=file_out, names=binding.file_names
