@@ -426,6 +426,7 @@ class OffloadedTensor(OpaqueTensor):
     _binding: _Binding
     _private: _PrivateDir | None
     _write_lock: threading.Lock
+    _target_device: torch.device
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -557,6 +558,7 @@ class OffloadedTensor(OpaqueTensor):
         self._binding = binding
         self._private = private
         self._write_lock = threading.Lock()
+        self._target_device = device
         return self
 
     # -- constructors ------------------------------------------------------------------------
@@ -668,10 +670,15 @@ class OffloadedTensor(OpaqueTensor):
         """The tensor's name (its PyTorch path, typically), as given at creation."""
         return self._name
 
+    @property  # type: ignore[override]
+    def device(self) -> torch.device:  # type: ignore[override]
+        """The target device (answered from Python: no torch dispatch on this hot path)."""
+        return self._target_device
+
     @property
     def target_device(self) -> torch.device:
         """The device :meth:`reload` delivers the value to (the tensor's ``device``)."""
-        return self.device
+        return self._target_device
 
     @property
     def offload_path(self) -> Path:
@@ -990,6 +997,7 @@ class OffloadedTensor(OpaqueTensor):
             return
         replacement = OpaqueTensor._make_shell(type(self), shape, dtype, device)
         torch._C._swap_tensor_impl(self, replacement)
+        self._target_device = device
 
     # -- torch.Tensor methods with offload semantics -----------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
@@ -1126,10 +1134,6 @@ class OffloadedTensor(OpaqueTensor):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if func is torch._has_compatible_shallow_copy_type:
-            # Metadata only; nn.Module._apply asks it for every tensor on model.to(...).
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
         if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
             result = args[0]._apply_in_place(func, args[1:], kwargs)
         else:

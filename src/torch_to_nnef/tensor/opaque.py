@@ -103,6 +103,8 @@ _METADATA_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
         torch.Tensor.get_device,
         torch.Tensor.requires_grad_,
         torch.Tensor.__format__,
+        # nn.Module._apply asks it for every tensor on model.to(...): metadata only.
+        torch._has_compatible_shallow_copy_type,
     }
 )
 _NOWRAP_FUNCTIONS = get_default_nowrap_functions()
