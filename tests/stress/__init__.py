@@ -1,0 +1,1 @@
+"""Helpers of the reliability campaign: figures recording, subprocess workers, the stress runner."""
