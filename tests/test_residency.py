@@ -655,3 +655,23 @@ def test_private_loop_runs_on_uvloop_unless_opted_out(
         loop = pool._host.loop
         assert loop is not None
         assert type(loop).__module__.split(".")[0] == expected
+
+
+@faces
+@pytest.mark.asyncio
+async def test_direct_writes_are_seen_by_the_pool(tmp_path: Path, face_name: str) -> None:
+    (t,) = make_tensors(tmp_path, 1)
+    async with open_pool(face_name) as face:
+        assert float((await face.resolve(t))[0]) == 0.0
+        await anyio.to_thread.run_sync(t.update_values, torch.full((NUMEL,), 7.0))
+        assert float((await face.resolve(t))[0]) == 7.0
+        stats = face.pool.stats()
+        assert (stats.loads, stats.evictions) == (2, 1)
+        with face.pool.scope():
+            # In a scope, an in-place op changes the pool's value under a read_write lease.
+            await anyio.to_thread.run_sync(t.add_, 1.0)
+            assert float((await face.resolve(t))[0]) == 8.0
+        assert face.pool.stats().loads == 2
+        await face.flush()
+        assert float(t._reload_unmanaged()[0]) == 8.0
+        check_invariants(face.pool)

@@ -1114,12 +1114,24 @@ class OffloadedTensor(OpaqueTensor):
     def _apply_in_place(
         self, func: Callable[..., Any], rest: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> Any:
-        """Run the in-place ``func`` on the loaded value and write the result back."""
+        """Run the in-place ``func`` on the loaded value and write the result back.
+
+        Inside a residency scope the value is changed under a ``read_write`` lease of the
+        active pool, which writes it back (on eviction, flush or close); elsewhere the payload
+        is rewritten at once.
+        """
         if self._binding.opaque:
             self._refuse_in_place(getattr(func, "__name__", repr(func)))
-        value = self.reload()
         arguments = _expand_argument(rest)
         keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
+        scope = active_tensor_residency()
+        if scope is not None:
+            pool, device = scope
+            lease = pool.acquire(self, device, mode="read_write")
+            with lease as value, torch._C.DisableTorchFunctionSubclass():
+                result = func(value, *arguments, **keywords)
+            return self if result is value else result
+        value = self._reload_unmanaged()
         with torch._C.DisableTorchFunctionSubclass():
             result = func(value, *arguments, **keywords)
         self.update_values(value)

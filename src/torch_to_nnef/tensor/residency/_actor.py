@@ -125,6 +125,7 @@ class _Entry:
     dirty: bool = False
     retained: bool = False
     evicting: bool = False
+    binding: object = None  # the source's payload version the value was read from
 
     @property
     def held(self) -> bool:
@@ -159,8 +160,9 @@ class _Actor:
     def __init__(self, policy: RetentionPolicy, max_workers: int) -> None:
         self.policy = policy
         self.entries: dict[int, _Entry] = {}
-        # Resident values published for lock-free hits from other threads: key -> (device, value).
-        self.published: dict[int, tuple[torch.device, torch.Tensor]] = {}
+        # Resident values published for lock-free hits from other threads:
+        # key -> (device, value, payload version).
+        self.published: dict[int, tuple[torch.device, torch.Tensor, object]] = {}
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
         self.leased_entries = 0
@@ -282,6 +284,8 @@ class _Actor:
         """The entry of ``source`` on ``device``, created (and its load started) when absent."""
         key = id(source)
         entry = self.entries.get(key)
+        if entry is not None and self._stale(entry):
+            entry = None
         if entry is None:
             entry = _Entry(key, source, device, source.payload_nbytes)
             self.entries[key] = entry
@@ -293,6 +297,23 @@ class _Actor:
         if entry.value is None and entry.load is None:
             self._start_load(entry)
         return entry
+
+    def _stale(self, entry: _Entry) -> bool:
+        """Drop an unheld value whose payload was rewritten since it was read (``update_values``
+        or an in-place op on the tensor itself); return whether it was dropped."""
+        if entry.binding is entry.source._binding or entry.value is None:
+            return False
+        if entry.held or entry.write is not None:
+            return False  # holders keep the value they have; it is refreshed once released
+        if entry.dirty:
+            LOGGER.warning(
+                "%r was rewritten directly while the pool held unsaved changes; the direct write "
+                "wins and the pool's changes are dropped",
+                entry.source.name,
+            )
+            entry.dirty = False
+        self._remove(entry)
+        return True
 
     def resolve_step(self, source: OffloadedTensor, device: torch.device) -> torch.Tensor | _IO:
         """Serve a resident value, or return the load to wait for (counting a miss)."""
@@ -414,27 +435,42 @@ class _Actor:
         return entry is not None and entry.pinned
 
     def adopt(
-        self, source: OffloadedTensor, device: torch.device, value: torch.Tensor
+        self, source: OffloadedTensor, device: torch.device, value: torch.Tensor, binding: object
     ) -> _Entry | None:
         """Insert a value loaded inline on the loop thread (sync call inside a coroutine).
 
-        Returns the entry now holding ``source``'s value (the adopted one, or a resident value
-        that another request loaded meanwhile), or ``None`` when it cannot be adopted.
+        ``binding`` is the payload version read before the load started. Returns the entry
+        now holding ``source``'s value (the adopted one, or a resident value that another
+        request loaded meanwhile), or ``None`` when it cannot be adopted.
         """
         self.drain()
         self.check_open()
         self._loads += 1
+        self._misses += 1
         self._bytes_read += source.payload_nbytes
+        self.policy.access(id(source))
         key = id(source)
         entry = self.entries.get(key)
+        if entry is not None and self._stale(entry):
+            entry = None
         if entry is None:
             entry = _Entry(key, source, device, source.payload_nbytes)
             self.entries[key] = entry
         elif entry.device != device:
             return None
         if entry.value is None:
+            entry.binding = binding
             self._make_resident(entry, value)
         return entry
+
+    def fresh_value(self, source: OffloadedTensor, device: torch.device) -> torch.Tensor | None:
+        """Serve a resident, up-to-date value as a hit, or return ``None`` (nothing counted)."""
+        entry = self.entries.get(id(source))
+        if entry is None or entry.value is None or entry.device != device or self._stale(entry):
+            return None
+        result = self.resolve_step(source, device)
+        assert not isinstance(result, _IO)
+        return result
 
     # ------------------------------------------------------------------------------------------
     # Loads
@@ -442,6 +478,7 @@ class _Actor:
     def _start_load(self, entry: _Entry) -> None:
         io = entry.load = _IO("load")
         self._jobs.add(io)
+        entry.binding = entry.source._binding  # the load reads this version or a newer one
         out = None
         if entry.device.type == "cpu":
             out = self.spares.take(entry.source.storage_key)
@@ -489,7 +526,7 @@ class _Actor:
     def _make_resident(self, entry: _Entry, value: torch.Tensor) -> None:
         entry.value = value
         self.resident_bytes += entry.nbytes
-        self.published[entry.key] = (entry.device, value)
+        self.published[entry.key] = (entry.device, value, entry.binding)
         entry.retained = self.policy.admit(entry.key, entry.nbytes)
         if not entry.retained:
             LOGGER.debug(
@@ -577,6 +614,9 @@ class _Actor:
             return
         self._write_backs += 1
         self._bytes_written += entry.nbytes
+        entry.binding = entry.source._binding  # the file now holds the pool's value
+        if entry.value is not None and self.entries.get(entry.key) is entry:
+            self.published[entry.key] = (entry.device, entry.value, entry.binding)
         io.finish(None, None)
         if entry.evicting and self.entries.get(entry.key) is entry:
             if entry.dirty:  # written to again meanwhile

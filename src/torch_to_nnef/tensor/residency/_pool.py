@@ -458,7 +458,12 @@ class TensorResidencyPool:
         target = self._target(source, device)
         actor = self._actor
         published = actor.published.get(id(source))
-        if published is not None and published[0] == target and not actor.closing:
+        if (
+            published is not None
+            and published[0] == target
+            and published[2] is source._binding
+            and not actor.closing
+        ):
             if self._host.on_loop_thread():
                 return self._resolve_inline(source, target)
             actor.count_foreign_hit(id(source))
@@ -478,15 +483,14 @@ class TensorResidencyPool:
 
     def _resolve_inline(self, source: OffloadedTensor, target: torch.device) -> torch.Tensor:
         actor = self._actor
-        entry = actor.entries.get(id(source))
-        if entry is not None and entry.value is not None:
-            result = actor.resolve_step(source, target)
-            assert not isinstance(result, _IO)
-            return result
         actor.check_open()
+        hit = actor.fresh_value(source, target)
+        if hit is not None:
+            return hit
         self._warn_inline("resolve")
+        binding = source._binding
         value = source._reload_unmanaged(target)
-        adopted = actor.adopt(source, target, value)
+        adopted = actor.adopt(source, target, value, binding)
         actor.enforce()
         if adopted is None or adopted.value is None:
             return value
@@ -538,10 +542,11 @@ class TensorResidencyPool:
         actor = self._actor
         if self._host.on_loop_thread():
             entry = actor.entries.get(id(ticket.source))
-            if entry is None or entry.value is None:
+            if entry is None or entry.value is None or actor._stale(entry):
                 self._warn_inline("acquire")
+                binding = ticket.source._binding
                 value = ticket.source._reload_unmanaged(ticket.device)
-                actor.adopt(ticket.source, ticket.device, value)
+                actor.adopt(ticket.source, ticket.device, value, binding)
                 ticket.first_try = False
             result = actor.acquire_step(ticket)
             if isinstance(result, _IO):  # a read_write lease waiting for a write-back
