@@ -75,16 +75,17 @@ class TensorPrefetch:
     ) -> None:
         self._pool = pool
         self._value = value
-        self._io = io
+        self._io = io  # the load itself, awaited on the loop thread
+        if future is None:  # settled by the load, for waiters on other threads
+            future = concurrent.futures.Future()
+            if value is not None:
+                future.set_result(value)
+            elif io is not None:
+                io.add_callback(lambda: _settle(future, io))
         self._future = future
 
     def done(self) -> bool:
         """Whether the load has ended (successfully or not)."""
-        if self._value is not None:
-            return True
-        if self._io is not None:
-            return self._io.done
-        assert self._future is not None
         return self._future.done()
 
     def wait(self) -> torch.Tensor:
@@ -95,35 +96,23 @@ class TensorPrefetch:
             T2NErrorMisuse: called on the pool's own loop thread before the load ended
                 (use ``await handle`` there).
         """
-        if self._value is not None:
-            return self._value
-        if self._io is not None:
-            if not self._io.done:
-                if self._pool._host.on_loop_thread():
-                    raise T2NErrorMisuse(
-                        "TensorPrefetch.wait() would block the pool's event loop: "
-                        "use `await handle` in async code"
-                    )
-                reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
-                self._pool._host.call(self._io.add_callback, lambda: _settle(reply, self._io))  # type: ignore[arg-type]
-                return reply.result()  # type: ignore[no-any-return]
-            return self._io.result()
-        assert self._future is not None
-        return self._future.result()  # type: ignore[no-any-return]
+        if not self._future.done() and self._pool._host.on_loop_thread():
+            raise T2NErrorMisuse(
+                "TensorPrefetch.wait() would block the pool's event loop: "
+                "use `await handle` in async code"
+            )
+        value: torch.Tensor = self._future.result()
+        return value
 
     def __await__(self) -> Generator[Any, None, torch.Tensor]:
         return self._await().__await__()
 
     async def _await(self) -> torch.Tensor:
-        if self._value is not None:
-            return self._value
         if self._io is not None and self._pool._host.on_loop_thread():
             await self._io.wait()
             return self._io.result()
-        if self._io is not None:
-            return await anyio.to_thread.run_sync(self.wait)
-        assert self._future is not None
-        return await asyncio.wrap_future(self._future)  # type: ignore[no-any-return]
+        value: torch.Tensor = await asyncio.wrap_future(self._future)
+        return value
 
     def __repr__(self) -> str:
         return f"<TensorPrefetch {'done' if self.done() else 'pending'}>"
