@@ -15,7 +15,7 @@ import os
 import re
 import secrets
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -321,7 +321,12 @@ def test_offload_directory_vanishing_mid_run(arena: tuple[Path, Path], replaceme
         if replacement == "file":
             offload_dir.write_bytes(b"not a directory")
         faults = 0
-        for attempt in (pool.flush, lambda: pool.evict(tensors[0]), pool.close):
+        attempts: list[Callable[[], None]] = [
+            pool.flush,
+            lambda: pool.evict(tensors[0]),
+            pool.close,
+        ]
+        for attempt in attempts:
             with pytest.raises(T2NErrorStorage, match=r"write-back|writing") as info:
                 attempt()
             faults += 1
