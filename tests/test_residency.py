@@ -675,3 +675,49 @@ async def test_direct_writes_are_seen_by_the_pool(tmp_path: Path, face_name: str
         await face.flush()
         assert float(t._reload_unmanaged()[0]) == 8.0
         check_invariants(face.pool)
+
+
+def test_first_calls_from_many_threads_start_one_loop(tmp_path: Path) -> None:
+    import threading
+
+    ts = make_tensors(tmp_path, 8)
+    pool = TensorResidencyPool()
+    barrier = threading.Barrier(8)
+    results: list[float] = []
+
+    def first_call(i: int) -> None:
+        barrier.wait()
+        results.append(float(pool.resolve(ts[i])[0]))
+
+    threads = [threading.Thread(target=first_call, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    assert sorted(results) == [float(i) for i in range(8)]
+    loops = [t for t in threading.enumerate() if t.name == "t2n-residency-loop"]
+    assert len(loops) == 1
+    pool.close()
+    assert pool.closed
+
+
+@pytest.mark.asyncio
+async def test_a_failed_close_at_async_exit_keeps_dirty_values(tmp_path: Path) -> None:
+    import shutil
+
+    directory = tmp_path / "payloads"
+    directory.mkdir()
+    (t,) = make_tensors(directory, 1)
+    pool = TensorResidencyPool()
+    with pytest.raises(T2NErrorStorage, match="write-back"):
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.add_(3)
+            saved = directory.with_name("saved")
+            shutil.copytree(directory, saved)
+            shutil.rmtree(directory)  # the write-back at exit cannot happen
+    assert not pool.closed and pool.is_resident(t)
+    shutil.copytree(saved, directory)
+    await anyio.to_thread.run_sync(pool.close)  # served again, from a private loop thread
+    assert pool.closed
+    assert torch.equal(t._reload_unmanaged(), torch.full((NUMEL,), 3.0))

@@ -168,12 +168,14 @@ class _Actor:
         self.leased_entries = 0
         self.closing = False
         self.closed = False
-        self._limiter = anyio.CapacityLimiter(max_workers)
+        self._max_workers = max_workers
         self._jobs: set[_IO] = set()
         self._task_group: anyio.abc.TaskGroup | None = None
-        send, receive = anyio.create_memory_object_stream[_Message](float("inf"))
-        self._send: MemoryObjectSendStream[_Message] = send
-        self._receive: MemoryObjectReceiveStream[_Message] = receive
+        # The loop-bound parts, made anew by each run of serve() (a pool whose `async with`
+        # exit could not close it keeps its state and serves again from a later loop).
+        self._limiter: anyio.CapacityLimiter
+        self._send: MemoryObjectSendStream[_Message]
+        self._receive: MemoryObjectReceiveStream[_Message]
         self._mailbox = 0
         # Counters; foreign-thread hits are counted under a lock and their recency replayed.
         self._hits = self._misses = self._loads = self._bytes_read = 0
@@ -191,6 +193,9 @@ class _Actor:
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
         """Run the actor: I/O jobs in a task group, foreign requests from the stream."""
+        self._limiter = anyio.CapacityLimiter(self._max_workers)
+        self._send, self._receive = anyio.create_memory_object_stream[_Message](float("inf"))
+        self._mailbox = 0
         async with anyio.create_task_group() as task_group:
             self._task_group = task_group
             task_status.started()

@@ -79,10 +79,14 @@ class LoopHost:
         def run() -> None:
             loop = _new_loop(use_uvloop)
             asyncio.set_event_loop(loop)
-            try:
-                self.loop = loop
+
+            def started() -> None:  # published once the actor serves, never before
                 self.thread_id = threading.get_ident()
-                loop.run_until_complete(main(ready.set))
+                self.loop = loop
+                ready.set()
+
+            try:
+                loop.run_until_complete(main(started))
             except BaseException as error:  # reported to the starting thread
                 failure.append(error)
             finally:

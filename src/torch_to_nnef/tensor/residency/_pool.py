@@ -6,6 +6,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -253,6 +254,7 @@ class TensorResidencyPool:
         self._host = LoopHost()
         self._warned_inline = False
         self._task_group: anyio.abc.TaskGroup | None = None
+        self._start_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -322,14 +324,17 @@ class TensorResidencyPool:
     def _ensure_running(self) -> None:
         if self._host.running:
             return
-        self._actor.check_open()
+        with self._start_lock:  # two threads' first calls start one loop
+            if self._host.running:
+                return
+            self._actor.check_open()
 
-        async def main(started: Callable[[], None]) -> None:
-            async with anyio.create_task_group() as task_group:
-                await task_group.start(self._actor.serve)
-                started()
+            async def main(started: Callable[[], None]) -> None:
+                async with anyio.create_task_group() as task_group:
+                    await task_group.start(self._actor.serve)
+                    started()
 
-        self._host.start_private(main, use_uvloop=uvloop_wanted(self._use_uvloop))
+            self._host.start_private(main, use_uvloop=uvloop_wanted(self._use_uvloop))
 
     def __enter__(self) -> TensorResidencyPool:
         self._actor.check_open()
@@ -356,11 +361,11 @@ class TensorResidencyPool:
                 "this TensorResidencyPool already runs (on its own thread or another loop); "
                 "enter `async with pool` once, before any synchronous use"
             )
-        self._host.attach_current()
         task_group = anyio.create_task_group()
         await task_group.__aenter__()
         self._task_group = task_group
         await task_group.start(self._actor.serve)
+        self._host.attach_current()
         return self
 
     async def __aexit__(
@@ -374,21 +379,16 @@ class TensorResidencyPool:
             if not self._actor.closed:
                 await self.aclose()
         except Exception:
+            # The pool stays open with its values (dirty ones included): a later `close()`
+            # or `flush()` serves it again from a private loop thread.
             if exc is None:
-                self._abandon()
                 raise
-            LOGGER.exception("closing the TensorResidencyPool failed")
-            self._abandon()
+            LOGGER.exception("closing the TensorResidencyPool failed; it stays open")
         finally:
             self._actor.stop()
             if task_group is not None:
                 await task_group.__aexit__(None, None, None)
             self._host.detach()
-
-    def _abandon(self) -> None:
-        """Give up a pool whose loop is going away without a successful close."""
-        self._actor.closing = False
-        self._actor.finish_close()
 
     # ------------------------------------------------------------------------------------------
     # Requests from other threads
@@ -721,7 +721,9 @@ class TensorResidencyPool:
             )
         if not self._host.running:
             self._actor.check_open()
-            return None
+            if not self._actor.dirty_entries():
+                return None  # nothing loaded, nothing to write
+            self._ensure_running()  # dirty values left by a failed close: serve them again
         reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def start() -> None:
@@ -806,11 +808,11 @@ class TensorResidencyPool:
         """
         if self._actor.closed:
             return
-        if not self._host.running:
+        if not self._host.running and not self._actor.dirty_entries():
             self._actor.begin_close()
             self._actor.finish_close()
             return
-        private = self._host.private
+        private = self._host.private or not self._host.running
         self._blocking("close", "aclose", self._aclose)
         if private:
             self._host.join()
