@@ -676,8 +676,8 @@ class _Actor:
         if self.closed:
             return
         self.check_open()
-        leased = [e.source.name for e in self.entries.values() if e.leases]
-        if leased:
+        if self.leased_entries:
+            leased = [e.source.name for e in self.entries.values() if e.leases]
             raise T2NErrorMisuse(
                 f"cannot close the TensorResidencyPool while {len(leased)} value(s) are leased "
                 f"({', '.join(map(repr, leased[:5]))}): exit their `acquire` blocks first"
