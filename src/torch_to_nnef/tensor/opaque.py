@@ -195,7 +195,14 @@ class OpaqueTensor(torch.Tensor):
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> OpaqueTensor:  # type: ignore[override]
-        """Accept ``requires_grad_(False)``; opaque tensors cannot require gradients."""
+        """Accept ``requires_grad_(False)`` and return the tensor itself.
+
+        Args:
+            requires_grad: must be ``False``: opaque tensors cannot require gradients.
+
+        Raises:
+            T2NErrorMisuse: ``requires_grad`` is true.
+        """
         if requires_grad:
             raise T2NErrorMisuse(
                 f"{type(self).__name__} cannot require gradients; "
@@ -240,6 +247,11 @@ class OpaqueTensorRef(torch.Tensor):
     ``torch.jit.trace`` cannot carry arbitrary tensor subclasses as parameters; a reference
     can. Operations on it expand the referenced opaque tensor through the registered custom
     op ``t2n::opaque_tensor_expand``, so the trace records where the opaque value is used.
+
+    Args:
+        meta_tensor: a tensor with the shape and dtype of the opaque value; the reference
+            is built on the meta device from it (any device is accepted).
+        opaque_tensor: the opaque tensor the reference stands for.
     """
 
     opaque_tensor: OpaqueTensor
@@ -279,7 +291,7 @@ class OpaqueTensorRef(torch.Tensor):
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> OpaqueTensorRef:  # type: ignore[override]
-        """Return the reference itself."""
+        """Return the reference itself; ``requires_grad`` is ignored (references have no grad)."""
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
@@ -320,6 +332,12 @@ def opaque_to_final_tensor(rtensor: torch.Tensor) -> torch.Tensor:
     """Expand nested opaque tensors down to a plain tensor.
 
     An offloaded QTensor is loaded, then decompressed: the final floating-point value.
+
+    Args:
+        rtensor: any tensor; a plain tensor is returned as it is.
+
+    Returns:
+        the value once no opaque layer is left.
     """
     while isinstance(rtensor, OpaqueTensor):
         rtensor = rtensor.to_base_tensor()
@@ -375,14 +393,26 @@ class SupportsOffloadState:
         _OFFLOAD_STATE_CLASSES[tag] = cls
 
     def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Return ``(tensors, attributes)`` describing this value; attributes are JSON-able."""
+        """Return ``(tensors, attributes)`` describing this value; attributes are JSON-able.
+
+        Raises:
+            T2NErrorNotImplemented: the subclass does not implement it.
+        """
         raise T2NErrorNotImplemented(f"{type(self).__name__} must implement offload_state()")
 
     @classmethod
     def from_offload_state(
         cls: type[_S], tensors: dict[str, torch.Tensor], attributes: dict[str, Any]
     ) -> _S:
-        """Rebuild a value from what :meth:`offload_state` returned."""
+        """Rebuild a value from what :meth:`offload_state` returned.
+
+        Args:
+            tensors: the tensors of the offload state, by name.
+            attributes: the JSON-able attributes of the offload state.
+
+        Raises:
+            T2NErrorNotImplemented: the subclass does not implement it.
+        """
         raise T2NErrorNotImplemented(f"{cls.__name__} must implement from_offload_state()")
 
 
