@@ -447,7 +447,12 @@ class QTensor(OpaqueTensor):
         return self.to(device=new_device)
 
     def clone(self: _Q, *, memory_format: torch.memory_format | None = None) -> _Q:  # type: ignore[override]
-        """Return an independent copy (codes copied; scheme and compressors shared, immutable)."""
+        """Return an independent copy (codes copied; scheme and compressors shared, immutable).
+
+        Args:
+            memory_format: accepted for compatibility with ``torch.Tensor.clone`` and ignored:
+                the codes keep their layout.
+        """
         return self._derive(
             u8_blob=self.u8_blob.clone(),
             qscheme=self.qscheme,
@@ -485,6 +490,10 @@ class QTensor(OpaqueTensor):
     # -- export ------------------------------------------------------------------------------
     def write_in_file(self, dirpath: str | os.PathLike[str], label: str) -> Path:
         """Write this tensor in the file format of an inference engine; return the path.
+
+        Args:
+            dirpath: the model folder to write into.
+            label: the tensor's label in the engine's graph; it names the file.
 
         Raises:
             T2NErrorNotImplemented: always for this base class; engine-specific subclasses
