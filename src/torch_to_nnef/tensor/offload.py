@@ -416,6 +416,16 @@ class OffloadedTensor(OpaqueTensor):
             announced.
         T2NErrorStorage: the payload cannot be written, or an adopted file is missing or
             invalid.
+
+    Attributes:
+        offload_dir: the directory of the tensor's own payload files (writes and copies on
+            write); ``None`` for a tensor pointing into a checkpoint that has not been
+            written to and was given no directory.
+        storage_id: the unique part of the payload file name.
+        offloaded_tensor_type: the type :meth:`reload` returns: ``torch.Tensor``, or the
+            opaque class of the value (e.g. ``QTensorTractScaleOnly``).
+        force_gc_collect: whether ``gc.collect()`` runs after each torch operation that
+            loaded this tensor.
     """
 
     _name: str
@@ -1095,6 +1105,16 @@ class OffloadedTensor(OpaqueTensor):
         """Write ``src`` (broadcast and cast to this tensor's shape and dtype) as the value.
 
         Unlike other in-place operations, the current value is not loaded first.
+
+        Args:
+            src: the values to copy (any device; an opaque tensor is expanded first).
+            non_blocking: accepted for compatibility with ``torch.Tensor.copy_``; the write
+                always completes before the call returns.
+
+        Raises:
+            T2NErrorNotImplemented: the payload is opaque (a ``QTensor``): write a new value
+                with :meth:`update_values` instead.
+            T2NErrorStorage: the new payload cannot be written (the old one stays).
         """
         if self._binding.opaque:
             self._refuse_in_place("copy_")
