@@ -62,6 +62,9 @@ class TensorPrefetch:
     ``handle.wait()`` blocks until the value is loaded and returns it (any thread but the
     pool's loop thread); ``await handle`` does the same in async code; ``handle.done()`` tells
     without blocking. A failed load raises :class:`T2NErrorStorage` from both.
+
+    Handles are not constructed directly: :meth:`TensorResidencyPool.prefetch` and
+    :meth:`TensorResidencyPool.pin` return them.
     """
 
     __slots__ = ("_future", "_io", "_pool", "_value")
@@ -124,6 +127,11 @@ class TensorResidencyLease:
 
     While the lease is held the value stays resident. A ``read_write`` lease marks the value
     dirty when it ends, and the pool writes it back before evicting it, on flush and on close.
+    A lease is entered once.
+
+    Leases are not constructed directly: :meth:`TensorResidencyPool.acquire` returns them.
+    Entering one raises what :meth:`TensorResidencyPool.resolve` raises, and
+    :class:`T2NErrorMisuse` when the lease is already held.
     """
 
     __slots__ = ("_device", "_entry", "_mode", "_pool", "_reply", "_source", "_ticket")
@@ -216,13 +224,18 @@ class TensorResidencyPool:
         max_cached_bytes: soft limit on the bytes of retained values; leased and pinned values
             may exceed it. ``None``: no limit.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
-        strategy: a :class:`ResidencyStrategy` (``LRU`` or ``FIXED``).
+        strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).
 
     Raises:
         T2NErrorMisuse: a negative budget, ``max_workers < 1``, or a strategy that is not a
             :class:`ResidencyStrategy`.
+
+    Attributes:
+        max_cached_bytes: the soft budget given at creation.
+        max_workers: the bound on concurrent disk jobs given at creation.
+        strategy: the retention strategy given at creation.
     """
 
     def __init__(
@@ -439,6 +452,10 @@ class TensorResidencyPool:
         from any thread are served without a round trip to the loop thread. On the pool's own
         loop thread a miss is loaded inline (blocking), with a one-time warning.
 
+        Args:
+            source: the offloaded tensor.
+        device: where the value is wanted (default: ``source``'s target device).
+
         Raises:
             T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
                 value is resident on another device.
@@ -488,7 +505,17 @@ class TensorResidencyPool:
     async def aresolve(
         self, source: OffloadedTensor, device: TDevice | None = None
     ) -> torch.Tensor:
-        """Async twin of :meth:`resolve`: await the value without blocking the loop."""
+        """Async twin of :meth:`resolve`: await the value without blocking the loop.
+
+        Args:
+            source: the offloaded tensor.
+        device: where the value is wanted (default: ``source``'s target device).
+
+        Raises:
+            T2NErrorMisuse: as :meth:`resolve`, or the pool runs on no event loop (use
+                ``async with pool`` in this loop, or ``with pool`` before awaiting from another).
+            T2NErrorStorage: the payload could not be loaded.
+        """
         target = self._target(source, device)
         if not self._host.on_loop_thread():
             value: torch.Tensor = await self._foreign_async(lambda: self.aresolve(source, target))
@@ -517,6 +544,11 @@ class TensorResidencyPool:
 
         The value stays resident while the lease is held. ``mode="read_write"`` marks it dirty
         when the lease ends: the pool writes it back before eviction, on flush and on close.
+
+        Args:
+            source: the offloaded tensor.
+        device: where the value is wanted (default: ``source``'s target device).
+            mode: ``"read"``, or ``"read_write"`` to have changes made to the value written back.
 
         Raises:
             T2NErrorMisuse: ``mode`` is not ``"read"``/``"read_write"``, or ``source`` is not
@@ -631,17 +663,30 @@ class TensorResidencyPool:
         """Start loading ``source`` without waiting; return a :class:`TensorPrefetch` handle.
 
         The value is retained under the strategy's rules; a value larger than the budget goes
-        to the handle's waiter without retention.
+        to the handle's waiter without retention. A failed load is reported by the handle.
+
+        Args:
+            source: the offloaded tensor.
+        device: where the value is wanted (default: ``source``'s target device).
+
+        Raises:
+            T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
+                value is resident on another device.
         """
         return self._prefetch(source, device, pin=False)
 
     def pin(self, source: OffloadedTensor, device: TDevice | None = None) -> TensorPrefetch:
         """Load ``source`` (or reuse its load) and keep it resident until :meth:`unpin` or close.
 
-        Idempotent. Pinned values count toward the budget and may exceed it (LRU only).
+        Idempotent. Pinned values count toward the budget and may exceed it (``LRU`` and
+        ``SCHEDULED`` only). A failed load is reported by the handle.
+
+        Args:
+            source: the offloaded tensor.
+        device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
-            T2NErrorMisuse: the strategy is FIXED.
+            T2NErrorMisuse: the strategy is FIXED, or as :meth:`prefetch`.
         """
         self._check_pins("pin")
         return self._prefetch(source, device, pin=True)
@@ -668,13 +713,25 @@ class TensorResidencyPool:
         return TensorPrefetch(self, future=self._send(run))
 
     def unpin(self, source: OffloadedTensor) -> None:
-        """Stop pinning ``source``; it becomes evictable (LRU only; FIXED raises)."""
+        """Stop pinning ``source``; it becomes evictable. Unpinning a value not pinned does nothing.
+
+        Args:
+            source: the offloaded tensor.
+
+        Raises:
+            T2NErrorMisuse: the strategy is FIXED, the pool is closed, or ``source`` is not an
+                OffloadedTensor.
+        """
         self._check_pins("unpin")
         self._check_source(source)
         self._simple(lambda: self._actor.unpin_step(source))
 
     async def aunpin(self, source: OffloadedTensor) -> None:
-        """Async twin of :meth:`unpin`."""
+        """Async twin of :meth:`unpin`, for the pool's loop: same argument, same errors.
+
+        Args:
+            source: the offloaded tensor.
+        """
         self._check_pins("unpin")
         self._check_source(source)
         if self._host.on_loop_thread():
@@ -704,6 +761,12 @@ class TensorResidencyPool:
         ``ResidencyStrategy.SCHEDULED`` then evicts the value whose next use is farthest away;
         without a declaration it learns the order from the first pass. Other strategies
         ignore the schedule. :func:`stream_modules` declares it for you.
+
+        Args:
+            sources: the offloaded tensors, in the order one pass uses them (repeats ignored).
+
+        Raises:
+            T2NErrorMisuse: an element is not an OffloadedTensor, or the pool is closed.
         """
         keys = []
         for source in sources:
@@ -741,6 +804,12 @@ class TensorResidencyPool:
     def evict(self, source: OffloadedTensor) -> None:
         """Remove ``source``'s value from the pool, writing it back first when dirty.
 
+        Waits for a load or write-back in flight first. A value that is not resident is left
+        alone.
+
+        Args:
+            source: the offloaded tensor.
+
         Raises:
             T2NErrorMisuse: the value is leased or pinned.
             T2NErrorStorage: the write-back failed (the value stays resident and dirty).
@@ -749,7 +818,11 @@ class TensorResidencyPool:
         self._blocking("evict", "aevict", lambda: self._aevict(source))
 
     async def aevict(self, source: OffloadedTensor) -> None:
-        """Async twin of :meth:`evict`."""
+        """Async twin of :meth:`evict`, for the pool's loop: same argument, same errors.
+
+        Args:
+            source: the offloaded tensor.
+        """
         self._check_source(source)
         if not self._host.on_loop_thread():
             await self._foreign_async(lambda: self._aevict(source))
@@ -768,6 +841,9 @@ class TensorResidencyPool:
     def flush(self, source: OffloadedTensor | None = None) -> None:
         """Write dirty values back (all, or ``source``'s) and wait for in-flight loads.
 
+        Args:
+            source: the offloaded tensor to flush; ``None`` for every value of the pool.
+
         Raises:
             T2NErrorStorage: a write-back failed; the value stays resident and dirty, so a
                 later flush can retry.
@@ -777,7 +853,11 @@ class TensorResidencyPool:
         self._blocking("flush", "aflush", lambda: self._aflush(source))
 
     async def aflush(self, source: OffloadedTensor | None = None) -> None:
-        """Async twin of :meth:`flush`."""
+        """Async twin of :meth:`flush`, for the pool's loop: same argument, same errors.
+
+        Args:
+            source: the offloaded tensor to flush; ``None`` for every value of the pool.
+        """
         if source is not None:
             self._check_source(source)
         if not self._host.on_loop_thread():
@@ -867,6 +947,13 @@ class TensorResidencyPool:
         Inside the block, ``reload()`` and every torch op on an OffloadedTensor resolve through
         this pool (on ``device`` when given). The scope is a contextvar: it follows
         ``anyio.to_thread.run_sync`` workers and stays private to each asyncio task.
+
+        Args:
+            device: where values are delivered inside the scope (default: each tensor's
+                target device).
+
+        Raises:
+            T2NErrorMisuse: the pool is closed.
         """
         self._actor.check_open()
         token = _ACTIVE_RESIDENCY.set((self, None if device is None else _normalize_device(device)))
