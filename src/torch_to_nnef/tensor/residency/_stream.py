@@ -37,6 +37,21 @@ class ModuleStream:
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
     A context manager: leaving it (or :meth:`close`) removes the hooks.
+
+    Args:
+        pool: the pool that serves the values.
+        modules: the layers, in the order the forward runs them.
+        depth: how many modules ahead to prefetch (0: none).
+        device: where values are delivered (default: each tensor's target device).
+
+    Raises:
+        T2NErrorMisuse: ``depth`` is not an int >= 0, or the pool is closed.
+
+    Attributes:
+        pool: the pool given at creation.
+        depth: the prefetch depth given at creation.
+        device: the delivery device given at creation.
+        groups: the offloaded parameters and buffers of each module, in module order.
     """
 
     def __init__(
