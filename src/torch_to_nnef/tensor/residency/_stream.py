@@ -205,5 +205,8 @@ def stream_modules(
 
     Returns:
         a :class:`ModuleStream`; close it (or leave its ``with`` block) to remove the hooks.
+
+    Raises:
+        T2NErrorMisuse: ``depth`` is not an int >= 0, or the pool is closed.
     """
     return ModuleStream(pool, list(modules), depth, device)
