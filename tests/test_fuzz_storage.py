@@ -417,6 +417,10 @@ SAME_ITEMSIZE = [
 ]
 
 
+def _is_int_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(item) is int for item in value)
+
+
 def benign_edit(draw: st.DrawFn, document: dict[str, Any]) -> dict[str, Any]:
     """An edit that keeps the file valid: the reader must load the new description exactly."""
     names = [name for name in document if name != "__metadata__"]
@@ -441,7 +445,7 @@ def benign_edit(draw: st.DrawFn, document: dict[str, Any]) -> dict[str, Any]:
         itemsize = DTYPE_BY_CODE[info["dtype"]].itemsize
         group = next(g for g in SAME_ITEMSIZE if DTYPE_BY_CODE[g[0]].itemsize == itemsize)
         info["dtype"] = draw(st.sampled_from(group))
-    elif action == "shape" and isinstance(info.get("shape"), list):
+    elif action == "shape" and _is_int_list(info.get("shape")):
         numel = math.prod(info["shape"])
         info["shape"] = draw(
             st.sampled_from([[numel], [1, numel], [numel, 1], [1, 1, numel], list(info["shape"])])
