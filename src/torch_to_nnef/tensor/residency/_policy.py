@@ -25,20 +25,17 @@ __all__ = [
 class ResidencyStrategy(enum.Enum):
     """How a :class:`TensorResidencyPool` chooses which values stay resident.
 
-    ``LRU``
-        Keep every value that fits the budget; evict the least recently used unleased,
-        unpinned value when room is needed. Supports manual pins.
-    ``FIXED``
-        Admit the first values that fit the budget (first fit, in completion order) and keep
-        them for the pool's lifetime; later values are delivered to their callers and dropped
-        once no lease holds them. Rejects manual pins.
-    ``SCHEDULED``
-        Follow a cyclic access order (declared with
-        :meth:`TensorResidencyPool.declare_schedule`, by :func:`stream_modules`, or learnt
-        from the first pass) and evict the value whose next use is farthest away, the value
-        just loaded included, so a pass bigger than the budget keeps a stable subset instead
-        of missing on every access as LRU does. Before it knows the order it behaves as LRU.
-        Supports manual pins.
+    - ``LRU``: keep every value that fits the budget; evict the least recently used
+      unleased, unpinned value when room is needed. Supports manual pins.
+    - ``FIXED``: admit the first values that fit the budget (first fit, in completion order)
+      and keep them for the pool's lifetime; later values are delivered to their callers and
+      dropped once no lease holds them. Rejects manual pins.
+    - ``SCHEDULED``: follow a cyclic access order (declared with
+      :meth:`TensorResidencyPool.declare_schedule`, by :func:`stream_modules`, or learnt
+      from the first pass) and evict the value whose next use is farthest away, the value
+      just loaded included, so a pass bigger than the budget keeps a stable subset instead
+      of missing on every access as LRU does. Before it knows the order it behaves as LRU.
+      Supports manual pins.
     """
 
     LRU = "lru"
