@@ -1,0 +1,332 @@
+"""The documentation site: docstrings of every public name, the strict build, runnable guides.
+
+Code blocks of the pages are executed page by page. The convention, also described in
+``docs/index.md``'s last paragraph:
+
+- a fence opened with ```` ```python ```` (optionally with a ``title="..."``) is runnable: the
+  runnable blocks of one page are run in order, as one script, in a fresh temporary directory;
+- a fence opened with ```` ```{.python .no-run} ```` is shown but not run (code needing a GPU,
+  fragments);
+- other languages (``text``, ``sh``, ``mermaid``) are never run.
+"""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import inspect
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+
+PUBLIC_MODULES = [
+    "torch_to_nnef.exceptions",
+    "torch_to_nnef.tensor",
+    "torch_to_nnef.tensor.checkpoint",
+    "torch_to_nnef.tensor.named",
+    "torch_to_nnef.tensor.offload",
+    "torch_to_nnef.tensor.opaque",
+    "torch_to_nnef.tensor.quant",
+    "torch_to_nnef.tensor.residency",
+    "torch_to_nnef.tensor.storage",
+    "torch_to_nnef.tensor.updater",
+    "torch_to_nnef.tensor.utils",
+]
+"""Modules with a page in the API reference (``docs/api/``)."""
+
+NOT_CONSTRUCTED_BY_USERS = "not constructed directly"
+"""Phrase by which a class docstring says that the library builds its instances (a handle
+returned by a method): its constructor parameters need not be documented."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Docstrings
+# ---------------------------------------------------------------------------------------------
+def _public_objects() -> Iterator[tuple[str, Any]]:
+    """``(qualified name, object)`` for every exported name of every public module."""
+    seen: set[int] = set()
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            value = getattr(module, name)
+            if id(value) in seen or isinstance(value, (int, str, float)):
+                continue  # constants are documented by attribute docstrings (checked below)
+            seen.add(id(value))
+            yield f"{module_name}.{name}", value
+
+
+def _own_members(cls: type) -> Iterator[tuple[str, Any, Any]]:
+    """``(name, raw attribute, function or property)`` of the public methods/properties."""
+    for name, raw in vars(cls).items():
+        if name.startswith("_"):
+            continue
+        member = raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw
+        if inspect.isfunction(member) or isinstance(member, property):
+            yield name, raw, member
+
+
+def _documented_parameters(function: Any, skip_first: bool) -> list[str]:
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):
+        return []
+    names = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    return names[1:] if skip_first else names
+
+
+def _mentions(docstring: str, name: str) -> bool:
+    return re.search(rf"(?<![\w.]){re.escape(name)}\b", docstring) is not None
+
+
+def _constructor(cls: type) -> Any:
+    """The method whose parameters a class docstring documents (``__new__`` or ``__init__``)."""
+    for name in ("__init__", "__new__"):
+        raw = cls.__dict__.get(name)
+        member = raw.__func__ if isinstance(raw, staticmethod) else raw
+        if inspect.isfunction(member):
+            params = _documented_parameters(member, skip_first=True)
+            if params:
+                return member
+    return None
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_public_module_has_a_docstring_and_an_all(module_name: str) -> None:
+    module: ModuleType = importlib.import_module(module_name)
+    assert inspect.getdoc(module), f"{module_name} has no docstring"
+    assert isinstance(module.__all__, list) and module.__all__, f"{module_name} has no __all__"
+    for name in module.__all__:
+        assert hasattr(module, name), f"{module_name}.__all__ names {name!r}, which is missing"
+
+
+def test_every_public_name_method_and_property_has_a_docstring() -> None:
+    missing = []
+    for qualified, value in _public_objects():
+        own = value.__dict__.get("__doc__") if inspect.isclass(value) else value.__doc__
+        if not (own or "").strip():
+            missing.append(qualified)
+        if inspect.isclass(value):
+            for name, _, member in _own_members(value):
+                if not (member.__doc__ or "").strip():
+                    missing.append(f"{qualified}.{name}")
+    assert not missing, f"public names without a docstring: {missing}"
+
+
+def test_every_exported_constant_has_a_docstring() -> None:
+    """Constants have no ``__doc__`` of their own: read their attribute docstrings with griffe."""
+    griffe = pytest.importorskip("griffe")
+    package = griffe.load("torch_to_nnef", search_paths=[str(ROOT / "src")])
+    missing = []
+    for module_name in PUBLIC_MODULES:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            if not isinstance(getattr(module, name), (int, str, float)):
+                continue
+            member = package[module_name.removeprefix("torch_to_nnef.")].members[name]
+            target = member.final_target if member.is_alias else member
+            if target.docstring is None or not target.docstring.value.strip():
+                missing.append(f"{module_name}.{name}")
+    assert not missing, f"constants without a docstring: {missing}"
+
+
+def test_every_parameter_is_documented() -> None:
+    """Each parameter of a public function, method or constructor is named in its docstring."""
+    undocumented = []
+    for qualified, value in _public_objects():
+        if inspect.isfunction(value):
+            for name in _documented_parameters(value, skip_first=False):
+                if not _mentions(value.__doc__ or "", name):
+                    undocumented.append(f"{qualified}({name})")
+            continue
+        if not inspect.isclass(value) or issubclass(value, (BaseException, enum.Enum, tuple)):
+            continue
+        class_doc = value.__dict__.get("__doc__") or ""
+        constructor = _constructor(value)
+        if constructor is not None and NOT_CONSTRUCTED_BY_USERS not in class_doc:
+            for name in _documented_parameters(constructor, skip_first=True):
+                if not _mentions(class_doc + (constructor.__doc__ or ""), name):
+                    undocumented.append(f"{qualified}({name})")
+        for method_name, raw, member in _own_members(value):
+            if isinstance(member, property):
+                continue
+            skip_first = not isinstance(raw, staticmethod)
+            for name in _documented_parameters(member, skip_first=skip_first):
+                if not _mentions(member.__doc__ or "", name):
+                    undocumented.append(f"{qualified}.{method_name}({name})")
+    assert not undocumented, f"parameters missing from their docstring: {undocumented}"
+
+
+def test_every_exported_name_is_listed_on_the_package_page() -> None:
+    tensor = importlib.import_module("torch_to_nnef.tensor")
+    page = (DOCS / "api" / "tensor.md").read_text(encoding="utf-8")
+    missing = [name for name in tensor.__all__ if f"| `{name}` |" not in page]
+    assert not missing, f"docs/api/tensor.md does not list {missing}"
+
+
+@pytest.mark.parametrize("module_name", PUBLIC_MODULES)
+def test_every_public_module_has_a_reference_page(module_name: str) -> None:
+    pages = "\n".join(p.read_text(encoding="utf-8") for p in (DOCS / "api").glob("*.md"))
+    assert re.search(rf"^::: {re.escape(module_name)}$", pages, re.MULTILINE), (
+        f"no page of docs/api/ renders {module_name}"
+    )
+
+
+def test_architecture_page_names_every_module() -> None:
+    """The module table of docs/architecture.md lists every module, and only existing ones."""
+    page = (DOCS / "architecture.md").read_text(encoding="utf-8")
+    listed = set(re.findall(r"^\| `([\w/]+\.py)` \|", page, re.MULTILINE))
+    package = ROOT / "src" / "torch_to_nnef"
+    existing = set()
+    for path in package.rglob("*.py"):
+        relative = path.relative_to(package).as_posix()
+        existing.add(relative if "/" in relative else f"torch_to_nnef/{relative}")
+    stale = sorted(listed - existing)
+    absent = sorted(m for m in existing - listed if not m.endswith("__init__.py"))
+    assert not stale, f"docs/architecture.md lists modules that do not exist: {stale}"
+    assert not absent, f"docs/architecture.md does not say where these modules sit: {absent}"
+
+
+# ---------------------------------------------------------------------------------------------
+# The strict build
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(150)
+def test_strict_build_succeeds(tmp_path: Path) -> None:
+    site = tmp_path / "site"
+    result = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**_environment(), "NO_MKDOCS_2_WARNING": "1"},
+    )
+    assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-6000:]}"
+    assert (site / "index.html").is_file()
+    reference = (site / "api" / "residency" / "index.html").read_text(encoding="utf-8")
+    assert 'id="torch_to_nnef.tensor.residency.TensorResidencyPool.acquire"' in reference
+    assert ":class:`" not in reference and ":meth:`" not in reference
+
+
+# ---------------------------------------------------------------------------------------------
+# Runnable code blocks of the guides
+# ---------------------------------------------------------------------------------------------
+_FENCE = re.compile(r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
+_RUNNABLE = re.compile(r'^python(?:\s+title="[^"]*")?\s*$')
+_SHOWN_ONLY = re.compile(r"^\{\s*\.python\s+\.no-run\s*\}\s*$")
+_OTHER = re.compile(r"^(?:text|sh|console|mermaid|json|toml|yaml)\s*$")
+
+
+@dataclass(frozen=True)
+class CodeBlock:
+    """A fenced block of a page: where it starts, its info string and its code."""
+
+    page: Path
+    line: int
+    info: str
+    code: str
+
+    @property
+    def runnable(self) -> bool:
+        return _RUNNABLE.match(self.info) is not None
+
+
+def code_blocks(page: Path) -> list[CodeBlock]:
+    """The fenced code blocks of a Markdown page, in order (indented fences included)."""
+    blocks: list[CodeBlock] = []
+    lines = page.read_text(encoding="utf-8").splitlines()
+    index = 0
+    while index < len(lines):
+        opener = _FENCE.match(lines[index])
+        if opener is None:
+            index += 1
+            continue
+        indent, fence, info = opener["indent"], opener["fence"], opener["info"].strip()
+        body: list[str] = []
+        end = index + 1
+        while end < len(lines) and lines[end].strip() != fence:
+            body.append(lines[end][len(indent) :] if lines[end].startswith(indent) else lines[end])
+            end += 1
+        blocks.append(CodeBlock(page, index + 1, info, "\n".join(body) + "\n"))
+        index = end + 1
+    return blocks
+
+
+def pages_with_code() -> list[Path]:
+    return sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
+
+
+def test_fences_follow_the_convention() -> None:
+    """A misspelt info string would silently turn a block into plain text, or skip a test."""
+    wrong = [
+        f"{block.page.relative_to(ROOT)}:{block.line}: ```{block.info}"
+        for page in pages_with_code()
+        for block in code_blocks(page)
+        if not (
+            _RUNNABLE.match(block.info) or _SHOWN_ONLY.match(block.info) or _OTHER.match(block.info)
+        )
+    ]
+    assert not wrong, (
+        'fences must open with ```python, ```python title="...", ```{.python .no-run} or a '
+        f"non-Python language: {wrong}"
+    )
+
+
+def test_code_block_extraction() -> None:
+    page = DOCS / "guides" / "quickstart.md"
+    blocks = code_blocks(page)
+    assert blocks and all(block.runnable for block in blocks)
+    assert blocks[0].code.startswith("import os\n")
+    shown_only = CodeBlock(page, 1, "{.python .no-run}", "")
+    assert not shown_only.runnable and _SHOWN_ONLY.match(shown_only.info)
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}
+
+
+def _script(page: Path) -> str:
+    parts = []
+    for block in code_blocks(page):
+        if block.runnable:
+            parts.append(
+                f"# --- {page.relative_to(ROOT)}, block at line {block.line}\n{block.code}"
+            )
+    return "\n".join(parts)
+
+
+@pytest.mark.timeout(150)
+@pytest.mark.parametrize(
+    "page",
+    [p for p in pages_with_code() if any(b.runnable for b in code_blocks(p))],
+    ids=lambda p: str(p.relative_to(DOCS)),
+)
+def test_runnable_blocks_of_the_page_run(page: Path, tmp_path: Path) -> None:
+    script = tmp_path / "page.py"
+    script.write_text(_script(page), encoding="utf-8")
+    result = subprocess.run(
+        [sys.executable, str(script)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=_environment(),
+    )
+    assert result.returncode == 0, (
+        f"the code of {page.relative_to(ROOT)} failed (the script is {script}):\n"
+        f"{result.stderr[-6000:]}"
+    )
