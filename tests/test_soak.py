@@ -1,0 +1,403 @@
+"""Load under pressure: a bounded soak of async tasks and threads sharing one small pool.
+
+Thousands of small offloaded tensors, a budget of a few dozen of them, and workers of both
+faces (tasks on the pool's loop, threads through the sync shim) doing random leases (``read``
+and ``read_write`` ones adding a known increment), resolves, prefetches, pins, unpins,
+evictions, flushes and cancelled requests (``anyio.move_on_after``). A reference model counts
+the increments. Checks, during the run: every lease sees exactly the reference value, every
+resolve a value between the reference before and after the request, the pool invariants hold
+(checked on the loop thread every quarter second); after it: every payload on disk equals the
+reference, ``resident_bytes`` is exact and ``stats()`` agrees with what the workers did.
+
+``T2N_SOAK_SECONDS`` sets the duration (10 s, or 60 s under ``T2N_STRESS=1``, split between
+asyncio and uvloop and between the LRU and SCHEDULED strategies).
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+from residency_checks import check_invariants
+from stress.figures import record, scaled, soak_seconds, stress_mode
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import ResidencyStrategy, TensorResidencyPool
+
+NUMEL = 64
+NBYTES = NUMEL * 4
+TENSORS = scaled(2000, 4000)
+HOT = 40  # half of the requests go to these, so that hits happen
+BUDGET = 48 * NBYTES
+MAX_PINS = 6
+ASYNC_WORKERS = 4
+THREAD_WORKERS = 2
+
+LONG_CASES = [
+    ("asyncio", ResidencyStrategy.LRU),
+    ("uvloop", ResidencyStrategy.LRU),
+    ("asyncio", ResidencyStrategy.SCHEDULED),
+]
+CASES = LONG_CASES if stress_mode() else LONG_CASES[:1]
+
+WEIGHTS = {
+    "read": 24,
+    "read_write": 26,
+    "resolve": 14,
+    "prefetch": 8,
+    "pin": 3,
+    "unpin": 4,
+    "evict": 5,
+    "flush_one": 2,
+    "flush_all": 1,
+    "inline": 1,  # async workers only: a sync call on the loop thread
+    "scope": 4,  # async workers only: a torch op in a worker thread, inside pool.scope()
+}
+ASYNC_ONLY = frozenset({"inline", "scope"})
+
+
+@dataclass
+class World:
+    """The tensors, the reference model and what the workers did."""
+
+    tensors: list[OffloadedTensor]
+    locks: list[threading.Lock]
+    expected: list[int]
+    pins: set[int] = field(default_factory=set)
+    pins_lock: threading.Lock = field(default_factory=threading.Lock)
+    counts: Counter[str] = field(default_factory=Counter)
+    counts_lock: threading.Lock = field(default_factory=threading.Lock)
+    modified: set[int] = field(default_factory=set)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def count(self, worker_counts: Counter[str]) -> None:
+        with self.counts_lock:
+            self.counts.update(worker_counts)
+
+    def check_leased(self, index: int, value: torch.Tensor) -> None:
+        """A leased value is the reference value exactly (mutations hold the same lock)."""
+        with self.locks[index]:
+            wanted = float(index + self.expected[index])
+            assert value.shape == (NUMEL,) and bool((value == wanted).all()), (
+                f"tensor {index}: leased value {value[0].item()} (min {value.min().item()}, "
+                f"max {value.max().item()}), reference {wanted}"
+            )
+
+    def increment(self, index: int, value: torch.Tensor, amount: int) -> None:
+        with self.locks[index]:
+            wanted = float(index + self.expected[index])
+            assert bool((value == wanted).all()), f"tensor {index}: lost update before writing"
+            value.add_(amount)
+            self.expected[index] += amount
+            self.modified.add(index)
+
+    def check_resolved(self, index: int, value: torch.Tensor, before: int) -> None:
+        """A resolved value reflects a state between the request and now (never older)."""
+        with self.locks[index]:
+            first = value[0].item()
+            assert bool((value == first).all()), f"tensor {index}: torn value"
+            assert index + before <= first <= index + self.expected[index], (
+                f"tensor {index}: resolved {first}, reference went {index + before} -> "
+                f"{index + self.expected[index]}"
+            )
+
+
+def make_world(directory: Path) -> World:
+    tensors = []
+    for index in range(TENSORS):
+        name, sid = f"layer.{index}.weight", f"soak{index}"
+        path = storage.payload_path(directory, name, sid)
+        storage.write_payload(path, {"tensor": torch.full((NUMEL,), float(index))}, fsync=False)
+        tensors.append(OffloadedTensor(None, "cpu", directory, name, storage_id=sid))
+    return World(tensors, [threading.Lock() for _ in tensors], [0] * TENSORS)
+
+
+def pick(rng: random.Random) -> int:
+    return rng.randrange(HOT) if rng.random() < 0.5 else rng.randrange(TENSORS)
+
+
+def pick_op(rng: random.Random, in_loop: bool) -> str:
+    names = [n for n in WEIGHTS if in_loop or n not in ASYNC_ONLY]
+    return rng.choices(names, weights=[WEIGHTS[n] for n in names])[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Workers
+# ---------------------------------------------------------------------------------------------
+async def async_worker(pool: TensorResidencyPool, world: World, seed: int) -> None:
+    rng = random.Random(seed)
+    counts: Counter[str] = Counter()
+    try:
+        while not world.stop.is_set():
+            op = pick_op(rng, in_loop=True)
+            index = pick(rng)
+            tensor = world.tensors[index]
+            cancel = rng.random() < 0.3
+            with anyio.move_on_after(rng.uniform(0, 0.003) if cancel else None) as scope:
+                await run_async_op(pool, world, op, index, tensor, rng, counts)
+            counts[op] += 1
+            counts["cancelled"] += scope.cancelled_caught
+            await anyio.lowlevel.checkpoint()
+    finally:
+        world.count(counts)
+
+
+async def run_async_op(
+    pool: TensorResidencyPool,
+    world: World,
+    op: str,
+    index: int,
+    tensor: OffloadedTensor,
+    rng: random.Random,
+    counts: Counter[str],
+) -> None:
+    if op in ("read", "read_write", "resolve", "inline", "scope"):
+        counts["requests"] += 1
+    if op == "read":
+        async with pool.acquire(tensor) as value:
+            world.check_leased(index, value)
+    elif op == "read_write":
+        async with pool.acquire(tensor, mode="read_write") as value:
+            world.increment(index, value, rng.randint(1, 3))
+            counts["increments"] += 1
+    elif op == "resolve":
+        before = world.expected[index]
+        world.check_resolved(index, await pool.aresolve(tensor), before)
+    elif op == "inline":  # a torch forward run directly on the loop thread
+        with pool.acquire(tensor) as value:
+            world.check_leased(index, value)
+    elif op == "scope":
+        before = world.expected[index]
+        with pool.scope():
+            result = await anyio.to_thread.run_sync(torch.clone, tensor)
+        world.check_resolved(index, result, before)
+    elif op == "prefetch":
+        counts["loads_requested"] += 1
+        handle = pool.prefetch(tensor)
+        if rng.random() < 0.5:
+            await handle
+    elif op == "pin":
+        await pin(pool, world, index, counts)
+    elif op == "unpin":
+        await unpin(pool, world, rng, counts)
+    elif op == "evict":
+        try:
+            await pool.aevict(tensor)
+        except T2NErrorMisuse:
+            counts["evict_refused"] += 1  # leased or pinned by another worker
+    elif op == "flush_one":
+        await pool.aflush(tensor)
+    else:
+        await pool.aflush()
+
+
+async def pin(pool: TensorResidencyPool, world: World, index: int, counts: Counter[str]) -> None:
+    with world.pins_lock:
+        if len(world.pins) >= MAX_PINS:
+            return
+        world.pins.add(index)
+    counts["loads_requested"] += 1
+    await pool.pin(world.tensors[index])
+
+
+async def unpin(
+    pool: TensorResidencyPool, world: World, rng: random.Random, counts: Counter[str]
+) -> None:
+    with world.pins_lock:
+        if not world.pins:
+            return
+        index = rng.choice(sorted(world.pins))
+        world.pins.discard(index)
+    await pool.aunpin(world.tensors[index])
+
+
+def thread_worker(pool: TensorResidencyPool, world: World, seed: int) -> None:
+    rng = random.Random(seed)
+    counts: Counter[str] = Counter()
+    try:
+        while not world.stop.is_set():
+            op = pick_op(rng, in_loop=False)
+            index = pick(rng)
+            tensor = world.tensors[index]
+            if op in ("read", "read_write", "resolve"):
+                counts["requests"] += 1
+            if op == "read":
+                with pool.acquire(tensor) as value:
+                    world.check_leased(index, value)
+            elif op == "read_write":
+                with pool.acquire(tensor, mode="read_write") as value:
+                    world.increment(index, value, rng.randint(1, 3))
+                    counts["increments"] += 1
+            elif op == "resolve":
+                before = world.expected[index]
+                world.check_resolved(index, pool.resolve(tensor), before)
+            elif op == "prefetch":
+                counts["loads_requested"] += 1
+                handle = pool.prefetch(tensor)
+                if rng.random() < 0.5:
+                    handle.wait()
+            elif op == "pin":
+                with world.pins_lock:
+                    if len(world.pins) >= MAX_PINS:
+                        continue
+                    world.pins.add(index)
+                counts["loads_requested"] += 1
+                pool.pin(tensor).wait()
+            elif op == "unpin":
+                with world.pins_lock:
+                    if not world.pins:
+                        continue
+                    chosen = rng.choice(sorted(world.pins))
+                    world.pins.discard(chosen)
+                pool.unpin(world.tensors[chosen])
+            elif op == "evict":
+                try:
+                    pool.evict(tensor)
+                except T2NErrorMisuse:
+                    counts["evict_refused"] += 1
+            elif op == "flush_one":
+                pool.flush(tensor)
+            else:
+                pool.flush()
+            counts[op] += 1
+    finally:
+        world.count(counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The soak
+# ---------------------------------------------------------------------------------------------
+async def soak(
+    pool: TensorResidencyPool, world: World, seconds: float, seed: int
+) -> dict[str, Any]:
+    failures: list[BaseException] = []
+    invariant_checks = 0
+
+    def guarded(target: Callable[..., None], *args: Any) -> Callable[[], None]:
+        def run() -> None:
+            try:
+                target(*args)
+            except BaseException as error:
+                failures.append(error)
+                world.stop.set()
+
+        return run
+
+    async def guarded_async(factory: Callable[[], Awaitable[None]]) -> None:
+        try:
+            await factory()
+        except BaseException as error:
+            failures.append(error)
+            world.stop.set()
+
+    async with pool:
+        threads = [
+            threading.Thread(
+                target=guarded(thread_worker, pool, world, seed * 100 + n), name=f"soak-{n}"
+            )
+            for n in range(THREAD_WORKERS)
+        ]
+        for thread in threads:
+            thread.start()
+        async with anyio.create_task_group() as group:
+            for n in range(ASYNC_WORKERS):
+                group.start_soon(
+                    guarded_async,
+                    lambda n=n: async_worker(pool, world, seed * 100 + 50 + n),
+                )
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not world.stop.is_set():
+                await anyio.sleep(0.25)
+                check_invariants(pool)
+                invariant_checks += 1
+            world.stop.set()
+        for thread in threads:
+            await anyio.to_thread.run_sync(thread.join, 30)
+            assert not thread.is_alive()
+        if failures:
+            raise failures[0]
+        for tensor in world.tensors:
+            if pool.is_pinned(tensor):
+                await pool.aunpin(tensor)
+        await pool.aflush()
+        check_invariants(pool)
+        invariant_checks += 1
+        resident = pool.resident_bytes
+        entries = [e for e in pool._actor.entries.values() if e.value is not None]
+        assert resident == NBYTES * len(entries) == sum(e.nbytes for e in entries)
+        assert resident <= BUDGET
+    return {"invariant_checks": invariant_checks}
+
+
+@pytest.mark.parametrize(("loop", "strategy"), CASES, ids=[f"{lp}-{s.name}" for lp, s in CASES])
+@pytest.mark.timeout(int(soak_seconds()) + 120)
+def test_soak_mixed_tasks_and_threads(
+    tmp_path: Path, loop: str, strategy: ResidencyStrategy
+) -> None:
+    seconds = soak_seconds() / len(CASES)
+    world = make_world(tmp_path)
+    pool = TensorResidencyPool(max_cached_bytes=BUDGET, max_workers=2, strategy=strategy)
+    seed = 1 + CASES.index((loop, strategy))
+    started = time.perf_counter()
+    figures = anyio.run(
+        soak,
+        pool,
+        world,
+        seconds,
+        seed,
+        backend="asyncio",
+        backend_options={"use_uvloop": loop == "uvloop"},
+    )
+    elapsed = time.perf_counter() - started
+    counts = world.counts
+
+    # After close: nothing resident, every payload on disk is the reference value.
+    assert pool.closed and pool.resident_bytes == 0
+    for index, tensor in enumerate(world.tensors):
+        value = storage.read_payload(storage.read_layout(tensor.offload_path))["tensor"]
+        assert torch.equal(value, torch.full((NUMEL,), float(index + world.expected[index]))), (
+            f"tensor {index}: {value[0].item()} on disk, reference {index + world.expected[index]}"
+        )
+
+    # The counters agree with what the workers did.
+    stats = pool.stats()
+    assert stats.load_errors == 0
+    assert stats.hits + stats.misses == counts["requests"]
+    assert stats.bytes_read == stats.loads * NBYTES
+    assert stats.loads <= stats.misses + counts["loads_requested"]
+    assert stats.evictions <= stats.loads
+    assert stats.bytes_written == stats.write_backs * NBYTES
+    assert len(world.modified) <= stats.write_backs <= counts["increments"]
+    assert counts["increments"] > 0 and stats.hits > 0 and stats.evictions > 0
+    operations = sum(counts[op] for op in WEIGHTS)
+    assert operations > 20 * seconds
+    record(
+        f"soak_{loop}_{strategy.name}",
+        seconds=round(elapsed, 1),
+        tensors=TENSORS,
+        operations=operations,
+        increments=counts["increments"],
+        cancelled=counts["cancelled"],
+        faults=counts["cancelled"],
+        evict_refused=counts["evict_refused"],
+        hits=stats.hits,
+        misses=stats.misses,
+        loads=stats.loads,
+        evictions=stats.evictions,
+        write_backs=stats.write_backs,
+        reused_buffers=stats.reused_buffers,
+        invariant_checks=figures["invariant_checks"],
+        payloads_verified=TENSORS,
+        lost=0,
+    )
