@@ -186,6 +186,21 @@ def test_every_public_module_has_a_reference_page(module_name: str) -> None:
     )
 
 
+def test_explicit_member_lists_cover_all_exports() -> None:
+    """A reference page that lists members (to order them) lists every exported name."""
+    for page in (DOCS / "api").glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        rendered = re.search(r"^::: ([\w.]+)$", text, re.MULTILINE)
+        listed = re.findall(r"^ {8}- (\w+)$", text, re.MULTILINE)
+        if rendered is None or not listed:
+            continue
+        exported = importlib.import_module(rendered[1]).__all__
+        assert sorted(listed) == sorted(exported), (
+            f"{page.relative_to(ROOT)} lists {sorted(listed)}; {rendered[1]} exports "
+            f"{sorted(exported)}"
+        )
+
+
 def test_architecture_page_names_every_module() -> None:
     """The module table of docs/architecture.md lists every module, and only existing ones."""
     page = (DOCS / "architecture.md").read_text(encoding="utf-8")
