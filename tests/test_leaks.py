@@ -1,0 +1,226 @@
+"""Leaks: pools and offloaded tensors give back every thread, descriptor, byte and file.
+
+A thousand pools are created, used a little and closed, through ``with pool:`` (each starts
+and stops its own loop thread) and ``async with pool:`` (each runs in the caller's loop).
+Afterwards no pool object survives a garbage collection, no thread or file descriptor is left,
+and the resident memory does not grow from the 100th pool to the 1000th beyond noise. An
+``OffloadedTensor`` that is garbage collected removes its own payload file and only it.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import psutil
+import pytest
+import torch
+from stress.figures import record, scaled
+
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+
+POOLS = scaled(1000, 5000)
+FIRST = 100
+NUMEL = 64
+RSS_NOISE = 24 << 20
+"""Growth of the resident set from the 100th pool to the last that counts as noise."""
+OBJECT_NOISE = 500
+"""Growth of the number of gc-tracked objects from the 100th pool to the last, likewise (the
+probe's own weak references not counted)."""
+
+
+def open_fds() -> set[str]:
+    return set(os.listdir("/proc/self/fd"))
+
+
+def settled(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
+    """Whether ``condition`` holds within ``seconds`` (threads take a moment to end)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        gc.collect()
+        if condition():
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+
+
+def pool_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("t2n-")]
+
+
+def make_tensors(directory: Path) -> list[OffloadedTensor]:
+    return [
+        OffloadedTensor.from_original_tensor(torch.full((NUMEL,), float(i)), f"w{i}", directory)
+        for i in range(3)
+    ]
+
+
+class Probe:
+    """Samples threads, descriptors, RSS and gc objects, and keeps weak references to pools."""
+
+    def __init__(self) -> None:
+        self.pools: list[weakref.ref[TensorResidencyPool]] = []
+        self.rss_first = self.objects_first = 0
+
+    def track(self, pool: TensorResidencyPool, number: int) -> None:
+        self.pools.append(weakref.ref(pool))
+        if number == FIRST:
+            gc.collect()
+            self.rss_first = psutil.Process().memory_info().rss
+            self.objects_first = len(gc.get_objects())
+
+    def growth(self) -> tuple[int, int]:
+        gc.collect()
+        rss = psutil.Process().memory_info().rss - self.rss_first
+        own = len(self.pools) - FIRST  # weak references taken since the first sample
+        return rss, len(gc.get_objects()) - self.objects_first - own
+
+
+def one_sync_pool(tensors: list[OffloadedTensor], number: int) -> TensorResidencyPool:
+    with TensorResidencyPool(max_cached_bytes=2 * NUMEL * 4) as pool:
+        assert torch.equal(pool.resolve(tensors[0]), torch.zeros(NUMEL))
+        with pool.acquire(tensors[1]) as value:
+            assert value[0].item() == 1.0
+        pool.prefetch(tensors[2]).wait()
+        if number % 50 == 0:  # now and then a write-back
+            with pool.acquire(tensors[2], mode="read_write") as value:
+                value.add_(0)
+            pool.flush()
+    return pool
+
+
+async def one_async_pool(tensors: list[OffloadedTensor], number: int) -> TensorResidencyPool:
+    async with TensorResidencyPool(max_cached_bytes=2 * NUMEL * 4) as pool:
+        assert torch.equal(await pool.aresolve(tensors[0]), torch.zeros(NUMEL))
+        async with pool.acquire(tensors[1]) as value:
+            assert value[0].item() == 1.0
+        await pool.prefetch(tensors[2])
+        if number % 50 == 0:
+            async with pool.acquire(tensors[2], mode="read_write") as value:
+                value.add_(0)
+            await pool.aflush()
+    return pool
+
+
+def check_no_leak(probe: Probe, fds: set[str], threads: int, face: str) -> None:
+    assert settled(lambda: not pool_threads()), f"threads left: {pool_threads()}"
+    assert settled(lambda: threading.active_count() <= threads), threading.enumerate()
+    assert settled(lambda: all(ref() is None for ref in probe.pools)), "pools survive gc"
+    leaked = open_fds() - fds
+    assert settled(lambda: not open_fds() - fds), f"descriptors left: {leaked}"
+    rss, objects = probe.growth()
+    assert rss < RSS_NOISE, f"RSS grew by {rss >> 20} MiB from pool {FIRST} to pool {POOLS}"
+    assert objects < OBJECT_NOISE, f"{objects} more gc objects from pool {FIRST} to {POOLS}"
+    record(
+        f"leaks_{face}",
+        pools=POOLS,
+        operations=POOLS * 3 + POOLS // 50,
+        rss_growth_kib=rss >> 10,
+        object_growth=objects,
+    )
+
+
+@pytest.mark.timeout(120 + POOLS // 20)
+def test_a_thousand_sync_pools_leave_nothing_behind(tmp_path: Path) -> None:
+    tensors = make_tensors(tmp_path)
+    one_sync_pool(tensors, 0)  # warm-up: lazily created module state is not a leak
+    assert settled(lambda: not pool_threads())
+    fds, threads = open_fds(), threading.active_count()
+    probe = Probe()
+    for number in range(1, POOLS + 1):
+        probe.track(one_sync_pool(tensors, number), number)
+        assert not pool_threads() or settled(lambda: not pool_threads(), 1.0)
+    check_no_leak(probe, fds, threads, "sync")
+
+
+@pytest.mark.timeout(120 + POOLS // 20)
+def test_a_thousand_async_pools_leave_nothing_behind(tmp_path: Path) -> None:
+    tensors = make_tensors(tmp_path)
+
+    async def main() -> tuple[Probe, set[str], int]:
+        await one_async_pool(tensors, 0)  # warm-up: the loop's worker threads start here
+        fds, threads = open_fds(), threading.active_count()
+        probe = Probe()
+        for number in range(1, POOLS + 1):
+            probe.track(await one_async_pool(tensors, number), number)
+        assert threading.active_count() <= threads + 1, threading.enumerate()
+        return probe, fds, threads
+
+    probe, fds, threads = anyio.run(main)
+    check_no_leak(probe, fds, threads, "async")
+
+
+# ---------------------------------------------------------------------------------------------
+# Files of garbage-collected tensors
+# ---------------------------------------------------------------------------------------------
+def test_a_collected_tensor_removes_its_own_file_and_only_it(tmp_path: Path) -> None:
+    offload_dir = tmp_path / "offload"
+    first, second = make_tensors(offload_dir)[:2]
+    checkpoint = tmp_path / "model.safetensors"
+    storage.write_payload(checkpoint, {"a": torch.ones(4), "b": torch.zeros(4)})
+    pointer = OffloadedTensor.from_safetensors(checkpoint, "a", offload_dir=offload_dir)
+    copied = OffloadedTensor.from_safetensors(checkpoint, "b", offload_dir=offload_dir)
+    copied.update_values(torch.full((4,), 7.0))  # copy on write into offload_dir
+    bystander = offload_dir / "notes.txt"
+    bystander.write_text("not a payload")
+    files = {name: t.offload_path for name, t in [("first", first), ("second", second)]}
+    files["copied"] = copied.offload_path
+    assert files["copied"].parent == offload_dir.resolve()
+
+    def present() -> set[str]:
+        return {name for name, path in files.items() if path.exists()}
+
+    del first
+    gc.collect()
+    assert present() == {"second", "copied"}
+    del copied
+    gc.collect()
+    assert present() == {"second"}
+    del pointer
+    gc.collect()
+    assert checkpoint.exists() and bystander.exists()
+    assert torch.equal(storage.read_payload(storage.read_layout(checkpoint))["b"], torch.zeros(4))
+
+    # A pool does not keep a tensor (or its file) alive once closed.
+    with TensorResidencyPool() as pool, pool.acquire(second, mode="read_write") as value:
+        value.add_(1)
+    reference = weakref.ref(second)
+    del second, pool, value
+    gc.collect()
+    assert reference() is None
+    assert present() == set()
+    assert sorted(os.listdir(offload_dir)) == ["notes.txt"]
+
+
+def test_private_directory_lives_as_long_as_its_tensors() -> None:
+    first = OffloadedTensor.from_original_tensor(torch.zeros(2), "a")
+    second = OffloadedTensor.from_original_tensor(torch.ones(2), "b")
+    directory = first.offload_path.parent
+    assert second.offload_path.parent == directory
+    del first
+    gc.collect()
+    assert sorted(os.listdir(directory)) == [second.offload_path.name]
+    del second
+    gc.collect()
+    assert not directory.exists()
+
+
+def test_a_thousand_tensors_created_and_collected_leave_no_file(tmp_path: Path) -> None:
+    fds = open_fds()
+    for index in range(scaled(1000, 5000)):
+        tensor = OffloadedTensor.from_original_tensor(torch.full((4,), float(index)), "w", tmp_path)
+        if index % 100 == 0:
+            assert tensor.reload()[0].item() == index
+        del tensor
+    gc.collect()
+    assert os.listdir(tmp_path) == []
+    assert settled(lambda: not open_fds() - fds)
