@@ -301,6 +301,18 @@ def test_fences_follow_the_convention() -> None:
     )
 
 
+def test_code_blocks_fit_the_page() -> None:
+    """Lines of code blocks stay within 88 characters, the width of the page's content."""
+    long_lines = [
+        f"{block.page.relative_to(ROOT)}:{block.line + number}"
+        for page in pages_with_code()
+        for block in code_blocks(page)
+        for number, line in enumerate(block.code.splitlines(), start=1)
+        if len(line) > 88
+    ]
+    assert not long_lines, f"code lines longer than 88 characters: {long_lines}"
+
+
 def test_code_block_extraction() -> None:
     page = DOCS / "guides" / "quickstart.md"
     blocks = code_blocks(page)
