@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import enum
 import importlib
+import importlib.util
 import inspect
 import os
 import re
@@ -235,6 +236,52 @@ def test_strict_build_succeeds(tmp_path: Path) -> None:
     reference = (site / "api" / "residency" / "index.html").read_text(encoding="utf-8")
     assert 'id="torch_to_nnef.tensor.residency.TensorResidencyPool.acquire"' in reference
     assert ":class:`" not in reference and ":meth:`" not in reference
+
+
+def _bench_hook(results: Path) -> ModuleType:
+    """A fresh copy of docs/hooks/bench_results.py reading its files from ``results``."""
+    spec = importlib.util.spec_from_file_location(
+        "bench_results_hook", DOCS / "hooks" / "bench_results.py"
+    )
+    assert spec is not None and spec.loader is not None
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    hook.SUMMARY = results / "summary.md"
+    hook.TIMELINE = results / "timeline.png"
+    return hook
+
+
+@dataclass
+class _PageFile:
+    src_uri: str
+
+
+@dataclass
+class _Page:
+    file: _PageFile
+
+
+def test_benchmark_marks_without_results(tmp_path: Path) -> None:
+    hook = _bench_hook(tmp_path)
+    page = _Page(_PageFile("performance.md"))
+    text = "<!-- bench:summary -->\n<!-- bench:timeline -->\n<!-- bench:summary:collapsed -->"
+    out = hook.on_page_markdown(text, page, config=None, files=None)
+    assert "<!--" not in out
+    assert out.count("make bench") == 3  # each mark says how to produce its figures
+
+
+def test_benchmark_marks_with_results(tmp_path: Path) -> None:
+    (tmp_path / "summary.md").write_text("# Results\n\n| a | b |\n|---|---|\n| 1 | 2 |\n")
+    (tmp_path / "timeline.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    hook = _bench_hook(tmp_path)
+    guide = _Page(_PageFile("guides/strategies.md"))
+    out = hook.on_page_markdown(
+        "<!-- bench:summary -->\n<!-- bench:timeline -->", guide, config=None, files=None
+    )
+    assert "### Results" in out and "| 1 | 2 |" in out  # headings nest under the page's
+    assert "](../assets/bench/timeline.png)" in out
+    collapsed = hook.on_page_markdown("<!-- bench:summary:collapsed -->", guide, None, None)
+    assert collapsed.startswith("??? info") and "    | 1 | 2 |" in collapsed
 
 
 # ---------------------------------------------------------------------------------------------
