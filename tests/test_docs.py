@@ -1,7 +1,6 @@
 """The documentation site: docstrings of every public name, the strict build, runnable guides.
 
-Code blocks of the pages are executed page by page. The convention, also described in
-``docs/index.md``'s last paragraph:
+Code blocks of the pages (API reference excepted) are executed page by page. The convention:
 
 - a fence opened with ```` ```python ```` (optionally with a ``title="..."``) is runnable: the
   runnable blocks of one page are run in order, as one script, in a fresh temporary directory;
