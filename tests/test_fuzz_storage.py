@@ -297,7 +297,7 @@ def byte_mutations(draw: st.DrawFn) -> bytes:
     return bytes(data)
 
 
-@settings(max_examples=scaled(700, 15000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
+@settings(max_examples=scaled(700, 8000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(raw=byte_mutations(), use_async=use_async_sample)
 def test_fuzz_byte_mutations(fuzz_dir: Path, raw: bytes, use_async: bool) -> None:
     load_or_reject(fuzz_dir, raw, use_async=use_async)
@@ -486,7 +486,7 @@ def encode(draw: st.DrawFn, document: Any, data: bytes) -> bytes:
     return struct.pack("<Q", max(0, length) % 2**64) + text + data
 
 
-@settings(max_examples=scaled(700, 15000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
+@settings(max_examples=scaled(700, 8000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(raw=json_mutations(), use_async=use_async_sample)
 def test_fuzz_json_mutations(fuzz_dir: Path, raw: bytes, use_async: bool) -> None:
     load_or_reject(fuzz_dir, raw, use_async=use_async)
@@ -520,7 +520,7 @@ def deeply_nested_file(depth: int) -> bytes:
     return struct.pack("<Q", len(text)) + text
 
 
-@settings(max_examples=scaled(400, 8000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
+@settings(max_examples=scaled(400, 5000), **FUZZ_SETTINGS)  # type: ignore[arg-type]
 @given(
     raw=random_documents()
     | st.builds(
