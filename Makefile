@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks examples
-	$(VENV)/bin/ruff format --check src tests benchmarks examples
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -26,7 +26,7 @@ typecheck: install
 pytest: install
 	$(PY) -m pytest -q
 
-test: lint typecheck pytest
+test: lint typecheck docs pytest
 
 # The main job: stream a synthetic model bigger than its memory budget (flags: DEMO_ARGS=...).
 demo: install
@@ -41,7 +41,7 @@ stress: install
 	$(PY) tests/stress/run.py
 
 docs: install
-	$(VENV)/bin/mkdocs build --strict --site-dir site
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache
