@@ -860,8 +860,8 @@ def _explanation(report: DemoReport) -> str:
     lru = next(r for r in report.cyclic if r.strategy is ResidencyStrategy.LRU and r.depth)
     no_prefetch = report.cyclic[0]
     sentences = [
-        f"A {config.model_bytes / _MB:.0f} MB model ({config.blocks} blocks of two "
-        f"{config.width}x{config.width} linear layers) was offloaded to disk and run through "
+        f"The model ({config.blocks} blocks of two {config.width}x{config.width} linear "
+        f"layers, {config.model_bytes / _MB:.0f} MB) was offloaded to disk and run through "
         f"one TensorResidencyPool holding about {config.budget_bytes / _MB:.0f} MB of weights "
         "(a soft limit: the blocks leased by forwards in flight stay resident above it).",
         "Every forward reads the layers in the same cyclic order, so LRU evicts each layer just "
