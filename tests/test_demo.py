@@ -159,7 +159,7 @@ def test_console_script_runs_the_quick_demo(tmp_path: Path) -> None:
     header, *rows = table_rows(done.stdout, "strategy ")
     assert header == SERVING_HEADERS
     assert [(row[0], row[1]) for row in rows] == [("SCHEDULED", "depth 1"), ("SCHEDULED", "none")]
-    assert "Serving 4 concurrent requests, 2 in flight" in done.stdout
+    assert "Serving 4 concurrent requests, 2 in flight, from async code on cpu" in done.stdout
     assert ": OK" in done.stdout
     assert "100%" in done.stderr, "the progress bar ran to the end"
 
