@@ -1,8 +1,9 @@
 """Crash during write-back: a pool killed (SIGKILL) at random moments never tears a payload.
 
 A child process leases offloaded tensors ``read_write`` through a pool with a small budget,
-adds 1 to each, and flushes, generation after generation: dirty values are written back as the
-pool evicts them and on every flush. The parent kills it at random moments (half of them while
+adds 1 to each, and flushes (or closes the pool and opens a new one), generation after
+generation, through the sync face or the async one: dirty values are written back as the pool
+evicts them and on every flush or close. The parent kills it at random moments (half of them while
 a flush runs), then reads every payload file back: each is a valid file holding exactly the
 previous or the new generation of its tensor (its checksum is that of one of the two), never a
 mix, and the next child carries on from there. ``T2N_STRESS=1`` kills 200 children instead of 15.
@@ -81,6 +82,7 @@ def test_killed_write_backs_leave_the_previous_or_the_new_value(tmp_path: Path) 
             offload_dir=str(offload_dir),
             specs=specs,
             budget=BUDGET,
+            face="async" if kill % 4 >= 2 else "sync",
             progress=progress,
             ready=ready,
             error_file=str(error_file),

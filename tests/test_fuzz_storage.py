@@ -36,8 +36,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from stress.figures import record, scaled
 
-from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
 from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
 
@@ -153,7 +154,7 @@ def check_against_header(path: Path, raw: bytes, layout: storage.PayloadLayout) 
     (length,) = struct.unpack("<Q", raw[:8])
     document = json.loads(raw[8 : 8 + length])
     assert isinstance(document, dict)
-    assert layout.metadata == document.pop("__metadata__", {})
+    assert layout.metadata == (document.pop("__metadata__", None) or {})  # null: none
     assert set(layout.entries) == set(document)
     data_start = 8 + length
     spans = []
@@ -185,6 +186,24 @@ def check_tensors(
         assert _raw_bytes(tensor) == raw[spec.start : spec.start + spec.nbytes]
         total += tensor.numel() * tensor.element_size()
     assert total <= len(raw), "more tensor memory than the file holds"
+
+
+def check_adoption(directory: Path, raw: bytes, loaded: dict[str, torch.Tensor]) -> str | None:
+    """An OffloadedTensor adopting an accepted plain file reads its single entry, or refuses
+    it with a T2NError (several entries); never another exception."""
+    adopt_dir = directory / "adopt"
+    adopt_dir.mkdir(exist_ok=True)
+    storage.payload_path(adopt_dir, "w", "fuzz").write_bytes(raw)
+    try:
+        tensor = OffloadedTensor(None, "cpu", adopt_dir, "w", storage_id="fuzz")
+    except T2NError:
+        assert len(loaded) != 1
+        return None
+    (expected,) = loaded.values()
+    value = tensor.reload()
+    assert value.dtype == expected.dtype and _raw_bytes(value) == _raw_bytes(expected)
+    del tensor  # owns the adopted file: removes it
+    return "adopted"
 
 
 def load_or_reject(directory: Path, raw: bytes, *, use_async: bool = False) -> str:
@@ -223,6 +242,7 @@ def load_or_reject(directory: Path, raw: bytes, *, use_async: bool = False) -> s
                 assert isinstance(value, torch.Tensor)
                 outcome = "opaque_loaded"
         else:
+            outcome = check_adoption(directory, raw, loaded) or outcome
             with safe_open(str(path), "pt") as file:  # what we accept, safetensors reads alike
                 assert set(file.keys()) == set(loaded)
                 for name, tensor in loaded.items():

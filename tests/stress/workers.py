@@ -20,6 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import torch
 
 from torch_to_nnef.tensor import storage
@@ -42,6 +43,7 @@ def crash_writer(
     offload_dir: str,
     specs: list[tuple[str, str]],
     budget: int,
+    face: str,
     progress: Any,
     ready: Any,
     error_file: str,
@@ -49,29 +51,66 @@ def crash_writer(
     """Add 1 to every payload, generation after generation, through a pool, until killed.
 
     Each generation leases every tensor ``read_write`` (the small ``budget`` makes the pool
-    write dirty values back as it evicts them), then flushes. ``progress[STARTED]`` counts the
-    generations begun, ``progress[DURABLE]`` those whose flush returned, ``progress[PHASE]``
-    says whether the flush is running.
+    write dirty values back as it evicts them), then flushes; every third generation closes
+    the pool instead (close writes back too) and opens a new one. ``face`` is ``"sync"``
+    (``with pool``, a private loop thread) or ``"async"`` (``async with pool`` in this
+    process's event loop). ``progress[STARTED]`` counts the generations begun,
+    ``progress[DURABLE]`` those whose flush or close returned, ``progress[PHASE]`` says whether
+    the flush or close is running.
     """
     try:
         tensors = [adopt(offload_dir, name, storage_id) for name, storage_id in specs]
-        pool = TensorResidencyPool(max_cached_bytes=budget, max_workers=2)
-        pool.__enter__()
-        ready.set()
-        generation = 0
-        while True:
-            generation += 1
-            progress[PHASE] = MUTATING
-            progress[STARTED] = generation
-            for tensor in tensors:
-                with pool.acquire(tensor, mode="read_write") as value:
-                    value.add_(1.0)
-            progress[PHASE] = FLUSHING
-            pool.flush()
-            progress[DURABLE] = generation
+        if face == "sync":
+            _crash_writer_sync(tensors, budget, progress, ready)
+        else:
+            anyio.run(_crash_writer_async, tensors, budget, progress, ready)
     except BaseException:
         Path(error_file).write_text(traceback.format_exc())
         os._exit(1)
+
+
+def _crash_writer_sync(
+    tensors: list[OffloadedTensor], budget: int, progress: Any, ready: Any
+) -> None:
+    generation = 0
+    while True:
+        with TensorResidencyPool(max_cached_bytes=budget, max_workers=2) as pool:
+            ready.set()
+            while True:
+                generation += 1
+                progress[PHASE] = MUTATING
+                progress[STARTED] = generation
+                for tensor in tensors:
+                    with pool.acquire(tensor, mode="read_write") as value:
+                        value.add_(1.0)
+                progress[PHASE] = FLUSHING
+                if generation % 3 == 0:
+                    break  # closing the pool writes back
+                pool.flush()
+                progress[DURABLE] = generation
+        progress[DURABLE] = generation
+
+
+async def _crash_writer_async(
+    tensors: list[OffloadedTensor], budget: int, progress: Any, ready: Any
+) -> None:
+    generation = 0
+    while True:
+        async with TensorResidencyPool(max_cached_bytes=budget, max_workers=2) as pool:
+            ready.set()
+            while True:
+                generation += 1
+                progress[PHASE] = MUTATING
+                progress[STARTED] = generation
+                for tensor in tensors:
+                    async with pool.acquire(tensor, mode="read_write") as value:
+                        value.add_(1.0)
+                progress[PHASE] = FLUSHING
+                if generation % 3 == 0:
+                    break
+                await pool.aflush()
+                progress[DURABLE] = generation
+        progress[DURABLE] = generation
 
 
 def _error_facts(error: BaseException) -> dict[str, Any]:
