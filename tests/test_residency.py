@@ -721,3 +721,34 @@ async def test_a_failed_close_at_async_exit_keeps_dirty_values(tmp_path: Path) -
     await anyio.to_thread.run_sync(pool.close)  # served again, from a private loop thread
     assert pool.closed
     assert torch.equal(t._reload_unmanaged(), torch.full((NUMEL,), 3.0))
+
+
+@pytest.mark.parametrize("via", ["acquire", "resolve", "stream"])
+def test_foreign_requests_leave_no_reference_cycles(tmp_path: Path, via: str) -> None:
+    """Evicted values die with their last reference, so their buffers are reused at once."""
+    import gc
+
+    ts = make_tensors(tmp_path, 10, numel=4096)
+    model = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+    with TensorResidencyPool(max_cached_bytes=2 * 4096 * 4) as pool:
+        gc.collect()
+        gc.disable()
+        try:
+            for _ in range(3):
+                for t in ts:
+                    if via == "acquire":
+                        with pool.acquire(t) as value:
+                            assert value.numel() == 4096
+                    elif via == "resolve":
+                        assert pool.resolve(t).numel() == 4096
+                    else:
+                        lease = pool.acquire(t)
+                        lease._begin()
+                        with lease as value:
+                            assert value.numel() == 4096
+            stats = pool.stats()
+        finally:
+            gc.enable()
+    assert stats.loads == 30
+    assert stats.reused_buffers >= stats.loads - 4, stats
+    del model

@@ -56,6 +56,46 @@ def _settle(reply: concurrent.futures.Future[Any], io: _IO) -> None:
         reply.set_exception(error)
 
 
+class _ForeignAcquire:
+    """An acquire sent by another thread, retried on the loop thread after each job it awaits.
+
+    A class rather than a recursive closure: a closure that calls itself is a reference cycle,
+    which would keep the reply, and so the loaded value, alive until the cycle collector runs
+    (and evicted buffers from being reused).
+    """
+
+    __slots__ = ("actor", "reply", "ticket")
+
+    def __init__(
+        self, actor: _Actor, ticket: _Ticket, reply: concurrent.futures.Future[Any]
+    ) -> None:
+        self.actor = actor
+        self.ticket = ticket
+        self.reply = reply
+
+    def attempt(self) -> None:
+        actor, ticket, reply = self.actor, self.ticket, self.reply
+        if ticket.abandoned or reply.done():
+            return
+        try:
+            result = actor.acquire_step(ticket)
+        except BaseException as error:
+            actor.abandon(ticket)
+            reply.set_exception(error)
+            return
+        if isinstance(result, _IO):
+            result.add_callback(lambda: self._after(result))
+        else:
+            reply.set_result((result, ticket.entry))
+
+    def _after(self, job: _IO) -> None:
+        if job.kind == "load" and job.error is not None:
+            self.actor.abandon(self.ticket)
+            _settle(self.reply, job)
+        else:
+            self.attempt()
+
+
 class TensorPrefetch:
     """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
 
@@ -586,29 +626,7 @@ class TensorResidencyPool:
         actor = self._actor
 
         def run(reply: concurrent.futures.Future[Any]) -> Any:
-            def attempt() -> None:
-                if ticket.abandoned or reply.done():
-                    return
-                try:
-                    result = actor.acquire_step(ticket)
-                except BaseException as error:
-                    actor.abandon(ticket)
-                    reply.set_exception(error)
-                    return
-                if not isinstance(result, _IO):
-                    reply.set_result((result, ticket.entry))
-                    return
-
-                def after_io() -> None:
-                    if result.kind == "load" and result.error is not None:
-                        actor.abandon(ticket)
-                        _settle(reply, result)
-                    else:
-                        attempt()
-
-                result.add_callback(after_io)
-
-            attempt()
+            _ForeignAcquire(actor, ticket, reply).attempt()
             return _PENDING
 
         return self._send(run)
