@@ -53,8 +53,22 @@ def settled(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
         time.sleep(0.02)
 
 
+_PREEXISTING: set[int] = set()
+
+
 def pool_threads() -> list[threading.Thread]:
-    return [t for t in threading.enumerate() if t.name.startswith("t2n-")]
+    """Pool loop threads started by this module's tests (not ones other tests left running)."""
+    return [
+        t
+        for t in threading.enumerate()
+        if t.name.startswith("t2n-") and t.ident not in _PREEXISTING
+    ]
+
+
+@pytest.fixture(autouse=True)
+def _existing_threads() -> None:
+    _PREEXISTING.clear()
+    _PREEXISTING.update(t.ident for t in threading.enumerate() if t.ident is not None)
 
 
 def make_tensors(directory: Path) -> list[OffloadedTensor]:
