@@ -16,6 +16,8 @@ def _check(pool: TensorResidencyPool) -> None:
     assert set(actor.published) == {e.key for e in resident}
     assert actor.leased_entries == sum(1 for e in resident if e.leases)
     assert actor.evicting_bytes == sum(e.nbytes for e in resident if e.evicting)
+    in_use = [e for e in resident if not e.pinned and (e.leases or e.waiters)]
+    assert actor.in_use_bytes == sum(e.nbytes for e in in_use)
     for entry in actor.entries.values():
         assert entry.leases >= 0 and entry.waiters >= 0
         assert entry.value is not None or entry.load is not None, (
@@ -29,10 +31,11 @@ def _check(pool: TensorResidencyPool) -> None:
         if isinstance(actor.policy, FixedPolicy):
             assert actor.policy.admitted_bytes <= budget
         else:
-            # Values whose write-back runs are on their way out and do not count.
-            staying = actor.resident_bytes - actor.evicting_bytes
-            assert staying <= budget or kept == 0, (
-                f"{kept} unheld bytes stay while {staying} > budget {budget}"
+            # The budget bounds cached values: not those in use (leased or awaited), nor those
+            # whose write-back runs (on their way out).
+            cached = actor.resident_bytes - actor.evicting_bytes - actor.in_use_bytes
+            assert cached <= budget or kept == 0, (
+                f"{kept} unheld bytes stay while {cached} cached > budget {budget}"
             )
 
 

@@ -79,7 +79,10 @@ class _Model:
             self.remove(i)
         if self.strategy is ResidencyStrategy.FIXED:
             return
-        total = sum(self.nbytes(k) for k in self.order)
+        # In-use values (leased, not pinned) are outside the budget.
+        total = sum(
+            self.nbytes(k) for k in self.order if not (self.leases[k] and k not in self.pinned)
+        )
         for i in list(self.order):
             if total <= BUDGET:
                 break

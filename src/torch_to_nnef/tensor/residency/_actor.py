@@ -165,6 +165,7 @@ class _Actor:
         self.published: dict[int, tuple[torch.device, torch.Tensor, object]] = {}
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
+        self.in_use_bytes = 0  # resident bytes leased or awaited (outside the budget)
         self.leased_entries = 0
         self.closing = False
         self.closed = False
@@ -344,9 +345,7 @@ class _Actor:
         self._replay_touches()
         entry = self._entry_for(source, device)
         if pin and not entry.pinned:
-            entry.pinned = True
-            self.policy.hold(entry.key)
-            self._set_evicting(entry, False)
+            self._hold(entry, pinned=True)
         if entry.value is not None:
             self.policy.touch(entry.key)
             return entry.value
@@ -367,15 +366,9 @@ class _Actor:
         if entry.value is not None and not (ticket.read_write and entry.write is not None):
             if ticket.first_try:
                 self._hits += 1
-            if ticket.waiting:
-                ticket.waiting = False
-                entry.waiters -= 1
-            if entry.leases == 0:
-                self.leased_entries += 1
-            entry.leases += 1
-            self._set_evicting(entry, False)
+            self._hold(entry, leases=1, waiters=-1 if ticket.waiting else 0)
+            ticket.waiting = False
             ticket.granted = True
-            self.policy.hold(entry.key)
             self.policy.touch(entry.key)
             return entry.value
         if ticket.first_try:
@@ -383,9 +376,7 @@ class _Actor:
             ticket.first_try = False
         if not ticket.waiting:
             ticket.waiting = True
-            entry.waiters += 1
-            self.policy.hold(entry.key)
-            self._set_evicting(entry, False)
+            self._hold(entry, waiters=1)
         pending = entry.write if entry.value is not None else entry.load
         assert pending is not None
         return pending
@@ -402,8 +393,7 @@ class _Actor:
         elif ticket.waiting:
             ticket.waiting = False
             if entry is not None and self.entries.get(entry.key) is entry:
-                entry.waiters -= 1
-                self._maybe_release(entry)
+                self._hold(entry, waiters=-1)
                 self.enforce()
 
     def release_lease(self, entry: _Entry, dirty: bool) -> None:
@@ -411,12 +401,9 @@ class _Actor:
         self.drain()
         if entry.leases < 1:
             raise T2NErrorMisuse("this lease is not active: it was already released")
-        entry.leases -= 1
-        if entry.leases == 0:
-            self.leased_entries -= 1
         entry.dirty = entry.dirty or dirty
         self.policy.touch(entry.key)
-        self._maybe_release(entry)
+        self._hold(entry, leases=-1)
         self.enforce()
 
     def unpin_step(self, source: OffloadedTensor) -> None:
@@ -425,8 +412,7 @@ class _Actor:
         entry = self.entries.get(id(source))
         if entry is None or not entry.pinned:
             return
-        entry.pinned = False
-        self._maybe_release(entry)
+        self._hold(entry, pinned=False)
         self.enforce()
 
     def declare_schedule(self, keys: list[int]) -> None:
@@ -531,6 +517,8 @@ class _Actor:
     def _make_resident(self, entry: _Entry, value: torch.Tensor) -> None:
         entry.value = value
         self.resident_bytes += entry.nbytes
+        if self._in_use(entry):
+            self.in_use_bytes += entry.nbytes
         self.published[entry.key] = (entry.device, value, entry.binding)
         entry.retained = self.policy.admit(entry.key, entry.nbytes)
         if not entry.retained:
@@ -545,6 +533,34 @@ class _Actor:
     # ------------------------------------------------------------------------------------------
     # Eviction and write-back
     # ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _in_use(entry: _Entry) -> bool:
+        """Whether a resident value is in use (leased or awaited) rather than cached.
+
+        In-use values are outside the budget, which bounds what is kept for reuse; a pinned
+        value counts toward it even while leased.
+        """
+        return entry.value is not None and not entry.pinned and bool(entry.leases or entry.waiters)
+
+    def _hold(
+        self, entry: _Entry, *, leases: int = 0, waiters: int = 0, pinned: bool | None = None
+    ) -> None:
+        """Change what holds ``entry`` (leases, waiters, its pin), keeping every count right."""
+        was_leased, was_in_use, was_held = bool(entry.leases), self._in_use(entry), entry.held
+        entry.leases += leases
+        entry.waiters += waiters
+        if pinned is not None:
+            entry.pinned = pinned
+        if bool(entry.leases) != was_leased:
+            self.leased_entries += 1 if entry.leases else -1
+        if self._in_use(entry) != was_in_use:
+            self.in_use_bytes += -entry.nbytes if was_in_use else entry.nbytes
+        if entry.held and not was_held:
+            self.policy.hold(entry.key)
+            self._set_evicting(entry, False)  # a value on its way out is wanted again
+        elif was_held and not entry.held:
+            self._maybe_release(entry)
+
     def _maybe_release(self, entry: _Entry) -> None:
         if entry.value is not None and not entry.held:
             self.policy.release(entry.key, entry.nbytes, entry.retained)
@@ -552,7 +568,8 @@ class _Actor:
     def enforce(self) -> None:
         """Evict what the policy names so that unheld values fit the budget."""
         budget = self.policy.budget
-        excess = 0 if budget is None else self.resident_bytes - self.evicting_bytes - budget
+        cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
+        excess = 0 if budget is None else cached - budget
         for key in self.policy.victims(excess):
             entry = self.entries.get(key)
             if entry is not None and entry.value is not None and not entry.held:
@@ -577,6 +594,8 @@ class _Actor:
         del self.entries[entry.key]
         self.published.pop(entry.key, None)
         self.policy.forget(entry.key, entry.nbytes, entry.retained)
+        if self._in_use(entry):
+            self.in_use_bytes -= entry.nbytes
         value, entry.value = entry.value, None
         if value is not None:
             self.resident_bytes -= entry.nbytes

@@ -261,8 +261,9 @@ class TensorResidencyPool:
     operation has a synchronous face, usable from any thread, and an async twin.
 
     Args:
-        max_cached_bytes: soft limit on the bytes of retained values; leased and pinned values
-            may exceed it. ``None``: no limit.
+        max_cached_bytes: soft limit on the bytes of the values kept for reuse. Values in use
+            (leased, or awaited by a request) come on top of it; pinned values count toward
+            it and may exceed it. ``None``: no limit.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
