@@ -1,0 +1,77 @@
+"""Summary rows shared by the benchmark scripts and ``run_all.py``.
+
+A benchmark's JSON document may carry a ``"summary"`` list: one row per headline figure,
+with the reference it is compared to and its target. ``run_all.py`` turns these rows into
+the Markdown tables of ``summary.md``.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+from _common import format_table
+
+Row = dict[str, Any]
+
+
+def summary_row(
+    figure: str, value: str, reference: str = "", target: str = "", met: bool | None = None
+) -> Row:
+    """One headline figure.
+
+    Args:
+        figure: what is measured.
+        value: the measured value, formatted with its unit.
+        reference: what it is compared to, measured in the same run (with its value).
+        target: the goal, in words (``""`` when the figure is reported only).
+        met: whether the target is met (``None`` when there is no target).
+    """
+    return {"figure": figure, "value": value, "reference": reference, "target": target, "met": met}
+
+
+def verdict(met: bool | None) -> str:
+    """``met``, ``missed`` or ``-`` (no target)."""
+    return "-" if met is None else ("met" if met else "missed")
+
+
+def print_summary(rows: Sequence[Row]) -> None:
+    """Print the summary rows as a plain-text table."""
+    headers = ["figure", "value", "reference", "target", "status"]
+    body = [
+        [row["figure"], row["value"], row["reference"], row["target"], verdict(row["met"])]
+        for row in rows
+    ]
+    print(format_table(headers, body))
+
+
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """Collect garbage, then keep the collector off while timing (as ``timeit`` does)."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def per_call_us(run: Callable[[], object], calls: int, repeat: int) -> tuple[float, float]:
+    """Median and best microseconds per call of ``run``, a loop making ``calls`` calls.
+
+    ``run`` is called once untimed, then ``repeat`` times with the garbage collector paused.
+    """
+    run()
+    samples = []
+    with gc_paused():
+        for _ in range(repeat):
+            start = time.perf_counter()
+            run()
+            samples.append((time.perf_counter() - start) / calls * 1e6)
+    samples.sort()
+    return samples[len(samples) // 2], samples[0]

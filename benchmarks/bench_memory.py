@@ -1,0 +1,235 @@
+"""Peak memory while streaming a model four times larger than the pool's budget.
+
+A checkpoint of 24 linear layers of 2048 x 2048 float32 (384 MiB) is written once, read once
+(warm page cache), then two kinds of fresh subprocess run on it:
+
+- ``baseline``: imports torch and the library, builds the model on the meta device and binds
+  it to the checkpoint with ``load_offloaded_checkpoint``, starts a pool and runs one small
+  matmul (so that the BLAS library is loaded), without streaming any weight;
+- ``stream``: the same, then two forwards of the model streamed through a pool whose budget
+  is a quarter of the model (``stream_modules(pool, layers, depth=1)`` inside
+  ``pool.scope()``), once per retention strategy (LRU and SCHEDULED).
+
+Each subprocess reports its peak resident set (``VmHWM`` on Linux, ``ru_maxrss``
+elsewhere). Target: the streaming peak stays under baseline + budget + the two largest layers
+(the layer computing and the one being read ahead).
+
+Run: ``python benchmarks/bench_memory.py [--quick] [--output PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import format_table, write_results
+from _report import print_summary, summary_row
+
+MIB = 1 << 20
+CHILD_TIMEOUT_S = 300
+STRATEGIES = ("LRU", "SCHEDULED")
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
+    parser.add_argument(
+        "--child",
+        nargs=6,
+        metavar=("MODE", "CHECKPOINT", "LAYERS", "WIDTH", "BUDGET", "STRATEGY"),
+        help=argparse.SUPPRESS,
+    )
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# In the subprocess
+# ---------------------------------------------------------------------------------------------
+def peak_rss_bytes() -> int:
+    """The peak resident set of this process.
+
+    On Linux, ``VmHWM`` of ``/proc/self/status``: the high-water mark of this process's own
+    memory, whereas ``ru_maxrss`` keeps the parent's peak across ``fork`` and ``exec``.
+    Elsewhere, ``ru_maxrss``.
+    """
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    scale = 1 if sys.platform == "darwin" else 1024
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
+
+
+def child(mode: str, checkpoint: str, layers: int, width: int, budget: int, strategy: str) -> None:
+    """Run one measured process; print its figures as one JSON line."""
+    import torch
+    from torch import nn
+
+    from torch_to_nnef.tensor import (
+        ResidencyStrategy,
+        TensorResidencyPool,
+        load_offloaded_checkpoint,
+        stream_modules,
+    )
+
+    torch.set_num_threads(1)
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(width, width, bias=False) for _ in range(layers)))
+    load_offloaded_checkpoint(model, checkpoint)
+    x = torch.randn(8, width)
+    pool = TensorResidencyPool(max_cached_bytes=budget, strategy=ResidencyStrategy[strategy])
+    with pool, torch.no_grad():
+        (x @ torch.ones(width, 8)).sum()  # load the BLAS library, as a forward would
+        if mode == "stream":
+            with stream_modules(pool, list(model), depth=1), pool.scope():
+                for _ in range(2):
+                    y = model(x)
+                if not torch.isfinite(y).all():
+                    raise AssertionError("the streamed forward produced non-finite values")
+        stats = pool.stats()
+    print(json.dumps({"peak_rss_bytes": peak_rss_bytes(), "loads": stats.loads}))
+
+
+# ---------------------------------------------------------------------------------------------
+# In the benchmark process
+# ---------------------------------------------------------------------------------------------
+def write_checkpoint(path: Path, layers: int, width: int) -> None:
+    import safetensors.torch
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    weights = {
+        f"{i}.weight": torch.randn(width, width, generator=generator) / width**0.5
+        for i in range(layers)
+    }
+    safetensors.torch.save_file(weights, str(path))
+    with open(path, "rb") as file:  # warm the page cache
+        while file.read(64 << 20):
+            pass
+
+
+def run_child(
+    mode: str, checkpoint: Path, layers: int, width: int, budget: int, strategy: str
+) -> dict[str, Any]:
+    command = [
+        sys.executable,
+        __file__,
+        "--child",
+        mode,
+        str(checkpoint),
+        str(layers),
+        str(width),
+        str(budget),
+        strategy,
+    ]
+    done = subprocess.run(
+        command, capture_output=True, text=True, timeout=CHILD_TIMEOUT_S, check=False
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{mode} subprocess failed ({done.returncode}):\n{done.stderr}")
+    figures: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return figures
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    arguments = parse_arguments(argv)
+    if arguments.child:
+        mode, checkpoint, layers, width, budget, strategy = arguments.child
+        child(mode, checkpoint, int(layers), int(width), int(budget), strategy)
+        return None
+    started = time.perf_counter()
+    layers, width = (8, 256) if arguments.quick else (24, 2048)
+    layer_bytes = width * width * 4
+    model_bytes = layers * layer_bytes
+    budget = model_bytes // 4
+    with tempfile.TemporaryDirectory(prefix="t2n-bench-memory-") as directory:
+        checkpoint = Path(directory) / "model.safetensors"
+        write_checkpoint(checkpoint, layers, width)
+        baseline = run_child("baseline", checkpoint, layers, width, budget, "LRU")
+        strategies = STRATEGIES[:1] if arguments.quick else STRATEGIES
+        streams = {
+            strategy: run_child("stream", checkpoint, layers, width, budget, strategy)
+            for strategy in strategies
+        }
+    allowance = budget + 2 * layer_bytes
+    bound = baseline["peak_rss_bytes"] + allowance
+    results = []
+    summary = []
+    for strategy, figures in streams.items():
+        peak = figures["peak_rss_bytes"]
+        above = peak - baseline["peak_rss_bytes"]
+        met = peak <= bound
+        results.append(
+            {
+                "strategy": strategy,
+                "peak_rss_bytes": peak,
+                "above_baseline_bytes": above,
+                "loads": figures["loads"],
+                "met": met,
+            }
+        )
+        summary.append(
+            summary_row(
+                f"peak RSS streaming {model_bytes / MIB:.0f} MiB, budget "
+                f"{budget / MIB:.0f} MiB, {strategy}",
+                f"{peak / MIB:.0f} MiB (baseline + {above / MIB:.0f} MiB)",
+                f"baseline {baseline['peak_rss_bytes'] / MIB:.0f} MiB",
+                f"<= baseline + {allowance / MIB:.0f} MiB (budget + 2 layers)",
+                met,
+            )
+        )
+    details: dict[str, Any] = {
+        "headers": ["process", "peak RSS MiB", "above baseline MiB", "layer loads"],
+        "rows": [
+            ["baseline (no streaming)", f"{baseline['peak_rss_bytes'] / MIB:.1f}", "0.0", "0"],
+            *(
+                [
+                    f"stream, {r['strategy']}",
+                    f"{r['peak_rss_bytes'] / MIB:.1f}",
+                    f"{r['above_baseline_bytes'] / MIB:.1f}",
+                    str(r["loads"]),
+                ]
+                for r in results
+            ),
+        ],
+    }
+    document = {
+        "config": {
+            "layers": layers,
+            "width": width,
+            "layer_bytes": layer_bytes,
+            "model_bytes": model_bytes,
+            "budget_bytes": budget,
+            "forwards": 2,
+            "quick": arguments.quick,
+        },
+        "baseline_peak_rss_bytes": baseline["peak_rss_bytes"],
+        "bound_bytes": bound,
+        "results": results,
+        "summary": summary,
+        "details": details,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    output = write_results("memory", document, arguments.output)
+    print(format_table(details["headers"], details["rows"]))
+    print()
+    print_summary(summary)
+    print(f"wrote {output} in {document['wall_seconds']:.1f} s")
+    return document
+
+
+if __name__ == "__main__":
+    main()

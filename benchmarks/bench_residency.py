@@ -1,0 +1,537 @@
+"""Residency pool benchmarks: resident-hit latency and LRU churn.
+
+``--part latency`` (``hit_latency.json``): the cost of serving a value that is already
+resident, for pools of 10, 1,000 and 10,000 entries of 256 bytes, without a budget and with a
+budget that holds them all, next to a plain dict lookup of the same values in the same order:
+
+- ``sync resolve``: ``pool.resolve(t)`` from the main thread, the pool's actor on its
+  private loop thread;
+- ``sync acquire``: ``with pool.acquire(t): pass`` from the main thread (enter and exit);
+- ``async acquire``: ``async with pool.acquire(t): pass`` in the event loop running the pool
+  (``async with pool``), on asyncio and, when installed, uvloop;
+- ``torch op in scope``: ``t + 1`` on an OffloadedTensor inside ``pool.scope()`` from the
+  main thread, beside the same op on the plain value.
+
+Each figure is the median of the timed repetitions (microseconds per call), over a random
+sequence of the pool's entries. Targets: sync resolve hit < 5 us, and within 1.5x from 10 to
+10,000 entries, budget or not; async acquire < 30 us.
+
+``--part churn`` (``churn.json``): reads through an LRU pool whose budget holds a tenth of the
+tensors (2,000 tensors of 4 KiB, budget of 200; then 20,000 with a budget of 2,000), for a
+cyclic, a random and a hot-set pattern (90% of the reads on 10% of the tensors), through the
+sync face (``pool.resolve`` from the main thread) and the async face (``await
+pool.aresolve`` in the pool's loop). The reference, run on the same sequences, is a minimal
+single-threaded LRU: an ``OrderedDict`` of values, reading a miss synchronously with
+``t._reload_unmanaged()``. Reported: operations per second, hit ratio, the pool's cost per
+operation over the reference's, and the cost per operation at 20,000 tensors over that at
+2,000. Targets: the pool within 2x of the reference; cost per operation flat (within 1.5x)
+from 2,000 to 20,000 tensors. Every payload lives in one ``.safetensors`` checkpoint read in
+place, and the page cache is warm.
+
+Run: ``python benchmarks/bench_residency.py --part {latency,churn} [--quick] [--output PATH]
+[--repeat N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import random
+import sys
+import tempfile
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Coroutine, Sequence
+from pathlib import Path
+from typing import Any
+
+import safetensors.torch
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _common import format_table, write_results
+from _report import gc_paused, per_call_us, print_summary, summary_row
+
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+
+RESOLVE_TARGET_US = 5.0
+SCALING_TARGET = 1.5
+ASYNC_ACQUIRE_TARGET_US = 30.0
+CHURN_TARGET_RATIO = 2.0
+FLAT_TARGET_RATIO = 1.5
+FILL_BATCH = 64
+"""Prefetches sent at once from a foreign thread when filling a pool."""
+HOT_SHARE = 0.9
+HOT_FRACTION = 0.1
+
+
+# ---------------------------------------------------------------------------------------------
+# Set-up
+# ---------------------------------------------------------------------------------------------
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--part", choices=("latency", "churn"), required=True)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
+    parser.add_argument("--repeat", type=int, default=None, help="timed repetitions per figure")
+    return parser.parse_args(argv)
+
+
+def offloaded_set(directory: Path, count: int, numel: int) -> list[OffloadedTensor]:
+    """``count`` float32 tensors of ``numel`` values in one checkpoint, bound in place.
+
+    The checkpoint is read once, so that every later read finds it in the page cache.
+    """
+    path = directory / f"set-{count}x{numel}.safetensors"
+    safetensors.torch.save_file(
+        {f"t{i}": torch.full((numel,), float(i)) for i in range(count)}, str(path)
+    )
+    with open(path, "rb") as file:  # warm the page cache
+        while file.read(64 << 20):
+            pass
+    layout = storage.read_layout(path)
+    return [OffloadedTensor.from_safetensors(layout, f"t{i}") for i in range(count)]
+
+
+def fill(pool: TensorResidencyPool, tensors: Sequence[OffloadedTensor]) -> None:
+    """Load every tensor into ``pool`` from this (foreign) thread, a batch at a time."""
+    for start in range(0, len(tensors), FILL_BATCH):
+        handles = [pool.prefetch(t) for t in tensors[start : start + FILL_BATCH]]
+        for handle in handles:
+            handle.wait()
+
+
+async def afill(pool: TensorResidencyPool, tensors: Sequence[OffloadedTensor]) -> None:
+    """Load every tensor into ``pool`` from the loop running it."""
+    for start in range(0, len(tensors), FILL_BATCH):
+        await asyncio.gather(*(pool.prefetch(t) for t in tensors[start : start + FILL_BATCH]))
+
+
+def event_loops() -> dict[str, Callable[[Coroutine[Any, Any, Any]], Any]]:
+    """The event loops to run the async figures on: asyncio, and uvloop when installed."""
+    loops: dict[str, Callable[[Coroutine[Any, Any, Any]], Any]] = {"asyncio": asyncio.run}
+    try:
+        import uvloop
+    except ImportError:
+        return loops
+    loops["uvloop"] = uvloop.run
+    return loops
+
+
+# ---------------------------------------------------------------------------------------------
+# Hit latency
+# ---------------------------------------------------------------------------------------------
+def sync_hit_latency(
+    tensors: list[OffloadedTensor],
+    budget: int | None,
+    sequence: list[OffloadedTensor],
+    slow_sequence: list[OffloadedTensor],
+    repeat: int,
+) -> dict[str, Any]:
+    """Microseconds per call of the synchronous faces, from the main thread."""
+    with TensorResidencyPool(max_cached_bytes=budget, max_workers=2) as pool:
+        fill(pool, tensors)
+        values = {id(t): pool.resolve(t) for t in tensors}
+        if not all(pool.is_resident(t) for t in tensors):
+            raise AssertionError("the pool did not keep every value: hits cannot be timed")
+        before = pool.stats()
+
+        def dict_lookup() -> None:
+            for t in sequence:
+                values[id(t)]
+
+        def resolve() -> None:
+            resolve = pool.resolve
+            for t in sequence:
+                resolve(t)
+
+        def acquire() -> None:
+            for t in slow_sequence:
+                with pool.acquire(t):
+                    pass
+
+        def plain_op() -> None:
+            for t in sequence:
+                values[id(t)] + 1
+
+        def scoped_op() -> None:
+            with pool.scope():
+                for t in sequence:
+                    t + 1
+
+        figures = {
+            "dict lookup": per_call_us(dict_lookup, len(sequence), repeat),
+            "sync resolve": per_call_us(resolve, len(sequence), repeat),
+            "sync acquire": per_call_us(acquire, len(slow_sequence), repeat),
+            "plain torch op": per_call_us(plain_op, len(sequence), repeat),
+            "torch op in scope": per_call_us(scoped_op, len(sequence), repeat),
+        }
+        misses = pool.stats().misses - before.misses
+    result: dict[str, Any] = {
+        name: {"median_us": m, "best_us": b} for name, (m, b) in figures.items()
+    }
+    result["misses_while_timed"] = misses
+    return result
+
+
+async def async_acquire_latency(
+    tensors: list[OffloadedTensor],
+    budget: int | None,
+    sequence: list[OffloadedTensor],
+    repeat: int,
+) -> dict[str, float]:
+    """Microseconds per ``async with pool.acquire(t)`` in the loop running the pool."""
+    async with TensorResidencyPool(max_cached_bytes=budget, max_workers=2) as pool:
+        await afill(pool, tensors)
+        before = pool.stats()
+
+        async def run() -> None:
+            for t in sequence:
+                async with pool.acquire(t):
+                    pass
+
+        await run()
+        samples = []
+        with gc_paused():
+            for _ in range(repeat):
+                start = time.perf_counter()
+                await run()
+                samples.append((time.perf_counter() - start) / len(sequence) * 1e6)
+        misses = pool.stats().misses - before.misses
+    samples.sort()
+    return {"median_us": samples[len(samples) // 2], "best_us": samples[0], "misses": misses}
+
+
+def latency(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    sizes = (10, 100) if arguments.quick else (10, 1_000, 10_000)
+    calls, slow_calls = (500, 50) if arguments.quick else (20_000, 500)
+    repeat = arguments.repeat or (3 if arguments.quick else 7)
+    numel = 64
+    nbytes = numel * 4
+    rng = random.Random(0)
+    loops = event_loops()
+    everything = offloaded_set(directory, max(sizes), numel)
+    configurations = []
+    for count in sizes:
+        tensors = everything[:count]
+        indices = [rng.randrange(count) for _ in range(calls)]
+        sequence = [tensors[i] for i in indices]
+        slow_sequence = sequence[:slow_calls]
+        for budget in (None, count * nbytes):
+            figures = sync_hit_latency(tensors, budget, sequence, slow_sequence, repeat)
+            for loop_name, run in loops.items():
+                figures[f"async acquire ({loop_name})"] = run(
+                    async_acquire_latency(tensors, budget, sequence, repeat)
+                )
+            configurations.append({"entries": count, "budget_bytes": budget, "figures": figures})
+            print(f"  {count} entries, budget {budget}: done", flush=True)
+
+    def us(config: dict[str, Any], name: str) -> float:
+        return float(config["figures"][name]["median_us"])
+
+    def label(config: dict[str, Any]) -> str:
+        budget = "no budget" if config["budget_bytes"] is None else "budget"
+        return f"{config['entries']} entries, {budget}"
+
+    summary = []
+    for config in configurations:
+        value = us(config, "sync resolve")
+        summary.append(
+            summary_row(
+                f"sync resolve hit ({label(config)})",
+                f"{value:.2f} us",
+                f"dict lookup {us(config, 'dict lookup'):.3f} us",
+                f"< {RESOLVE_TARGET_US:g} us",
+                value < RESOLVE_TARGET_US,
+            )
+        )
+    for has_budget in (False, True):
+        chosen = [c for c in configurations if (c["budget_bytes"] is not None) == has_budget]
+        small, large = chosen[0], chosen[-1]
+        ratio = us(large, "sync resolve") / us(small, "sync resolve")
+        dict_ratio = us(large, "dict lookup") / us(small, "dict lookup")
+        summary.append(
+            summary_row(
+                f"sync resolve, {large['entries']} vs {small['entries']} entries "
+                f"({'budget' if has_budget else 'no budget'})",
+                f"{ratio:.2f}x",
+                f"dict lookup {dict_ratio:.2f}x",
+                f"<= {SCALING_TARGET:g}x",
+                ratio <= SCALING_TARGET,
+            )
+        )
+    for config in configurations:
+        for loop_name in loops:
+            value = us(config, f"async acquire ({loop_name})")
+            summary.append(
+                summary_row(
+                    f"async acquire enter+exit, {loop_name} ({label(config)})",
+                    f"{value:.2f} us",
+                    f"dict lookup {us(config, 'dict lookup'):.3f} us",
+                    f"< {ASYNC_ACQUIRE_TARGET_US:g} us",
+                    value < ASYNC_ACQUIRE_TARGET_US,
+                )
+            )
+    columns = [
+        "dict lookup",
+        "sync resolve",
+        "sync acquire",
+        *(f"async acquire ({name})" for name in loops),
+        "plain torch op",
+        "torch op in scope",
+    ]
+    details: dict[str, Any] = {
+        "headers": ["pool (us per call, median)", *columns],
+        "rows": [[label(c), *(f"{us(c, name):.2f}" for name in columns)] for c in configurations],
+    }
+    return {
+        "config": {
+            "sizes": list(sizes),
+            "entry_bytes": nbytes,
+            "calls": calls,
+            "sync_acquire_calls": slow_calls,
+            "repeat": repeat,
+            "event_loops": list(loops),
+        },
+        "results": configurations,
+        "summary": summary,
+        "details": details,
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Churn
+# ---------------------------------------------------------------------------------------------
+def access_patterns(count: int, length: int, seed: int) -> dict[str, list[int]]:
+    """Index sequences: cyclic, uniformly random, and hot-set (90% on a tenth of the keys)."""
+    rng = random.Random(seed)
+    hot = max(1, int(count * HOT_FRACTION))
+    keys = list(range(count))
+    rng.shuffle(keys)
+    hot_keys, cold_keys = keys[:hot], keys[hot:] or keys[:hot]
+    hot_set = [
+        rng.choice(hot_keys) if rng.random() < HOT_SHARE else rng.choice(cold_keys)
+        for _ in range(length)
+    ]
+    return {
+        "cyclic": [i % count for i in range(length)],
+        "random": [rng.randrange(count) for _ in range(length)],
+        "hot-set": hot_set,
+    }
+
+
+class ReferenceLRU:
+    """The reference: a single-threaded LRU of values, reading misses synchronously."""
+
+    def __init__(self, capacity: int) -> None:
+        self.capacity = capacity
+        self.values: OrderedDict[int, torch.Tensor] = OrderedDict()
+        self.hits = 0
+        self.misses = 0
+
+    def read(self, tensor: OffloadedTensor) -> torch.Tensor:
+        key = id(tensor)
+        value = self.values.get(key)
+        if value is not None:
+            self.values.move_to_end(key)
+            self.hits += 1
+            return value
+        self.misses += 1
+        value = tensor._reload_unmanaged()
+        self.values[key] = value
+        if len(self.values) > self.capacity:
+            self.values.popitem(last=False)
+        return value
+
+
+def _churn_figures(seconds: float, operations: int, hits: int, misses: int) -> dict[str, float]:
+    return {
+        "us_per_op": seconds / operations * 1e6,
+        "ops_per_s": operations / seconds,
+        "hit_ratio": hits / max(1, hits + misses),
+    }
+
+
+def churn_reference(
+    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], capacity: int
+) -> dict[str, float]:
+    cache = ReferenceLRU(capacity)
+    for tensor in warmup:
+        cache.read(tensor)
+    cache.hits = cache.misses = 0
+    read = cache.read
+    with gc_paused():
+        start = time.perf_counter()
+        for tensor in timed:
+            read(tensor)
+        seconds = time.perf_counter() - start
+    return _churn_figures(seconds, len(timed), cache.hits, cache.misses)
+
+
+def churn_sync(
+    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int
+) -> dict[str, float]:
+    with TensorResidencyPool(max_cached_bytes=budget) as pool:
+        resolve = pool.resolve
+        for tensor in warmup:
+            resolve(tensor)
+        before = pool.stats()
+        with gc_paused():
+            start = time.perf_counter()
+            for tensor in timed:
+                resolve(tensor)
+            seconds = time.perf_counter() - start
+        after = pool.stats()
+    return _churn_figures(
+        seconds, len(timed), after.hits - before.hits, after.misses - before.misses
+    )
+
+
+async def churn_async(
+    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int
+) -> dict[str, float]:
+    async with TensorResidencyPool(max_cached_bytes=budget) as pool:
+        aresolve = pool.aresolve
+        for tensor in warmup:
+            await aresolve(tensor)
+        before = pool.stats()
+        with gc_paused():
+            start = time.perf_counter()
+            for tensor in timed:
+                await aresolve(tensor)
+            seconds = time.perf_counter() - start
+        after = pool.stats()
+    return _churn_figures(
+        seconds, len(timed), after.hits - before.hits, after.misses - before.misses
+    )
+
+
+CHURN_RUNS = ("reference", "pool, sync face", "pool, async face")
+
+
+def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    sizes = (100, 1_000) if arguments.quick else (2_000, 20_000)
+    operations, warmup_operations = (200, 100) if arguments.quick else (6_000, 2_000)
+    numel = 1024
+    nbytes = numel * 4
+    results = []
+    for count in sizes:
+        tensors = offloaded_set(directory, count, numel)
+        capacity = max(1, int(count * HOT_FRACTION))
+        budget = capacity * nbytes
+        patterns = access_patterns(count, warmup_operations + operations, seed=count)
+        for pattern, indices in patterns.items():
+            warmup = [tensors[i] for i in indices[:warmup_operations]]
+            timed = [tensors[i] for i in indices[warmup_operations:]]
+            figures = {
+                "reference": churn_reference(warmup, timed, capacity),
+                "pool, sync face": churn_sync(warmup, timed, budget),
+                "pool, async face": asyncio.run(churn_async(warmup, timed, budget)),
+            }
+            results.append(
+                {
+                    "tensors": count,
+                    "budget_tensors": capacity,
+                    "pattern": pattern,
+                    "figures": figures,
+                }
+            )
+            print(f"  {count} tensors, {pattern}: done", flush=True)
+        del tensors
+
+    def find(count: int, pattern: str) -> dict[str, Any]:
+        return next(r for r in results if r["tensors"] == count and r["pattern"] == pattern)
+
+    small, large = sizes
+    summary = []
+    details_rows = []
+    for pattern in ("cyclic", "random", "hot-set"):
+        for count in sizes:
+            figures = find(count, pattern)["figures"]
+            reference = figures["reference"]
+            for run in CHURN_RUNS[1:]:
+                ratio = figures[run]["us_per_op"] / reference["us_per_op"]
+                figures[run]["ratio_vs_reference"] = ratio
+                summary.append(
+                    summary_row(
+                        f"{pattern}, {count} tensors, {run}",
+                        f"{ratio:.1f}x the reference's cost per op "
+                        f"({figures[run]['ops_per_s']:,.0f} ops/s, hits "
+                        f"{figures[run]['hit_ratio']:.0%})",
+                        f"{reference['ops_per_s']:,.0f} ops/s (hits {reference['hit_ratio']:.0%})",
+                        f"<= {CHURN_TARGET_RATIO:g}x",
+                        ratio <= CHURN_TARGET_RATIO,
+                    )
+                )
+            details_rows.append(
+                [
+                    f"{pattern}, {count} tensors",
+                    *(
+                        f"{figures[run]['ops_per_s']:,.0f} / {figures[run]['hit_ratio']:.0%}"
+                        for run in CHURN_RUNS
+                    ),
+                ]
+            )
+        for run in CHURN_RUNS[1:]:
+            flat = (
+                find(large, pattern)["figures"][run]["us_per_op"]
+                / find(small, pattern)["figures"][run]["us_per_op"]
+            )
+            reference_flat = (
+                find(large, pattern)["figures"]["reference"]["us_per_op"]
+                / find(small, pattern)["figures"]["reference"]["us_per_op"]
+            )
+            summary.append(
+                summary_row(
+                    f"{pattern}, {run}: cost per op, {large} vs {small} tensors",
+                    f"{flat:.2f}x",
+                    f"reference {reference_flat:.2f}x",
+                    f"<= {FLAT_TARGET_RATIO:g}x",
+                    flat <= FLAT_TARGET_RATIO,
+                )
+            )
+    return {
+        "config": {
+            "sizes": list(sizes),
+            "tensor_bytes": nbytes,
+            "budget_fraction": HOT_FRACTION,
+            "operations": operations,
+            "warmup_operations": warmup_operations,
+            "hot_set": {"share_of_reads": HOT_SHARE, "fraction_of_keys": HOT_FRACTION},
+        },
+        "results": results,
+        "summary": summary,
+        "details": {
+            "headers": ["pattern, tensors (ops/s / hit ratio)", *CHURN_RUNS],
+            "rows": details_rows,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    arguments = parse_arguments(argv)
+    started = time.perf_counter()
+    name = "hit_latency" if arguments.part == "latency" else "churn"
+    with tempfile.TemporaryDirectory(prefix=f"t2n-bench-{name}-") as directory:
+        if arguments.part == "latency":
+            document = latency(arguments, Path(directory))
+        else:
+            document = churn(arguments, Path(directory))
+    document["config"]["quick"] = arguments.quick
+    document["wall_seconds"] = time.perf_counter() - started
+    output = write_results(name, document, arguments.output)
+
+    details = document["details"]
+    print(format_table(details["headers"], details["rows"]))
+    print()
+    print_summary(document["summary"])
+    print(f"wrote {output} in {document['wall_seconds']:.1f} s")
+    return document
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,378 @@
+"""Run every benchmark of the project and write a Markdown summary of their figures.
+
+Each benchmark script runs in its own subprocess, in sequence, and writes
+``<results-dir>/<name>.json``; the overlap benchmark also draws ``timeline.png`` there. Then
+``<results-dir>/summary.md`` gathers one table per benchmark (each headline figure with the
+reference it is compared to, measured in the same run, its target, and met/missed), the
+benchmark's detail table, and the machine the figures come from. The summary is printed too.
+
+Run: ``python benchmarks/run_all.py [--quick] [--results-dir DIR] [--only NAME ...]``
+(``make bench``). ``--quick`` runs every benchmark at tiny sizes, to check that they work;
+its figures mean nothing. Exits 1 when a benchmark fails or times out (a missed target is
+reported, not an error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _report import Row, summary_row, verdict
+
+HERE = Path(__file__).resolve().parent
+DEFAULT_RESULTS_DIR = HERE / "results"
+
+
+@dataclass(frozen=True)
+class Benchmark:
+    """One benchmark script run, writing ``<name>.json``."""
+
+    name: str
+    title: str
+    script: str
+    arguments: tuple[str, ...] = ()
+    timeout_s: int = 300
+    about: str = ""
+
+
+BENCHMARKS = (
+    Benchmark(
+        "storage",
+        "Reload throughput of payload files",
+        "bench_storage.py",
+        timeout_s=240,
+        about="16 payloads of 32 MiB, warm page cache; GB/s, best of the repetitions.",
+    ),
+    Benchmark(
+        "dispatch",
+        "Dispatch overhead of an OffloadedTensor",
+        "bench_dispatch.py",
+        timeout_s=120,
+        about="64 x 64 linear; microseconds per op over the same op on a resident tensor.",
+    ),
+    Benchmark(
+        "hit_latency",
+        "Resident-hit latency of the pool",
+        "bench_residency.py",
+        ("--part", "latency"),
+        timeout_s=300,
+        about="Pools of 10 to 10,000 entries, without and with a budget; us per call, median.",
+    ),
+    Benchmark(
+        "churn",
+        "LRU churn",
+        "bench_residency.py",
+        ("--part", "churn"),
+        timeout_s=300,
+        about="4 KiB tensors, budget of a tenth of them; the reference is a single-threaded "
+        "OrderedDict LRU reading misses synchronously.",
+    ),
+    Benchmark(
+        "overlap",
+        "Overlap of reads with compute (prefetch-ahead)",
+        "bench_overlap.py",
+        timeout_s=300,
+        about="Layers streamed with stream_modules(depth=1), pool budget of 3 layers, compute "
+        "on one torch thread calibrated to last as long as a read; timeline.png shows one "
+        "streamed forward.",
+    ),
+    Benchmark(
+        "memory",
+        "Peak memory while streaming a model 4x larger than the budget",
+        "bench_memory.py",
+        timeout_s=300,
+        about="24 x 2048 x 2048 float32 (384 MiB), budget 96 MiB, fresh subprocesses.",
+    ),
+    Benchmark(
+        "gpu",
+        "GPU check (cuda:0)",
+        "gpu_check.py",
+        timeout_s=300,
+        about="Correctness on cuda:0 and host-to-device GB/s; skipped without CUDA.",
+    ),
+)
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
+    parser.add_argument(
+        "--results-dir",
+        type=Path,
+        default=DEFAULT_RESULTS_DIR,
+        help="where the JSON files, summary.md and timeline.png go "
+        f"(default: {DEFAULT_RESULTS_DIR})",
+    )
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        choices=[b.name for b in BENCHMARKS],
+        help="run only these benchmarks",
+    )
+    return parser.parse_args(argv)
+
+
+# ---------------------------------------------------------------------------------------------
+# Running
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class Outcome:
+    benchmark: Benchmark
+    status: str  # "ok", "failed (exit code N)" or "timed out after N s"
+    seconds: float
+    document: dict[str, Any] | None
+
+
+def run_benchmark(benchmark: Benchmark, results_dir: Path, quick: bool) -> Outcome:
+    output = results_dir / f"{benchmark.name}.json"
+    output.unlink(missing_ok=True)
+    command = [sys.executable, str(HERE / benchmark.script), *benchmark.arguments]
+    command += ["--output", str(output)]
+    if benchmark.name == "overlap":
+        command += ["--chart", str(results_dir / "timeline.png")]
+    if quick:
+        command.append("--quick")
+    print(f"\n=== {benchmark.name}: {benchmark.title}", flush=True)
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, timeout=benchmark.timeout_s, check=False)
+    except subprocess.TimeoutExpired:
+        status = f"timed out after {benchmark.timeout_s} s"
+    else:
+        status = "ok" if done.returncode == 0 else f"failed (exit code {done.returncode})"
+    seconds = time.perf_counter() - started
+    document = None
+    if status == "ok":
+        try:
+            document = json.loads(output.read_text())
+        except (OSError, ValueError) as error:
+            status = f"failed (no readable result file: {error})"
+    print(f"=== {benchmark.name}: {status} in {seconds:.1f} s", flush=True)
+    return Outcome(benchmark, status, seconds, document)
+
+
+# ---------------------------------------------------------------------------------------------
+# Summary rows of the benchmarks that do not write their own
+# ---------------------------------------------------------------------------------------------
+def storage_rows(document: dict[str, Any]) -> list[Row]:
+    gbps = {item["method"]: item["gbps_best"] for item in document["results"]}
+    reference_name = next(name for name in gbps if "reference" in name)
+    reference = gbps[reference_name]
+    torch_load = next(v for name, v in gbps.items() if name.startswith("torch.load"))
+    targets = document["targets"]
+    rows = [
+        summary_row(
+            "sync read, reused buffers",
+            f"{gbps['sync, reused buffers']:.2f} GB/s "
+            f"({gbps['sync, reused buffers'] / reference:.2f}x)",
+            f"{reference_name} {reference:.2f} GB/s",
+            ">= 0.9x the reference",
+            targets.get("reused_at_least_0.9_of_reference"),
+        ),
+        summary_row(
+            "sync read, fresh buffers",
+            f"{gbps['sync, fresh buffers']:.2f} GB/s",
+            f"torch.load {torch_load:.2f} GB/s",
+            ">= torch.load",
+            targets.get("fresh_at_least_torch_load"),
+        ),
+    ]
+    for name, value in gbps.items():
+        if name.startswith("async"):
+            rows.append(summary_row(name, f"{value:.2f} GB/s", f"{reference:.2f} GB/s"))
+    return rows
+
+
+def storage_details(document: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "headers": ["method", "GB/s best", "GB/s median", "vs reference"],
+        "rows": [
+            [
+                item["method"],
+                f"{item['gbps_best']:.2f}",
+                f"{item['gbps_median']:.2f}",
+                f"{item['ratio_vs_reference']:.2f}",
+            ]
+            for item in document["results"]
+        ],
+    }
+
+
+def dispatch_rows(document: dict[str, Any]) -> list[Row]:
+    items = document["results"]
+    baseline = {i["op"]: i["us_per_op_median"] for i in items if i["case"] == "resident tensor"}
+    rows = []
+    for item in items:
+        if item["case"] == "resident tensor":
+            continue
+        cached = "cache" in item["case"] and "no cache" not in item["case"]
+        pooled = "pool" in item["case"]
+        has_target = cached or pooled
+        overhead = item["overhead_us_vs_resident"]
+        rows.append(
+            summary_row(
+                f"{item['op']}: {item['case']}",
+                f"+{overhead:.1f} us over the plain op",
+                f"plain op {baseline[item['op']]:.1f} us",
+                "< 50 us" if has_target else "",
+                overhead < 50 if has_target else None,
+            )
+        )
+    return rows
+
+
+def generic_rows(document: dict[str, Any]) -> list[Row]:
+    """Rows from a ``targets`` mapping of name to met (for documents without ``summary``)."""
+    return [
+        summary_row(name, "", met=bool(met)) for name, met in document.get("targets", {}).items()
+    ]
+
+
+ADAPTERS: dict[str, tuple[Callable[[dict[str, Any]], list[Row]], Callable[..., Any] | None]] = {
+    "storage": (storage_rows, storage_details),
+    "dispatch": (dispatch_rows, None),
+}
+
+
+def rows_of(name: str, document: dict[str, Any]) -> tuple[list[Row], dict[str, Any] | None]:
+    """The summary rows and detail table of a benchmark's document."""
+    if "summary" in document:
+        return document["summary"], document.get("details")
+    rows_function, details_function = ADAPTERS.get(name, (generic_rows, None))
+    try:
+        rows = rows_function(document)
+        details = details_function(document) if details_function else None
+    except (KeyError, StopIteration, TypeError, ZeroDivisionError):
+        return generic_rows(document), None  # an unfamiliar layout: show its targets only
+    return rows, details
+
+
+# ---------------------------------------------------------------------------------------------
+# Markdown
+# ---------------------------------------------------------------------------------------------
+def _cell(value: object) -> str:
+    return str(value).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown_table(headers: list[str], rows: list[list[Any]]) -> str:
+    lines = ["| " + " | ".join(_cell(h) for h in headers) + " |"]
+    lines.append("|" + "|".join(" --- " for _ in headers) + "|")
+    lines += ["| " + " | ".join(_cell(c) for c in row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def _ram_bytes() -> int | None:
+    try:
+        import psutil
+    except ImportError:
+        try:
+            return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            return None
+    return int(psutil.virtual_memory().total)
+
+
+def machine_description() -> dict[str, Any]:
+    import torch
+
+    ram = _ram_bytes()
+    return {
+        "date": datetime.datetime.now().astimezone().strftime("%Y-%m-%d %H:%M %Z"),
+        "cpus": os.cpu_count(),
+        "ram": "unknown" if ram is None else f"{ram / (1 << 30):.1f} GiB",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else "none",
+    }
+
+
+def summary_markdown(outcomes: list[Outcome], quick: bool, seconds: float) -> str:
+    machine = machine_description()
+    met = missed = 0
+    sections = []
+    for outcome in outcomes:
+        benchmark = outcome.benchmark
+        lines = [f"## {benchmark.title} (`{benchmark.name}`)", ""]
+        if benchmark.about:
+            lines += [benchmark.about, ""]
+        if outcome.document is None:
+            lines += [f"**{outcome.status}** after {outcome.seconds:.0f} s.", ""]
+            sections.append("\n".join(lines))
+            continue
+        rows, details = rows_of(benchmark.name, outcome.document)
+        met += sum(row["met"] is True for row in rows)
+        missed += sum(row["met"] is False for row in rows)
+        lines.append(
+            markdown_table(
+                ["figure", "value", "reference (same run)", "target", "status"],
+                [
+                    [r["figure"], r["value"], r["reference"], r["target"], verdict(r["met"])]
+                    for r in rows
+                ],
+            )
+        )
+        if details:
+            lines += ["", markdown_table(details["headers"], details["rows"])]
+        if benchmark.name == "overlap" and outcome.document.get("chart"):
+            lines += ["", "![timeline of one streamed forward](timeline.png)"]
+        lines += ["", f"Ran in {outcome.seconds:.0f} s.", ""]
+        sections.append("\n".join(lines))
+    failed = [o.benchmark.name for o in outcomes if o.status != "ok"]
+    header = [
+        "# Benchmark results",
+        "",
+        "Produced by `make bench` (`python benchmarks/run_all.py"
+        + (" --quick`): tiny sizes, the figures mean nothing." if quick else "`).")
+        + " Every ratio compares figures measured in the same run.",
+        "",
+        markdown_table(
+            ["machine", ""],
+            [
+                ["date", machine["date"]],
+                ["CPUs", machine["cpus"]],
+                ["RAM", machine["ram"]],
+                ["torch", machine["torch"]],
+                ["Python", machine["python"]],
+                ["platform", machine["platform"]],
+                ["CUDA device", machine["cuda"]],
+            ],
+        ),
+        "",
+        f"Targets met: {met}, missed: {missed}"
+        + (f"; benchmarks that did not complete: {', '.join(failed)}" if failed else "")
+        + f". Total time {seconds / 60:.1f} min.",
+        "",
+    ]
+    return "\n".join(header + sections)
+
+
+def main(argv: list[str] | None = None) -> int:
+    arguments = parse_arguments(argv)
+    results_dir: Path = arguments.results_dir.resolve()
+    results_dir.mkdir(parents=True, exist_ok=True)
+    chosen = [b for b in BENCHMARKS if not arguments.only or b.name in arguments.only]
+    started = time.perf_counter()
+    outcomes = [run_benchmark(b, results_dir, arguments.quick) for b in chosen]
+    text = summary_markdown(outcomes, arguments.quick, time.perf_counter() - started)
+    summary = results_dir / "summary.md"
+    summary.write_text(text)
+    print("\n" + text)
+    print(f"wrote {summary}")
+    return 0 if all(o.status == "ok" for o in outcomes) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,153 @@
+"""The benchmark suite runs end to end at tiny sizes and writes every result it promises.
+
+Times are never asserted here: ``--quick`` figures mean nothing. What is checked is that each
+benchmark script runs against the real library, writes its JSON document with the expected
+figures, and that ``run_all.py`` gathers them into ``summary.md`` (and the overlap benchmark
+draws its timeline), in a temporary results directory.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+RUN_ALL = Path(__file__).resolve().parents[1] / "benchmarks" / "run_all.py"
+SUMMARY_KEYS = {"figure", "value", "reference", "target", "met"}
+BENCHMARKS = ("storage", "dispatch", "hit_latency", "churn", "overlap", "memory", "gpu")
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("bench-results")
+    done = subprocess.run(
+        [sys.executable, str(RUN_ALL), "--quick", "--results-dir", str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return directory
+
+
+def load(results: Path, name: str) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads((results / f"{name}.json").read_text())
+    assert document["benchmark"] == name
+    assert {"torch", "cpus"} <= set(document["machine"])
+    assert document["config"]["quick"] is True
+    return document
+
+
+def check_summary_rows(document: dict[str, Any]) -> None:
+    assert document["summary"], "a benchmark without headline figures"
+    for row in document["summary"]:
+        assert set(row) == SUMMARY_KEYS
+        assert row["met"] in (True, False, None)
+
+
+@pytest.mark.timeout(90)
+def test_every_result_file_is_written(results: Path) -> None:
+    assert sorted(p.stem for p in results.glob("*.json")) == sorted(BENCHMARKS)
+
+
+@pytest.mark.timeout(90)
+def test_storage_and_dispatch_results(results: Path) -> None:
+    storage = load(results, "storage")
+    methods = {item["method"] for item in storage["results"]}
+    assert {"sync, reused buffers", "sync, fresh buffers"} <= methods
+    assert all(item["gbps_best"] > 0 for item in storage["results"])
+    dispatch = load(results, "dispatch")
+    cases = {item["case"] for item in dispatch["results"]}
+    assert {"resident tensor", "offloaded, pool scope (hit)"} <= cases
+
+
+@pytest.mark.timeout(90)
+def test_hit_latency_results(results: Path) -> None:
+    document = load(results, "hit_latency")
+    check_summary_rows(document)
+    configurations = document["results"]
+    assert {(c["entries"], c["budget_bytes"] is None) for c in configurations} == {
+        (n, b) for n in document["config"]["sizes"] for b in (True, False)
+    }
+    for config in configurations:
+        figures = config["figures"]
+        for name in ("dict lookup", "sync resolve", "sync acquire", "torch op in scope"):
+            assert figures[name]["median_us"] > 0
+        assert figures["async acquire (asyncio)"]["median_us"] > 0
+        assert figures["misses_while_timed"] == 0, "hit latency was timed on misses"
+
+
+@pytest.mark.timeout(90)
+def test_churn_results(results: Path) -> None:
+    document = load(results, "churn")
+    check_summary_rows(document)
+    patterns = {(r["tensors"], r["pattern"]) for r in document["results"]}
+    assert patterns == {
+        (n, p) for n in document["config"]["sizes"] for p in ("cyclic", "random", "hot-set")
+    }
+    for result in document["results"]:
+        figures = result["figures"]
+        reference = figures["reference"]
+        for face in ("pool, sync face", "pool, async face"):
+            assert figures[face]["ops_per_s"] > 0
+            # Same LRU semantics on the same sequence: the pool hits exactly as the reference.
+            assert figures[face]["hit_ratio"] == pytest.approx(reference["hit_ratio"])
+        if result["pattern"] == "cyclic":
+            assert reference["hit_ratio"] == 0.0
+
+
+@pytest.mark.timeout(90)
+def test_overlap_results_and_timeline(results: Path) -> None:
+    document = load(results, "overlap")
+    check_summary_rows(document)
+    for run in document["results"]:
+        assert set(run["seconds"]) >= {"total_load", "total_compute", "sequential", "pipelined"}
+        assert isinstance(run["overlap_efficiency"], float)
+        timeline = run["timeline"]
+        assert [entry["layer"] for entry in timeline["layers"]] == list(range(run["layers"]))
+        for entry in timeline["layers"]:
+            assert entry["entered"] <= entry["compute_start"] <= entry["compute_end"]
+        assert {read["layer"] for read in timeline["reads"]} >= set(range(1, run["layers"]))
+    chart = results / "timeline.png"
+    assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.timeout(90)
+def test_memory_results(results: Path) -> None:
+    document = load(results, "memory")
+    check_summary_rows(document)
+    assert document["baseline_peak_rss_bytes"] > 0
+    assert document["bound_bytes"] == (
+        document["baseline_peak_rss_bytes"]
+        + document["config"]["budget_bytes"]
+        + 2 * document["config"]["layer_bytes"]
+    )
+    assert {r["strategy"] for r in document["results"]} >= {"LRU"}
+    for result in document["results"]:
+        assert result["peak_rss_bytes"] > 0
+        assert result["loads"] >= document["config"]["layers"]
+
+
+@pytest.mark.timeout(90)
+def test_gpu_check_runs_here(results: Path) -> None:
+    document = load(results, "gpu")
+    assert document["cuda"] is torch.cuda.is_available()
+    check_summary_rows(document)
+
+
+@pytest.mark.timeout(90)
+def test_summary_gathers_every_benchmark(results: Path) -> None:
+    text = (results / "summary.md").read_text()
+    assert text.startswith("# Benchmark results")
+    for name in BENCHMARKS:
+        assert f"(`{name}`)" in text
+    assert "| figure | value | reference (same run) | target | status |" in text
+    assert "| CPUs |" in text and f"| torch | {torch.__version__} |" in text
+    assert "![timeline of one streamed forward](timeline.png)" in text
+    assert "did not complete" not in text
