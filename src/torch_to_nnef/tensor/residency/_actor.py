@@ -221,7 +221,10 @@ class _Actor:
         self._send.close()
 
     def drain(self) -> None:
-        """Run queued foreign requests before a direct transition, keeping their order."""
+        """Catch up before a transition: replay the recency of lock-free hits made by other
+        threads, then run queued foreign requests, keeping their order."""
+        if self._foreign_touches:
+            self._replay_touches()
         while self._mailbox:
             try:
                 message = self._receive.receive_nowait()
@@ -325,7 +328,6 @@ class _Actor:
         """Serve a resident value, or return the load to wait for (counting a miss)."""
         self.drain()
         self.check_open()
-        self._replay_touches()
         entry = self._entry_for(source, device)
         self.policy.access(entry.key)
         if entry.value is not None:
@@ -342,10 +344,10 @@ class _Actor:
         """Start (or join) a load; with ``pin``, pin the value (idempotent)."""
         self.drain()
         self.check_open()
-        self._replay_touches()
         entry = self._entry_for(source, device)
         if pin and not entry.pinned:
             self._hold(entry, pinned=True)
+            self.enforce()  # a pinned value counts toward the budget, even one taken back
         if entry.value is not None:
             self.policy.touch(entry.key)
             return entry.value
@@ -357,7 +359,6 @@ class _Actor:
         self.drain()
         if not ticket.waiting:
             self.check_open()
-        self._replay_touches()
         entry = ticket.entry
         if entry is None or self.entries.get(entry.key) is not entry:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)

@@ -251,27 +251,32 @@ class AtomicFile:
     """A temporary file next to ``destination`` that replaces it atomically on :meth:`commit`.
 
     Use: :meth:`create`, :meth:`write` the content, :meth:`commit`; :meth:`discard` in every
-    case (a no-op after a commit). The temporary file is created with
-    ``O_CREAT | O_EXCL | O_NOFOLLOW`` under a random hidden name, so a symbolic link planted
-    at that name is never followed. The methods raise
-    ``OSError``; callers turn it into :class:`T2NErrorStorage` and call :meth:`discard`.
+    case (a no-op after a commit). The directory is opened once with ``O_NOFOLLOW`` and every
+    later step works relative to that descriptor, so a directory swapped for a symbolic link
+    (to write elsewhere) is refused, and a directory swapped after the opening is not written
+    through either. The temporary file is created with ``O_CREAT | O_EXCL | O_NOFOLLOW`` under
+    a random hidden name, so a symbolic link planted at that name is never followed. The
+    methods raise ``OSError``; callers turn it into :class:`T2NErrorStorage` and call
+    :meth:`discard`.
     """
 
     def __init__(self, destination: Path) -> None:
         self.destination = destination
-        self.temp: Path | None = None
+        self.temp: str | None = None
         self.fd: int | None = None
+        self.dir_fd: int | None = None
         self.replaced = False
 
     def create(self) -> None:
-        """Create the temporary file under a fresh random name."""
+        """Open the directory, then create the temporary file under a fresh random name."""
+        self.dir_fd = os.open(
+            self.destination.parent, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+        )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
         for attempt in range(_TEMP_ATTEMPTS):
-            candidate = self.destination.with_name(
-                f".{self.destination.name[:100]}.{secrets.token_hex(8)}.tmp"
-            )
+            candidate = f".{self.destination.name[:100]}.{secrets.token_hex(8)}.tmp"
             try:
-                self.fd = os.open(candidate, flags, 0o644)
+                self.fd = os.open(candidate, flags, 0o644, dir_fd=self.dir_fd)
             except FileExistsError:
                 if attempt == _TEMP_ATTEMPTS - 1:
                     raise
@@ -293,17 +298,20 @@ class AtomicFile:
         Returns:
             the ``stat`` of the committed file.
         """
-        assert self.fd is not None and self.temp is not None
+        assert self.fd is not None and self.temp is not None and self.dir_fd is not None
         if fsync:
             os.fsync(self.fd)
         stat = os.fstat(self.fd)
         fd, self.fd = self.fd, None
         os.close(fd)
-        os.replace(self.temp, self.destination)
+        os.replace(
+            self.temp, self.destination.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd
+        )
         self.temp = None
         self.replaced = True
         if fsync:
-            _fsync_directory(self.destination.parent)
+            _fsync_descriptor(self.dir_fd)
+        self._close_directory()
         return stat
 
     def discard(self) -> None:
@@ -315,18 +323,22 @@ class AtomicFile:
         if self.temp is not None:
             temp, self.temp = self.temp, None
             with contextlib.suppress(OSError):
-                os.unlink(temp)
+                os.unlink(temp, dir_fd=self.dir_fd)
+        self._close_directory()
+
+    def _close_directory(self) -> None:
+        if self.dir_fd is not None:
+            dir_fd, self.dir_fd = self.dir_fd, None
+            with contextlib.suppress(OSError):
+                os.close(dir_fd)
 
 
-def _fsync_directory(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+def _fsync_descriptor(fd: int) -> None:
     try:
         os.fsync(fd)
     except OSError as exc:
         if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # file systems without dir fsync
             raise
-    finally:
-        os.close(fd)
 
 
 def prepare_write(
