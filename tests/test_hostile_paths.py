@@ -8,7 +8,6 @@ before and after shows that nothing outside changed.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import os
@@ -264,12 +263,6 @@ def test_every_temporary_name_taken_is_a_clean_storage_error(
     planted.unlink()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="write_payload (storage/_io.py AtomicFile.create/commit) follows a symbolic link "
-    "swapped in for the offload directory after the tensor was created, writing the payload "
-    "into the link's target directory",
-)
 def test_directory_swapped_for_a_link_is_not_written_through(tmp_path: Path) -> None:
     offload_dir = tmp_path / "offload"
     elsewhere = tmp_path / "elsewhere"
@@ -277,9 +270,24 @@ def test_directory_swapped_for_a_link_is_not_written_through(tmp_path: Path) -> 
     tensor = OffloadedTensor.from_original_tensor(torch.zeros(4), "w", offload_dir=offload_dir)
     shutil.rmtree(offload_dir)
     offload_dir.symlink_to(elsewhere, target_is_directory=True)
-    with contextlib.suppress(T2NErrorStorage):  # refusing to write is fine
+    with pytest.raises(T2NErrorStorage, match="cannot write payload file") as info:
         tensor.update_values(torch.ones(4))
-    assert entries(elsewhere) == [], "the write went through the swapped-in directory link"
+    assert isinstance(info.value.__cause__, OSError)
+    with TensorResidencyPool() as pool:  # the same through a pool write-back
+        offload_dir.unlink()
+        offload_dir.mkdir()
+        tensor.update_values(torch.zeros(4))
+        with pool.acquire(tensor, mode="read_write") as value:
+            value.add_(2)
+        shutil.rmtree(offload_dir)
+        offload_dir.symlink_to(elsewhere, target_is_directory=True)
+        with pytest.raises(T2NErrorStorage, match="write-back"):
+            pool.flush()
+        assert pool.is_resident(tensor)
+        offload_dir.unlink()
+        offload_dir.mkdir()
+    assert entries(elsewhere) == [], "a write went through the swapped-in directory link"
+    assert torch.equal(tensor._reload_unmanaged(), torch.full((4,), 2.0))
 
 
 # ---------------------------------------------------------------------------------------------
