@@ -2,23 +2,34 @@
 
 Two workloads, run separately: 16 layers of 2048 x 2048 and 6 layers of 4096 x 4096 float32
 weights, offloaded to payload files (page cache warm: every file is read once first). Each
-layer computes ``F.linear(x, w)`` on one torch thread, with a batch chosen so that it takes
-about as long as reading the layer's weight (calibrated in the run). Three figures per
-workload, each the median of the timed forwards:
+layer computes ``F.linear(x, w)`` on one torch thread, with a batch calibrated in the run so
+that it takes about as long as reading the layer's weight. The modes, timed in turn for
+several rounds (so that noise from the rest of the machine hits them alike), medians kept:
 
-- ``sequential``: no pool, each layer's weight read (``_reload_unmanaged``) then used;
-- ``pipelined``: the layers streamed through a ``TensorResidencyPool`` (budget of three
+- ``sequential`` (no pool): read each weight into a reused, already touched buffer
+  (``storage.read_payload(..., out=)``, the fastest synchronous read), then compute; the
+  read and compute phases are timed inside it, giving ``load`` and ``compute``;
+- ``ideal``: ``max(load, compute)``;
+- ``pool pipeline``: the layers streamed through a ``TensorResidencyPool`` (budget of three
   layers) with ``stream_modules(pool, layers, depth=1)``, so that layer i+1 is read while
   layer i computes;
-- ``ideal``: ``max(total load, total compute)``, the loads and the compute timed alone.
+- ``hand pipeline`` (reference, no pool): one reader thread fills two reused buffers a layer
+  ahead of the compute: the overlap this machine allows at all;
+- ``naive reload()`` (context): each weight reloaded into fresh memory, then used, as code
+  without a pool would do; fresh memory costs page faults, so the pool (which reuses
+  buffers) also beats it on reads.
 
 Overlap efficiency = (sequential - pipelined) / (sequential - ideal): 1 when the pipeline hides
 every read (or all compute), 0 when it overlaps nothing. Target: >= 0.8 for both workloads.
+Also reported: the read throughput of the pool's loads, of the sequential reads and of fresh
+reloads, and how much slower the compute runs while reads run on the other core (memory
+bandwidth and cores shared with the rest of the machine bound what any pipeline can reach).
 
 One streamed forward per workload is recorded: the read intervals (``_aload`` of each weight,
 patched in this process only) and, through forward hooks, when each layer was entered, when
-its compute started (after waiting for its weight) and ended. ``timeline.png`` draws them: a
-lane of reads and a lane of compute per workload, one bar per layer.
+its compute started (after waiting for its weight), ended, and when its leases were released.
+``timeline.png`` draws them: a lane of reads and a lane of compute per workload, one bar per
+layer, waits in gray.
 
 Run: ``python benchmarks/bench_overlap.py [--quick] [--output PATH] [--chart PATH]
 [--repeat N]``.
@@ -27,10 +38,13 @@ Run: ``python benchmarks/bench_overlap.py [--quick] [--output PATH] [--chart PAT
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
+import queue
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -47,6 +61,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import format_table, write_results
 from _report import gc_paused, print_summary, summary_row
 
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
 
@@ -177,23 +192,105 @@ def calibrate_batch(weight: torch.Tensor, seconds: float) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# The three modes
+# The modes without a pool
 # ---------------------------------------------------------------------------------------------
-def sequential_forward(weights: list[OffloadedTensor], x: torch.Tensor) -> torch.Tensor:
-    for weight in weights:
-        x = F.linear(x, weight._reload_unmanaged())
+class Reader:
+    """Reads the layers' payloads synchronously into two reused, already touched buffers."""
+
+    def __init__(self, weights: list[OffloadedTensor]) -> None:
+        self.layouts = [storage.read_layout(w.offload_path) for w in weights]
+        self.entry = next(iter(self.layouts[0].entries))
+        self.buffers = [storage.allocate(self.layouts[0]) for _ in range(2)]
+        for buffers in self.buffers:
+            for buffer in buffers.values():
+                buffer.zero_()  # touch every page once
+
+    def __len__(self) -> int:
+        return len(self.layouts)
+
+    def read(self, index: int, slot: int) -> torch.Tensor:
+        """Read layer ``index`` into buffer ``slot``; return the buffer."""
+        storage.read_payload(self.layouts[index], out=self.buffers[slot])
+        return self.buffers[slot][self.entry]
+
+    def read_all(self) -> None:
+        for index in range(len(self)):
+            self.read(index, 0)
+
+
+def sequential_forward(
+    reader: Reader, x: torch.Tensor, phases: list[float] | None = None
+) -> torch.Tensor:
+    """Read each weight, then use it; add the seconds of each phase to ``phases``."""
+    load = compute = 0.0
+    for index in range(len(reader)):
+        start = time.perf_counter()
+        weight = reader.read(index, 0)
+        loaded = time.perf_counter()
+        x = F.linear(x, weight)
+        compute += time.perf_counter() - loaded
+        load += loaded - start
+    if phases is not None:
+        phases[0] += load
+        phases[1] += compute
     return x
 
 
-def loads_only(weights: list[OffloadedTensor]) -> None:
+def hand_pipeline(reader: Reader, x: torch.Tensor) -> torch.Tensor:
+    """A reader thread fills the two buffers one layer ahead of the compute on this thread."""
+    ready: queue.Queue[tuple[int, torch.Tensor]] = queue.Queue()
+    free: queue.Queue[int] = queue.Queue()
+    for slot in range(len(reader.buffers)):
+        free.put(slot)
+
+    def read_ahead() -> None:
+        for index in range(len(reader)):
+            slot = free.get()
+            ready.put((slot, reader.read(index, slot)))
+
+    thread = threading.Thread(target=read_ahead, name="hand-pipeline-reader")
+    thread.start()
+    for _ in range(len(reader)):
+        slot, weight = ready.get()
+        x = F.linear(x, weight)
+        free.put(slot)
+    thread.join()
+    return x
+
+
+def naive_forward(weights: list[OffloadedTensor], x: torch.Tensor) -> torch.Tensor:
+    """Reload each weight into fresh memory, then use it."""
     for weight in weights:
-        weight._reload_unmanaged()
+        x = F.linear(x, weight._reload_unmanaged())
+    return x
 
 
 def compute_only(dense: list[torch.Tensor], x: torch.Tensor) -> torch.Tensor:
     for weight in dense:
         x = F.linear(x, weight)
     return x
+
+
+def compute_under_reads(reader: Reader, dense: list[torch.Tensor], x: torch.Tensor) -> float:
+    """Seconds of ``compute_only`` while a thread reads the layers in a loop."""
+    stop = threading.Event()
+
+    def read_in_loop() -> None:
+        while not stop.is_set():
+            for index in range(len(reader)):
+                if stop.is_set():
+                    return
+                reader.read(index, 1)
+
+    thread = threading.Thread(target=read_in_loop, name="background-reader")
+    thread.start()
+    try:
+        start = time.perf_counter()
+        compute_only(dense, x)
+        return time.perf_counter() - start
+    finally:
+        stop.set()
+        thread.join()
 
 
 @contextmanager
@@ -235,41 +332,72 @@ def timing_hooks(layers: list[Layer], timeline: Timeline) -> list[Any]:
     return handles
 
 
-def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, Any]:
-    """Calibrate, then time the modes in turn, ``repeat`` rounds (noise hits them alike)."""
-    weights = offload_layers(workload, directory)
-    total_bytes = workload.layers * workload.layer_bytes
+def efficiency(sequential: float, pipelined: float, ideal: float) -> float:
+    """(sequential - pipelined) / (sequential - ideal)."""
+    return (sequential - pipelined) / (sequential - ideal)
 
-    load_seconds = median_seconds(lambda: loads_only(weights), 3)
+
+MODES = (
+    "sequential",
+    "sequential_load",
+    "sequential_compute",
+    "hand_pipeline",
+    "pool_pipeline",
+    "naive_reload",
+    "compute_alone",
+    "compute_under_reads",
+)
+
+
+def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, Any]:
+    """Calibrate, then time every mode in turn for ``repeat`` rounds."""
+    weights = offload_layers(workload, directory)
+    reader = Reader(weights)
+    total_bytes = workload.layers * workload.layer_bytes
+    read_seconds = median_seconds(reader.read_all, 5)
     dense = [w._reload_unmanaged() for w in weights]
-    batch = calibrate_batch(dense[0], load_seconds / workload.layers)
+    batch = calibrate_batch(dense[0], read_seconds / workload.layers)
     x = torch.randn(batch, workload.width, generator=torch.Generator().manual_seed(1))
     expected = compute_only(dense, x)
-    if not torch.equal(sequential_forward(weights, x), expected):
-        raise AssertionError("the sequential forward computed a wrong value")
+    for name, check in (
+        ("sequential", lambda: sequential_forward(reader, x)),
+        ("hand pipeline", lambda: hand_pipeline(reader, x)),
+        ("naive reload", lambda: naive_forward(weights, x)),
+    ):
+        if not torch.equal(check(), expected):
+            raise AssertionError(f"the {name} forward computed a wrong value")
 
     layers = [Layer(w) for w in weights]
     model = nn.Sequential(*layers)
     timeline = Timeline()
     index_of = {id(w): i for i, w in enumerate(weights)}
     pool = TensorResidencyPool(max_cached_bytes=BUDGET_LAYERS * workload.layer_bytes)
-    modes: dict[str, Callable[[], object]] = {
-        "total_load": lambda: loads_only(weights),
-        "total_compute": lambda: compute_only(dense, x),
-        "sequential": lambda: sequential_forward(weights, x),
-        "pipelined": lambda: model(x),
-    }
-    samples: dict[str, list[float]] = {mode: [] for mode in modes}
+    samples: dict[str, list[float]] = {name: [] for name in MODES}
+
+    def timed(name: str, run: Callable[[], object], keep: bool) -> None:
+        gc.collect()
+        start = time.perf_counter()
+        run()
+        if keep:
+            samples[name].append(time.perf_counter() - start)
+
     with pool, stream_modules(pool, layers, depth=1), pool.scope(), torch.no_grad():
         if not torch.equal(model(x), expected):
-            raise AssertionError("the pipelined forward computed a wrong value")
+            raise AssertionError("the pool's pipelined forward computed a wrong value")
         for round_index in range(repeat + 1):
-            for mode, run in modes.items():
-                gc.collect()
-                start = time.perf_counter()
-                run()
-                if round_index:  # the first round warms up
-                    samples[mode].append(time.perf_counter() - start)
+            keep = round_index > 0  # the first round warms up
+            phases = [0.0, 0.0]
+            timed("sequential", functools.partial(sequential_forward, reader, x, phases), keep)
+            timed("hand_pipeline", functools.partial(hand_pipeline, reader, x), keep)
+            timed("pool_pipeline", functools.partial(model, x), keep)
+            timed("naive_reload", functools.partial(naive_forward, weights, x), keep)
+            timed("compute_alone", functools.partial(compute_only, dense, x), keep)
+            gc.collect()
+            under_reads = compute_under_reads(reader, dense, x)
+            if keep:
+                samples["sequential_load"].append(phases[0])
+                samples["sequential_compute"].append(phases[1])
+                samples["compute_under_reads"].append(under_reads)
         handles = timing_hooks(layers, timeline)
         with recorded_reads(timeline, index_of):
             timeline.start = time.perf_counter()
@@ -279,17 +407,25 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
             handle.remove()
         stats = pool.stats()
 
-    load_seconds, compute_seconds, sequential_seconds, pipelined_seconds = (
-        statistics.median(samples[mode]) for mode in modes
-    )
-    per_round = [(s - p) / (s - max(lo, c)) for lo, c, s, p in zip(*samples.values(), strict=True)]
-    ideal_seconds = max(load_seconds, compute_seconds)
-    efficiency = (sequential_seconds - pipelined_seconds) / (sequential_seconds - ideal_seconds)
+    seconds = {name: statistics.median(values) for name, values in samples.items()}
+    seconds["ideal"] = max(seconds["sequential_load"], seconds["sequential_compute"])
+    seconds["recorded_forward"] = recorded_seconds
+    per_round = {
+        mode: [
+            efficiency(s, p, max(lo, c))
+            for s, p, lo, c in zip(
+                samples["sequential"],
+                samples[mode],
+                samples["sequential_load"],
+                samples["sequential_compute"],
+                strict=True,
+            )
+        ]
+        for mode in ("pool_pipeline", "hand_pipeline")
+    }
     recorded = timeline.as_json()
     read_time = sum(r["end"] - r["start"] for r in recorded["reads"])
     read_bytes = len(recorded["reads"]) * workload.layer_bytes
-    stall = sum(r["compute_start"] - r["entered"] for r in recorded["layers"])
-    hooks = sum(r["released"] - r["compute_end"] for r in recorded["layers"])
     return {
         "workload": workload.name,
         "layers": workload.layers,
@@ -297,21 +433,27 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         "layer_bytes": workload.layer_bytes,
         "batch": batch,
         "budget_layers": BUDGET_LAYERS,
-        "seconds": {
-            "total_load": load_seconds,
-            "total_compute": compute_seconds,
-            "ideal": ideal_seconds,
-            "sequential": sequential_seconds,
-            "pipelined": pipelined_seconds,
-            "recorded_forward": recorded_seconds,
-        },
+        "seconds": seconds,
         "samples_seconds": samples,
-        "overlap_efficiency_per_round": per_round,
-        "overlap_efficiency": efficiency,
-        "fresh_read_gbps": total_bytes / load_seconds / 1e9,
-        "pool_read_gbps": read_bytes / read_time / 1e9 if read_time else None,
-        "recorded_stall_seconds": stall,
-        "recorded_release_seconds": hooks,
+        "overlap_efficiency": efficiency(
+            seconds["sequential"], seconds["pool_pipeline"], seconds["ideal"]
+        ),
+        "hand_pipeline_efficiency": efficiency(
+            seconds["sequential"], seconds["hand_pipeline"], seconds["ideal"]
+        ),
+        "efficiency_per_round": per_round,
+        "speedup_over_naive_reload": seconds["naive_reload"] / seconds["pool_pipeline"],
+        "compute_slowdown_under_reads": seconds["compute_under_reads"] / seconds["compute_alone"],
+        "read_gbps": {
+            "sequential_reused_buffer": total_bytes / seconds["sequential_load"] / 1e9,
+            "pool_recorded_forward": read_bytes / read_time / 1e9 if read_time else None,
+        },
+        "recorded_stall_seconds": sum(
+            r["compute_start"] - r["entered"] for r in recorded["layers"]
+        ),
+        "recorded_release_seconds": sum(
+            r["released"] - r["compute_end"] for r in recorded["layers"]
+        ),
         "pool_stats": stats._asdict(),
         "timeline": recorded,
     }
@@ -402,10 +544,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     torch.set_num_threads(1)
     if arguments.quick:
-        workloads = [Workload(6, 256), Workload(4, 512)]
+        workloads = [Workload(8, 256), Workload(6, 512)]
     else:
         workloads = [Workload(16, 2048), Workload(6, 4096)]
-    repeat = arguments.repeat or (3 if arguments.quick else 7)
+    repeat = arguments.repeat or (2 if arguments.quick else 9)
     runs = []
     for workload in workloads:
         with tempfile.TemporaryDirectory(prefix="t2n-bench-overlap-") as directory:
@@ -423,46 +565,69 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for run in runs:
         s = run["seconds"]
-        summary.append(
+        gbps = run["read_gbps"]
+        pool_gbps = gbps["pool_recorded_forward"]
+        summary += [
             summary_row(
                 f"overlap efficiency, {run['workload']}",
-                f"{run['overlap_efficiency']:.2f} (pipelined {s['pipelined'] * 1e3:.0f} ms)",
-                f"sequential {s['sequential'] * 1e3:.0f} ms, ideal {s['ideal'] * 1e3:.0f} ms",
+                f"{run['overlap_efficiency']:.2f} "
+                f"(pool pipeline {s['pool_pipeline'] * 1e3:.0f} ms)",
+                f"sequential {s['sequential'] * 1e3:.0f} ms, ideal {s['ideal'] * 1e3:.0f} ms; "
+                f"hand-written pipeline {run['hand_pipeline_efficiency']:.2f}",
                 f">= {EFFICIENCY_TARGET:g}",
                 run["overlap_efficiency"] >= EFFICIENCY_TARGET,
-            )
-        )
-        pool_gbps = run["pool_read_gbps"]
-        summary.append(
+            ),
+            summary_row(
+                f"speed-up over naive reload(), {run['workload']}",
+                f"{run['speedup_over_naive_reload']:.2f}x",
+                f"naive reload() then compute {s['naive_reload'] * 1e3:.0f} ms",
+            ),
             summary_row(
                 f"read throughput, {run['workload']}",
                 "pool " + (f"{pool_gbps:.2f} GB/s" if pool_gbps else "n/a"),
-                f"sequential fresh reads {run['fresh_read_gbps']:.2f} GB/s",
-            )
-        )
+                f"sequential reads {gbps['sequential_reused_buffer']:.2f} GB/s",
+            ),
+            summary_row(
+                f"compute slowdown while reads run, {run['workload']}",
+                f"{run['compute_slowdown_under_reads']:.2f}x",
+                f"compute alone {s['compute_alone'] * 1e3:.0f} ms",
+            ),
+        ]
         rows.append(
             [
                 run["workload"],
                 str(run["batch"]),
                 *(
                     f"{s[k] * 1e3:.0f}"
-                    for k in ("total_load", "total_compute", "ideal", "sequential", "pipelined")
+                    for k in (
+                        "sequential_load",
+                        "sequential_compute",
+                        "ideal",
+                        "sequential",
+                        "hand_pipeline",
+                        "pool_pipeline",
+                        "naive_reload",
+                    )
                 ),
                 f"{run['overlap_efficiency']:.2f}",
                 f"{run['recorded_stall_seconds'] * 1e3:.0f}",
+                f"{run['recorded_release_seconds'] * 1e3:.0f}",
             ]
         )
     details: dict[str, Any] = {
         "headers": [
-            "workload (ms per forward)",
+            "workload (ms per forward, median)",
             "batch",
             "load",
             "compute",
             "ideal",
             "sequential",
-            "pipelined",
+            "hand pipeline",
+            "pool pipeline",
+            "naive reload()",
             "efficiency",
-            "stall",
+            "stall (recorded)",
+            "lease release (recorded)",
         ],
         "rows": rows,
     }

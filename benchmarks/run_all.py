@@ -21,6 +21,7 @@ import os
 import platform
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -133,6 +134,44 @@ class Outcome:
     status: str  # "ok", "failed (exit code N)" or "timed out after N s"
     seconds: float
     document: dict[str, Any] | None
+    load_average: float | None  # 1-minute load average when it ended
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (other work on the machine skews timings), if known."""
+    try:
+        return os.getloadavg()[0]
+    except (OSError, AttributeError):
+        return None
+
+
+def parallel_speedup() -> float:
+    """Throughput of two threads of compute-bound matmuls over one thread's.
+
+    About 2 on an idle machine with two free cores; about 1 when the benchmarks effectively
+    get one core (other processes running, or two hyper-threads of one core), in which case
+    no pipeline can overlap reads with compute.
+    """
+    import torch
+
+    torch.set_num_threads(1)
+    a, b = torch.randn(256, 256), torch.randn(256, 256)
+
+    def work() -> None:
+        for _ in range(1500):
+            torch.mm(a, b)
+
+    work()
+    start = time.perf_counter()
+    work()
+    one = time.perf_counter() - start
+    threads = [threading.Thread(target=work) for _ in range(2)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return 2 * one / (time.perf_counter() - start)
 
 
 def run_benchmark(benchmark: Benchmark, results_dir: Path, quick: bool) -> Outcome:
@@ -160,7 +199,7 @@ def run_benchmark(benchmark: Benchmark, results_dir: Path, quick: bool) -> Outco
         except (OSError, ValueError) as error:
             status = f"failed (no readable result file: {error})"
     print(f"=== {benchmark.name}: {status} in {seconds:.1f} s", flush=True)
-    return Outcome(benchmark, status, seconds, document)
+    return Outcome(benchmark, status, seconds, document, load_average())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -299,8 +338,9 @@ def machine_description() -> dict[str, Any]:
     }
 
 
-def summary_markdown(outcomes: list[Outcome], quick: bool, seconds: float) -> str:
-    machine = machine_description()
+def summary_markdown(
+    outcomes: list[Outcome], quick: bool, seconds: float, machine: dict[str, Any]
+) -> str:
     met = missed = 0
     sections = []
     for outcome in outcomes:
@@ -328,7 +368,13 @@ def summary_markdown(outcomes: list[Outcome], quick: bool, seconds: float) -> st
             lines += ["", markdown_table(details["headers"], details["rows"])]
         if benchmark.name == "overlap" and outcome.document.get("chart"):
             lines += ["", "![timeline of one streamed forward](timeline.png)"]
-        lines += ["", f"Ran in {outcome.seconds:.0f} s.", ""]
+        load = outcome.load_average
+        lines += [
+            "",
+            f"Ran in {outcome.seconds:.0f} s"
+            + ("." if load is None else f" (load average {load:.2f} when it ended)."),
+            "",
+        ]
         sections.append("\n".join(lines))
     failed = [o.benchmark.name for o in outcomes if o.status != "ok"]
     header = [
@@ -348,6 +394,8 @@ def summary_markdown(outcomes: list[Outcome], quick: bool, seconds: float) -> st
                 ["Python", machine["python"]],
                 ["platform", machine["platform"]],
                 ["CUDA device", machine["cuda"]],
+                ["load average at start (1 min)", machine["load_average"]],
+                ["speed-up of 2 compute threads over 1, at start", machine["parallel_speedup"]],
             ],
         ),
         "",
@@ -365,8 +413,17 @@ def main(argv: list[str] | None = None) -> int:
     results_dir.mkdir(parents=True, exist_ok=True)
     chosen = [b for b in BENCHMARKS if not arguments.only or b.name in arguments.only]
     started = time.perf_counter()
+    machine = machine_description()
+    load = load_average()
+    machine["load_average"] = "unknown" if load is None else f"{load:.2f}"
+    machine["parallel_speedup"] = f"{parallel_speedup():.2f}x"
+    print(
+        f"machine: {machine['cpus']} CPUs, load average {machine['load_average']}, "
+        f"2 threads run {machine['parallel_speedup']} as fast as 1",
+        flush=True,
+    )
     outcomes = [run_benchmark(b, results_dir, arguments.quick) for b in chosen]
-    text = summary_markdown(outcomes, arguments.quick, time.perf_counter() - started)
+    text = summary_markdown(outcomes, arguments.quick, time.perf_counter() - started, machine)
     summary = results_dir / "summary.md"
     summary.write_text(text)
     print("\n" + text)
