@@ -298,7 +298,9 @@ def test_offload_directory_under_a_regular_file(arena: tuple[Path, Path]) -> Non
     with pytest.raises(T2NErrorStorage, match="cannot create the offload directory") as info:
         OffloadedTensor.from_original_tensor(torch.zeros(2), "w", offload_dir=victim / "sub")
     assert isinstance(info.value.__cause__, NotADirectoryError)
-    with pytest.raises(T2NErrorStorage, match=re.escape(f"offload directory '{victim}'")):
+    with pytest.raises(
+        T2NErrorStorage, match=re.escape(f"offload_dir '{victim}' exists and is not a directory")
+    ):
         OffloadedTensor.from_original_tensor(torch.zeros(2), "w", offload_dir=victim)
 
 

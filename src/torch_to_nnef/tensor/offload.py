@@ -128,14 +128,16 @@ def _resolve_dir(offload_dir: PathLike | None) -> tuple[Path, _PrivateDir | None
         private = _private_dir()
         return private.path, private
     directory = Path(offload_dir)
+    if directory.exists() and not directory.is_dir():
+        raise T2NErrorStorage(
+            f"offload_dir '{directory}' exists and is not a directory; pass a directory"
+        )
     try:
         directory.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise T2NErrorStorage(
             f"cannot create the offload directory '{directory}': {exc}; pass a writable offload_dir"
         ) from exc
-    if not directory.is_dir():
-        raise T2NErrorStorage(f"offload_dir '{directory}' exists and is not a directory")
     return directory, None
 
 

@@ -126,10 +126,11 @@ class _Entry:
     retained: bool = False
     evicting: bool = False
     binding: object = None  # the source's payload version the value was read from
+    stuck: bool = False  # its write-back failed: kept, unevictable, until a flush writes it
 
     @property
     def held(self) -> bool:
-        return bool(self.leases or self.waiters or self.pinned)
+        return bool(self.leases or self.waiters or self.pinned or self.stuck)
 
 
 @dataclass(eq=False)
@@ -612,6 +613,7 @@ class _Actor:
         value = entry.value
         assert value is not None
         entry.dirty = False
+        entry.stuck = False
 
         async def job() -> None:
             error: BaseException | None = None
@@ -631,11 +633,14 @@ class _Actor:
         self._jobs.discard(io)
         entry.write = None
         if error is not None:
-            entry.dirty = True  # the value stays resident; a later flush retries
+            # The value stays resident and dirty, out of the eviction order (no retry on every
+            # transition while the disk is full); a flush retries it.
+            entry.dirty = True
+            entry.stuck = True
+            self.policy.hold(entry.key)
             self._set_evicting(entry, False)
             LOGGER.warning("write-back of %r failed: %r", entry.source.name, error)
             io.finish(None, error)
-            self._maybe_release(entry)
             return
         self._write_backs += 1
         self._bytes_written += entry.nbytes
@@ -648,6 +653,8 @@ class _Actor:
                 self._start_write(entry)
             else:
                 self._remove(entry)
+        else:
+            self._maybe_release(entry)  # back in the eviction order (after a failed write-back)
         self.enforce()
 
     def evict_step(self, source: OffloadedTensor) -> _IO | None:
