@@ -752,3 +752,33 @@ def test_foreign_requests_leave_no_reference_cycles(tmp_path: Path, via: str) ->
     assert stats.loads == 30
     assert stats.reused_buffers >= stats.loads - 4, stats
     del model
+
+
+@pytest.mark.asyncio
+async def test_a_failed_write_back_is_retried_by_flush_not_by_every_eviction(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    import shutil
+
+    directory = tmp_path / "payloads"
+    directory.mkdir()
+    (dirty,) = make_tensors(directory, 1)
+    others = make_tensors(tmp_path / "others", 20)
+    async with TensorResidencyPool(max_cached_bytes=2 * KIB) as pool:
+        async with pool.acquire(dirty, mode="read_write") as value:
+            value.add_(1)
+        shutil.copytree(directory, tmp_path / "saved")
+        shutil.rmtree(directory)  # the write-back of `dirty` fails from now on
+        with caplog.at_level(logging.WARNING, "torch_to_nnef.tensor.residency"):
+            for t in others:  # pressure: every load wants room
+                await pool.aresolve(t)
+            await pool.aflush(others[0])  # wait for the pool to settle
+        failures = [r for r in caplog.records if "write-back of" in r.getMessage()]
+        assert len(failures) == 1, "a failed write-back must not be retried on every eviction"
+        assert pool.is_resident(dirty), "the dirty value is kept, not lost"
+        check_invariants(pool)
+        with pytest.raises(T2NErrorStorage, match="write-back"):
+            await pool.aflush()
+        shutil.copytree(tmp_path / "saved", directory)
+        await pool.aflush()  # space is back: the flush writes it
+    assert torch.equal(dirty._reload_unmanaged(), torch.full((NUMEL,), 1.0))
