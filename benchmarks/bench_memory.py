@@ -4,8 +4,9 @@ A checkpoint of 24 linear layers of 2048 x 2048 float32 (384 MiB) is written onc
 (warm page cache), then two kinds of fresh subprocess run on it:
 
 - ``baseline``: imports torch and the library, builds the model on the meta device and binds
-  it to the checkpoint with ``load_offloaded_checkpoint``, starts a pool and runs one small
-  matmul (so that the BLAS library is loaded), without streaming any weight;
+  it to the checkpoint with ``load_offloaded_checkpoint``, starts a pool, runs one small
+  matmul (so that the BLAS library is loaded) and loads one 4 KiB tensor through the pool
+  (so that its loop and I/O threads run), without streaming any weight;
 - ``stream``: the same, then two forwards of the model streamed through a pool whose budget
   is a quarter of the model (``stream_modules(pool, layers, depth=1)`` inside
   ``pool.scope()``), once per retention strategy (LRU and SCHEDULED).
@@ -79,6 +80,7 @@ def child(mode: str, checkpoint: str, layers: int, width: int, budget: int, stra
     from torch import nn
 
     from torch_to_nnef.tensor import (
+        OffloadedTensor,
         ResidencyStrategy,
         TensorResidencyPool,
         load_offloaded_checkpoint,
@@ -91,8 +93,11 @@ def child(mode: str, checkpoint: str, layers: int, width: int, budget: int, stra
     load_offloaded_checkpoint(model, checkpoint)
     x = torch.randn(8, width)
     pool = TensorResidencyPool(max_cached_bytes=budget, strategy=ResidencyStrategy[strategy])
-    with pool, torch.no_grad():
-        (x @ torch.ones(width, 8)).sum()  # load the BLAS library, as a forward would
+    with pool, torch.no_grad(), tempfile.TemporaryDirectory() as directory:
+        # Everything but the weights: the BLAS library loaded as a forward would, the pool's
+        # loop and I/O threads started by one tiny load.
+        (x @ torch.ones(width, 8)).sum()
+        pool.resolve(OffloadedTensor.from_original_tensor(torch.zeros(1024), "warm", directory))
         if mode == "stream":
             with stream_modules(pool, list(model), depth=1), pool.scope():
                 for _ in range(2):
