@@ -50,19 +50,27 @@ def on_files(files: Files, config: Any, **kwargs: Any) -> Files:
 
 def on_page_markdown(markdown: str, page: Any, config: Any, files: Files, **kwargs: Any) -> str:
     """Replace the benchmark marks of ``page`` by the results (or by how to produce them)."""
+    uri = page.file.src_uri
     if COLLAPSED_MARK in markdown:
-        markdown = markdown.replace(COLLAPSED_MARK, _collapsed(_summary()))
+        markdown = markdown.replace(COLLAPSED_MARK, _collapsed(_summary(uri)))
     if SUMMARY_MARK in markdown:
-        markdown = markdown.replace(SUMMARY_MARK, _summary() or _NO_SUMMARY)
+        markdown = markdown.replace(SUMMARY_MARK, _summary(uri) or _NO_SUMMARY)
     if TIMELINE_MARK in markdown:
-        markdown = markdown.replace(TIMELINE_MARK, _timeline(page.file.src_uri))
+        markdown = markdown.replace(TIMELINE_MARK, _timeline(uri))
     return markdown
 
 
-def _summary() -> str:
+def _summary(page_uri: str) -> str:
     if not SUMMARY.is_file():
         return ""
-    return _demote_headings(SUMMARY.read_text(encoding="utf-8"))
+    text = SUMMARY.read_text(encoding="utf-8")
+    # The summary links the chart next to it; on the site the chart lives in the assets.
+    text = text.replace("](timeline.png)", f"]({_timeline_link(page_uri)})")
+    return _demote_headings(text)
+
+
+def _timeline_link(page_uri: str) -> str:
+    return posixpath.relpath(TIMELINE_URI, posixpath.dirname(page_uri) or ".")
 
 
 def _demote_headings(text: str) -> str:
@@ -87,5 +95,4 @@ def _collapsed(summary: str) -> str:
 def _timeline(page_uri: str) -> str:
     if not TIMELINE.is_file():
         return _NO_TIMELINE
-    relative = posixpath.relpath(TIMELINE_URI, posixpath.dirname(page_uri) or ".")
-    return f"![Disk reads overlapping compute, from make bench]({relative})\n"
+    return f"![Disk reads overlapping compute, from make bench]({_timeline_link(page_uri)})\n"
