@@ -20,9 +20,10 @@ EXPECTED = {
     ],
     "stream_layers.py": [
         r"^48 offloaded tensors, [\d.]+ MB, streamed through a [\d.]+ MB pool",
-        r"^\s+LRU: .* 0\.0% of accesses served from memory",
-        r"^\s+FIXED: ",
-        r"^SCHEDULED: ",
+        # A cyclic stream bigger than the budget defeats LRU; the others keep a third.
+        r"^\s+LRU: .* [0-4]\.\d% of accesses served from memory",
+        r"^\s+FIXED: .* 3\d\.\d% of accesses served from memory",
+        r"^SCHEDULED: .* 3\d\.\d% of accesses served from memory",
         r"^every forward equals the dense model's: OK$",
     ],
     "quantize_and_offload.py": [

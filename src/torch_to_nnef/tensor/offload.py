@@ -800,10 +800,15 @@ class OffloadedTensor(OpaqueTensor):
             _GC_REQUEST.pending = True
         return self.reload()
 
-    def _reload_unmanaged(self, device: DeviceLike | None = None) -> torch.Tensor:
-        """Read the value from the file into new host buffers and bring it to ``device``.
+    def _reload_unmanaged(
+        self, device: DeviceLike | None = None, out: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        """Read the value from the file and bring it to ``device`` (blocking; no pool).
 
-        ``device`` defaults to the target device. Blocking; no residency pool involved.
+        Args:
+            device: where the value is delivered (default: the target device).
+            out: host buffers to read into, by logical entry name (as in :attr:`storage_key`);
+                new ones are allocated when ``None``.
         """
         target = self.device if device is None else _canonical_device(device)
         attempt = 0
@@ -812,7 +817,7 @@ class OffloadedTensor(OpaqueTensor):
             try:
                 host = storage.read_payload(
                     binding.layout,
-                    out=_read_targets(binding, None, target),
+                    out=_read_targets(binding, out, target),
                     names=binding.file_names,
                 )
             except T2NErrorStorage:
@@ -827,6 +832,11 @@ class OffloadedTensor(OpaqueTensor):
     ) -> torch.Tensor:
         """Read the value without blocking the event loop and bring it to ``device``.
 
+        The whole load (open, read into the host buffers, close, copy to the device, decode)
+        is one job in a worker thread: one hand-off per load, which matters when a forward
+        streams its layers. Once started, the job runs to its end even if the caller is
+        cancelled, so it never writes into ``out`` after this returns.
+
         Args:
             device: where the value is delivered.
             out: host buffers to read into, by logical entry name (as in
@@ -834,30 +844,14 @@ class OffloadedTensor(OpaqueTensor):
                 tensor with the same key; new ones are allocated when ``None``.
 
         Returns:
-            the value (for a CPU target, the host buffers themselves). The copy to another
-            device and the decoding of an opaque payload run in a worker thread.
+            the value (for a CPU target, the host buffers themselves).
 
         Raises:
             T2NErrorStorage: the file is missing, corrupt, or changed by another process.
             T2NErrorMisuse: ``out`` does not match the payload.
         """
-        target = _canonical_device(device)
-        attempt = 0
-        while True:
-            binding = self._binding
-            file_out = _read_targets(binding, out, target)
-            try:
-                host = await storage.aread_payload(
-                    binding.layout, out=file_out, names=binding.file_names
-                )
-            except T2NErrorStorage:
-                attempt += 1
-                if attempt < _READ_ATTEMPTS and await self._areplaced_since(binding):
-                    continue
-                raise
-            if not binding.opaque and target.type == "cpu":
-                return host[binding.names[_PLAIN_ENTRY]]
-            return await anyio.to_thread.run_sync(_materialize, binding, host, target)
+        value: torch.Tensor = await anyio.to_thread.run_sync(self._reload_unmanaged, device, out)
+        return value
 
     def _replaced_since(self, binding: _Binding) -> bool:
         """Whether a write replaced ``binding`` (after any write in progress has committed).
@@ -867,16 +861,6 @@ class OffloadedTensor(OpaqueTensor):
         """
         with self._write_lock:
             return self._binding is not binding
-
-    async def _areplaced_since(self, binding: _Binding) -> bool:
-        if not self._write_lock.acquire(blocking=False):
-            # Shielded: a cancellation delivered after the worker took the lock would leak it.
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(self._write_lock.acquire)
-        try:
-            return self._binding is not binding
-        finally:
-            self._write_lock.release()
 
     def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         """The host buffers backing ``value``, a value loaded from this tensor's payload.
@@ -935,15 +919,15 @@ class OffloadedTensor(OpaqueTensor):
     async def _aupdate_values(self, values: torch.Tensor) -> None:
         """:meth:`update_values` for async code, with the same strict checks.
 
-        The write runs in a worker thread that holds the tensor's write lock; once started it
-        completes even if the caller is cancelled, so the state never lags the file.
+        The whole write (a copy to the host, the file, the switch to it) is one job in a
+        worker thread that holds the tensor's write lock; once started it completes even if
+        the caller is cancelled, so the state never lags the file.
         """
         if values is self:
             return
         if isinstance(values, OffloadedTensor):
             values = await values._aload(_CPU)
-        encoded = self._check_update(values, strict_shape=True, strict_dtype=True)
-        await anyio.to_thread.run_sync(self._write_locked, encoded)
+        await anyio.to_thread.run_sync(self.update_values, values)
 
     def _check_update(
         self, values: torch.Tensor, strict_shape: bool, strict_dtype: bool

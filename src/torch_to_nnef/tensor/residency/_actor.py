@@ -179,6 +179,7 @@ class _Actor:
         self._send: MemoryObjectSendStream[_Message]
         self._receive: MemoryObjectReceiveStream[_Message]
         self._mailbox = 0
+        self._draining = False
         # Counters; foreign-thread hits are counted under a lock and their recency replayed.
         self._hits = self._misses = self._loads = self._bytes_read = 0
         self._evictions = self._write_backs = self._bytes_written = self._load_errors = 0
@@ -186,7 +187,8 @@ class _Actor:
         self.spares = SpareBuffers()
         self._foreign_lock = threading.Lock()
         self._foreign_hits = 0
-        self._foreign_touches: deque[int] = deque()
+        # Bounded: between two transitions only the most recent hits matter for recency.
+        self._foreign_touches: deque[int] = deque(maxlen=8192)
 
     # ------------------------------------------------------------------------------------------
     # Running
@@ -223,16 +225,26 @@ class _Actor:
 
     def drain(self) -> None:
         """Catch up before a transition: replay the recency of lock-free hits made by other
-        threads, then run queued foreign requests, keeping their order."""
-        if self._foreign_touches:
-            self._replay_touches()
-        while self._mailbox:
-            try:
-                message = self._receive.receive_nowait()
-            except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
-                return
-            self._mailbox -= 1
-            self._run_message(message)
+        threads, then run queued foreign requests, keeping their order.
+
+        Not re-entrant: the transitions of the requests it runs find it already running and
+        go on, so a long queue is drained by one loop, not by a recursion as deep as itself.
+        """
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            if self._foreign_touches:
+                self._replay_touches()
+            while self._mailbox:
+                try:
+                    message = self._receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream, anyio.ClosedResourceError):
+                    return
+                self._mailbox -= 1
+                self._run_message(message)
+        finally:
+            self._draining = False
 
     @staticmethod
     def _run_message(message: _Message) -> None:
@@ -469,13 +481,11 @@ class _Actor:
     # Loads
     # ------------------------------------------------------------------------------------------
     def _start_load(self, entry: _Entry) -> None:
-        io = entry.load = _IO("load")
-        self._jobs.add(io)
-        entry.binding = entry.source._binding  # the load reads this version or a newer one
+        io = _IO("load")
+        binding = entry.source._binding  # the load reads this version or a newer one
         out = None
         if entry.device.type == "cpu":
             out = self.spares.take(entry.source.storage_key)
-            self._reused_buffers += out is not None
 
         async def job() -> None:
             value: torch.Tensor | None = None
@@ -489,7 +499,11 @@ class _Actor:
                 error = exc
             self._on_loaded(entry, io, value, error)
 
-        self.spawn(job)
+        self.spawn(job)  # first: a load that could not start is never registered
+        entry.load = io
+        entry.binding = binding
+        self._jobs.add(io)
+        self._reused_buffers += out is not None
 
     def _on_loaded(
         self, entry: _Entry, io: _IO, value: torch.Tensor | None, error: BaseException | None

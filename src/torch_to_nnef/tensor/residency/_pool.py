@@ -56,6 +56,18 @@ def _settle(reply: concurrent.futures.Future[Any], io: _IO) -> None:
         reply.set_exception(error)
 
 
+class _Unwaited:
+    """How many requests were sent without waiting for them (under ``lock``, from any
+    thread), and how many of them ran (on the loop thread only)."""
+
+    __slots__ = ("lock", "ran", "sent")
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.sent = 0
+        self.ran = 0
+
+
 class _ForeignAcquire:
     """An acquire sent by another thread, retried on the loop thread after each job it awaits.
 
@@ -309,6 +321,7 @@ class TensorResidencyPool:
         self._warned_inline = False
         self._task_group: anyio.abc.TaskGroup | None = None
         self._start_lock = threading.Lock()
+        self._unwaited = _Unwaited()
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -316,11 +329,13 @@ class TensorResidencyPool:
     @property
     def resident_bytes(self) -> int:
         """Bytes of the values resident in the pool (a maintained counter)."""
+        self._catch_up()
         return self._actor.resident_bytes
 
     def is_resident(self, source: OffloadedTensor) -> bool:
         """Whether ``source``'s value is loaded and held by the pool."""
         self._check_source(source)
+        self._catch_up()
         entry = self._actor.entries.get(id(source))
         return entry is not None and entry.value is not None
 
@@ -328,10 +343,12 @@ class TensorResidencyPool:
         """Whether ``source`` is pinned (LRU only; FIXED raises :class:`T2NErrorMisuse`)."""
         self._check_pins("is_pinned")
         self._check_source(source)
+        self._catch_up()
         return self._actor.is_pinned(source)
 
     def stats(self) -> PoolStats:
         """Counters since the pool was created (see :class:`PoolStats`)."""
+        self._catch_up()
         return self._actor.stats()
 
     @property
@@ -340,6 +357,7 @@ class TensorResidencyPool:
         return self._actor.closed
 
     def __repr__(self) -> str:
+        self._catch_up()
         actor = self._actor
         budget = "unbounded" if self.max_cached_bytes is None else _mib(self.max_cached_bytes)
         state = "closed" if actor.closed else f"resident: {len(actor.published)}"
@@ -456,6 +474,28 @@ class TensorResidencyPool:
 
     def _post(self, run: Callable[[], Any]) -> None:
         self._host.call(self._actor.post, _Message(run))
+
+    def _post_unwaited(self, run: Callable[[], Any]) -> None:
+        """Send a request nobody waits for, counted for :meth:`_catch_up`."""
+        unwaited = self._unwaited
+        with unwaited.lock:
+            unwaited.sent += 1
+
+        def counted() -> Any:
+            try:
+                return run()
+            finally:
+                unwaited.ran += 1  # on the loop thread only
+
+        self._post(counted)
+
+    def _catch_up(self) -> None:
+        """Make reads of the pool's state see every request sent before them without waiting
+        (a lease ended by another thread, say): when some have not run yet, wait for them."""
+        unwaited = self._unwaited
+        host = self._host
+        if unwaited.sent != unwaited.ran and host.running and not host.on_loop_thread():
+            self._send(lambda reply: None).result()  # runs after them: requests are FIFO
 
     def _warn_inline(self, operation: str) -> None:
         if not self._warned_inline:
@@ -671,9 +711,13 @@ class TensorResidencyPool:
             raise
 
     def _release(self, entry: _Entry, dirty: bool) -> None:
-        # From another thread the release waits for the actor, so that what the caller reads
-        # next (is_resident, resident_bytes, a file after close) already reflects it.
-        self._simple(lambda: self._actor.release_lease(entry, dirty))
+        # From another thread the release is sent without waiting (a streamed forward ends a
+        # lease per layer); the thread's later requests queue behind it, and its reads of the
+        # pool's state wait for it (see _catch_up).
+        if self._host.on_loop_thread() or not self._host.running:
+            self._actor.release_lease(entry, dirty)
+        else:
+            self._post_unwaited(lambda: self._actor.release_lease(entry, dirty))
 
     # ------------------------------------------------------------------------------------------
     # prefetch / pin / unpin
