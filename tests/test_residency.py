@@ -782,3 +782,14 @@ async def test_a_failed_write_back_is_retried_by_flush_not_by_every_eviction(
         shutil.copytree(tmp_path / "saved", directory)
         await pool.aflush()  # space is back: the flush writes it
     assert torch.equal(dirty._reload_unmanaged(), torch.full((NUMEL,), 1.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_burst_of_requests_from_a_thread_is_served_in_order(tmp_path: Path) -> None:
+    """Hundreds of queued requests are drained by a loop, not a recursion as deep as the queue."""
+    ts = make_tensors(tmp_path, 2000, numel=4)
+    with TensorResidencyPool(max_cached_bytes=100 * 16) as pool:
+        handles = [pool.prefetch(t) for t in ts]
+        assert [float(h.wait()[0]) for h in handles] == [float(i) for i in range(2000)]
+        check_invariants(pool)
+    assert pool.closed

@@ -304,9 +304,7 @@ class AtomicFile:
         stat = os.fstat(self.fd)
         fd, self.fd = self.fd, None
         os.close(fd)
-        os.replace(
-            self.temp, self.destination.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd
-        )
+        os.replace(self.temp, self.destination.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         self.temp = None
         self.replaced = True
         if fsync:
