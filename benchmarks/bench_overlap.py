@@ -295,21 +295,22 @@ def compute_under_reads(reader: Reader, dense: list[torch.Tensor], x: torch.Tens
 
 @contextmanager
 def recorded_reads(timeline: Timeline, index_of: dict[int, int]) -> Iterator[None]:
-    """Record every ``OffloadedTensor._aload`` (the pool's reads) while the block runs."""
-    original = OffloadedTensor._aload
+    """Record every ``OffloadedTensor._reload_unmanaged`` (the job the pool's I/O workers
+    run for a load) while the block runs."""
+    original = OffloadedTensor._reload_unmanaged
 
-    async def timed_aload(self: OffloadedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    def timed_load(self: OffloadedTensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         start = time.perf_counter()
         try:
-            return await original(self, *args, **kwargs)
+            return original(self, *args, **kwargs)
         finally:
             timeline.reads.append((index_of.get(id(self), -1), start, time.perf_counter()))
 
-    OffloadedTensor._aload = timed_aload  # type: ignore[method-assign]
+    OffloadedTensor._reload_unmanaged = timed_load  # type: ignore[method-assign]
     try:
         yield
     finally:
-        OffloadedTensor._aload = original  # type: ignore[method-assign]
+        OffloadedTensor._reload_unmanaged = original  # type: ignore[method-assign]
 
 
 def timing_hooks(layers: list[Layer], timeline: Timeline) -> list[Any]:

@@ -3,8 +3,8 @@
 Every method named ``*_step`` or ``_on_*`` is a synchronous state transition: it runs on the
 pool's event-loop thread, never awaits, and leaves the invariants true. A transition that must
 wait for I/O returns the :class:`_IO` to wait for; the caller waits, then runs the step again.
-Disk reads and writes run in jobs started in the actor's task group, bounded by a capacity
-limiter; their completions come back as transitions on the loop thread.
+Disk reads and writes run as jobs on the actor's I/O workers (``max_workers`` threads, one job
+per load or write-back); their completions come back as transitions on the loop thread.
 
 Requests reach the actor in two ways, both served by the same transitions: callers on the loop
 thread call them directly (a function call is the cheapest message), other threads send a
@@ -13,7 +13,9 @@ thread call them directly (a function call is the cheapest message), other threa
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
+import contextlib
 import logging
 import threading
 from collections import deque
@@ -175,7 +177,8 @@ class _Actor:
         self._task_group: anyio.abc.TaskGroup | None = None
         # The loop-bound parts, made anew by each run of serve() (a pool whose `async with`
         # exit could not close it keeps its state and serves again from a later loop).
-        self._limiter: anyio.CapacityLimiter
+        self._workers: concurrent.futures.ThreadPoolExecutor
+        self._call_soon: Callable[..., Any]
         self._send: MemoryObjectSendStream[_Message]
         self._receive: MemoryObjectReceiveStream[_Message]
         self._mailbox = 0
@@ -196,19 +199,43 @@ class _Actor:
     async def serve(
         self, *, task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED
     ) -> None:
-        """Run the actor: I/O jobs in a task group, foreign requests from the stream."""
-        self._limiter = anyio.CapacityLimiter(self._max_workers)
+        """Run the actor: foreign requests from the stream, disk jobs on the I/O workers,
+        waits (flush, close) in a task group."""
         self._send, self._receive = anyio.create_memory_object_stream[_Message](float("inf"))
         self._mailbox = 0
-        async with anyio.create_task_group() as task_group:
-            self._task_group = task_group
-            task_status.started()
-            async with self._receive:
-                async for message in self._receive:
-                    self._mailbox -= 1
-                    self._run_message(message)
-            task_group.cancel_scope.cancel()
-        self._task_group = None
+        self._call_soon = asyncio.get_running_loop().call_soon_threadsafe
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            self._max_workers, thread_name_prefix="t2n-residency-io"
+        )
+        try:
+            async with anyio.create_task_group() as task_group:
+                self._task_group = task_group
+                task_status.started()
+                async with self._receive:
+                    async for message in self._receive:
+                        self._mailbox -= 1
+                        self._run_message(message)
+                task_group.cancel_scope.cancel()
+        finally:
+            self._task_group = None
+            self._workers.shutdown(wait=True)  # jobs run to their end; nothing is left behind
+
+    def _submit(self, function: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Run a disk job on the I/O workers (at most ``max_workers`` at once)."""
+        if self._task_group is None:
+            raise T2NErrorMisuse("the residency pool is not running")
+        return self._workers.submit(function, *args)
+
+    def _completion(
+        self, transition: Callable[..., None], *args: Any
+    ) -> Callable[[concurrent.futures.Future[Any]], None]:
+        """A callback for a worker's job that runs ``transition(*args, job)`` on the loop."""
+
+        def done(job: concurrent.futures.Future[Any]) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to tell
+                self._call_soon(transition, *args, job)
+
+        return done
 
     def post(self, message: _Message) -> None:
         """Queue a foreign request (called on the loop thread, by ``call_soon_threadsafe``)."""
@@ -487,23 +514,19 @@ class _Actor:
         if entry.device.type == "cpu":
             out = self.spares.take(entry.source.storage_key)
 
-        async def job() -> None:
-            value: torch.Tensor | None = None
-            error: BaseException | None = None
-            try:
-                async with self._limiter:
-                    # Shielded: the worker thread reads into the buffer until it is done.
-                    with anyio.CancelScope(shield=True):
-                        value = await entry.source._aload(entry.device, out)
-            except Exception as exc:
-                error = exc
-            self._on_loaded(entry, io, value, error)
-
-        self.spawn(job)  # first: a load that could not start is never registered
+        # The whole load (read into the host buffers, copy to the device, decode) is one job
+        # of the I/O workers; it runs to its end whatever happens to its waiters, and queued
+        # loads follow each other on a worker without a round trip through the loop.
+        job = self._submit(entry.source._reload_unmanaged, entry.device, out)
+        job.add_done_callback(self._completion(self._loaded, entry, io))
         entry.load = io
         entry.binding = binding
         self._jobs.add(io)
         self._reused_buffers += out is not None
+
+    def _loaded(self, entry: _Entry, io: _IO, job: concurrent.futures.Future[Any]) -> None:
+        error = job.exception()
+        self._on_loaded(entry, io, None if error is not None else job.result(), error)
 
     def _on_loaded(
         self, entry: _Entry, io: _IO, value: torch.Tensor | None, error: BaseException | None
@@ -629,18 +652,13 @@ class _Actor:
         entry.dirty = False
         entry.stuck = False
 
-        async def job() -> None:
-            error: BaseException | None = None
-            try:
-                async with self._limiter:
-                    with anyio.CancelScope(shield=True):
-                        await entry.source._aupdate_values(value)
-            except Exception as exc:
-                error = exc
-            self._on_written(entry, io, error)
-
-        self.spawn(job)
+        # One job of the I/O workers, run to its end: the entry changes only once it is done.
+        job = self._submit(entry.source.update_values, value)
+        job.add_done_callback(self._completion(self._written, entry, io))
         return io
+
+    def _written(self, entry: _Entry, io: _IO, job: concurrent.futures.Future[Any]) -> None:
+        self._on_written(entry, io, job.exception())
 
     def _on_written(self, entry: _Entry, io: _IO, error: BaseException | None) -> None:
         self.drain()
