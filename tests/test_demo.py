@@ -102,8 +102,9 @@ def test_quick_demo_ranks_the_strategies_on_the_cyclic_workload(
         hit["FIXED", "depth 1"],
         hit["SCHEDULED", "depth 1"],
     )
-    assert -0.05 <= lru <= 0.02, "a cyclic scan bigger than the budget defeats LRU"
-    assert hit["LRU", "none"] <= 0.02
+    # Nearly every access misses (a lease released a moment late may give LRU a rare hit).
+    assert -0.05 <= lru <= 0.05, "a cyclic scan bigger than the budget defeats LRU"
+    assert hit["LRU", "none"] <= 0.05
     assert fixed >= 0.15 and scheduled >= 0.15
     assert scheduled >= fixed - 0.05
     for mode in (("LRU", "none"), ("LRU", "depth 1")):
