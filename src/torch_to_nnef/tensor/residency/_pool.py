@@ -507,8 +507,8 @@ class TensorResidencyPool:
                 operation,
             )
 
-    async def _run_on_loop(self, coroutine: Callable[[], Any]) -> Any:
-        """Run ``coroutine()`` on the pool's loop from a task of another loop."""
+    def _start_on_loop(self, coroutine: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Start ``coroutine()`` in the actor's task group from another thread; its future."""
         reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
 
         def start() -> None:
@@ -521,7 +521,11 @@ class TensorResidencyPool:
             self._actor.spawn(job)
 
         self._post(start)
-        return await asyncio.wrap_future(reply)
+        return reply
+
+    async def _run_on_loop(self, coroutine: Callable[[], Any]) -> Any:
+        """Run ``coroutine()`` on the pool's loop from a task of another loop."""
+        return await asyncio.wrap_future(self._start_on_loop(coroutine))
 
     # ------------------------------------------------------------------------------------------
     # resolve
@@ -850,19 +854,7 @@ class TensorResidencyPool:
             if not self._actor.dirty_entries():
                 return None  # nothing loaded, nothing to write
             self._ensure_running()  # dirty values left by a failed close: serve them again
-        reply: concurrent.futures.Future[Any] = concurrent.futures.Future()
-
-        def start() -> None:
-            async def job() -> None:
-                try:
-                    reply.set_result(await coroutine())
-                except BaseException as error:
-                    reply.set_exception(error)
-
-            self._actor.spawn(job)
-
-        self._post(start)
-        return reply.result()
+        return self._start_on_loop(coroutine).result()
 
     def evict(self, source: OffloadedTensor) -> None:
         """Remove ``source``'s value from the pool, writing it back first when dirty.
