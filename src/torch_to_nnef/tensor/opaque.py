@@ -133,6 +133,18 @@ def _expand_all(
     return tuple(_expand(a) for a in args), {k: _expand(v) for k, v in kwargs.items()}
 
 
+def _call_expanded(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Any:
+    """Run ``func`` as a plain torch function: on the shells for metadata queries, on the
+    expanded values otherwise (so the result is a plain tensor)."""
+    with torch._C.DisableTorchFunctionSubclass():
+        if _is_passthrough(func):
+            return func(*args, **kwargs)
+        args, kwargs = _expand_all(args, kwargs)
+        return func(*args, **kwargs)
+
+
 class OpaqueTensor(torch.Tensor):
     """A tensor whose value is produced on demand by :meth:`to_base_tensor`.
 
@@ -222,12 +234,7 @@ class OpaqueTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            if _is_passthrough(func):
-                return func(*args, **kwargs)
-            args, kwargs = _expand_all(args, kwargs)
-            return func(*args, **kwargs)
+        return _call_expanded(func, args, kwargs or {})
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]
@@ -320,12 +327,7 @@ class OpaqueTensorRef(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            if _is_passthrough(func):
-                return func(*args, **kwargs)
-            args, kwargs = _expand_all(args, kwargs)
-            return func(*args, **kwargs)
+        return _call_expanded(func, args, kwargs or {})
 
 
 def opaque_to_final_tensor(rtensor: torch.Tensor) -> torch.Tensor:
