@@ -663,36 +663,32 @@ def test_storage_key_and_payload_nbytes(
     assert q.payload_nbytes == 16 * 2 + 256
 
 
-@pytest.mark.asyncio
-@pytest.mark.timeout(20)
-async def test_aload_reads_into_given_buffers(
+def test_loads_read_into_given_buffers(
     offloaded: OffloadedTensor, weight: torch.Tensor, checkpoint: Path, tmp_path: Path
 ) -> None:
-    value = await offloaded._aload(torch.device("cpu"))
+    value = offloaded._reload_unmanaged(torch.device("cpu"))
     assert torch.equal(value, weight)
     buffers = offloaded._host_buffers(value)
     assert buffers is not None and buffers["tensor"] is value
     # A tensor with the same storage key loads into those buffers (here: from a checkpoint).
     same_key = OffloadedTensor.from_original_tensor(seeded(6, 8, seed=30), "other", tmp_path)
     assert same_key.storage_key == offloaded.storage_key
-    reused = await same_key._aload(torch.device("cpu"), out=buffers)
+    reused = same_key._reload_unmanaged(torch.device("cpu"), out=buffers)
     assert reused is value
     assert torch.equal(value, seeded(6, 8, seed=30))
     pointing = OffloadedTensor.from_safetensors(checkpoint, "a.weight")
     target = torch.empty(4, 4)
-    assert await pointing._aload(torch.device("cpu"), out={"tensor": target}) is target
+    assert pointing._reload_unmanaged(torch.device("cpu"), out={"tensor": target}) is target
     assert torch.equal(target, seeded(4, 4, seed=10))
     with pytest.raises(T2NErrorMisuse, match="not entries of this payload"):
-        await pointing._aload(torch.device("cpu"), out={"a.weight": target})
+        pointing._reload_unmanaged(torch.device("cpu"), out={"a.weight": target})
 
 
-@pytest.mark.asyncio
-@pytest.mark.timeout(20)
-async def test_aload_of_an_opaque_payload_and_host_buffers(
+def test_an_opaque_payload_has_no_reusable_host_buffers(
     quantized: QTensorTractScaleOnly, tmp_path: Path
 ) -> None:
     offloaded = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
-    value = await offloaded._aload(torch.device("cpu"))
+    value = offloaded._reload_unmanaged(torch.device("cpu"))
     assert type(value) is QTensorTractScaleOnly
     assert torch.equal(value.decompress(), quantized.decompress())
     assert offloaded._host_buffers(value) is None
@@ -708,21 +704,6 @@ def test_host_buffers_only_for_whole_cpu_buffers(offloaded: OffloadedTensor) -> 
 
 
 @pytest.mark.asyncio
-@pytest.mark.timeout(20)
-async def test_aupdate_values_writes_atomically_with_checks(
-    offloaded: OffloadedTensor, weight: torch.Tensor
-) -> None:
-    new = seeded(6, 8, seed=40)
-    await offloaded._aupdate_values(new)
-    assert torch.equal(offloaded._reload_unmanaged(), new)
-    with pytest.raises(T2NErrorMisuse, match=re.escape("(2, 2)") + ".*" + re.escape("(6, 8)")):
-        await offloaded._aupdate_values(torch.zeros(2, 2))
-    with pytest.raises(T2NErrorMisuse, match=r"torch\.float64.*torch\.float32"):
-        await offloaded._aupdate_values(new.double())
-    assert torch.equal(offloaded._reload_unmanaged(), new)
-
-
-@pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_concurrent_async_writes_and_loads(
     offloaded: OffloadedTensor, weight: torch.Tensor
@@ -734,11 +715,11 @@ async def test_concurrent_async_writes_and_loads(
 
     async def load_many() -> None:
         for _ in range(10):
-            loaded.append(await offloaded._aload(torch.device("cpu")))
+            loaded.append(await anyio.to_thread.run_sync(offloaded._reload_unmanaged))
 
     async with anyio.create_task_group() as group:
-        for value in values:
-            group.start_soon(offloaded._aupdate_values, value)
+        for value in values:  # writers and readers in worker threads, as the pool runs them
+            group.start_soon(anyio.to_thread.run_sync, offloaded.update_values, value)
         group.start_soon(load_many)
     final = offloaded._reload_unmanaged()
     assert any(torch.equal(final, value) for value in values)

@@ -39,7 +39,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 
 from torch_to_nnef.exceptions import (
@@ -712,7 +711,7 @@ class OffloadedTensor(OpaqueTensor):
         """Signature of the payload's host buffers: ``((entry, dtype, shape), ...)``.
 
         Two tensors with equal keys can load into each other's host buffers (see
-        :meth:`_host_buffers` and the ``out`` argument of :meth:`_aload`); entries are named
+        :meth:`_host_buffers` and the ``out`` argument of :meth:`_reload_unmanaged`); entries are named
         by their logical names (``"tensor"`` for a plain value), not by file keys.
         """
         return self._binding.storage_key
@@ -827,32 +826,6 @@ class OffloadedTensor(OpaqueTensor):
                 raise
             return _materialize(binding, host, target)
 
-    async def _aload(
-        self, device: torch.device, out: Mapping[str, torch.Tensor] | None = None
-    ) -> torch.Tensor:
-        """Read the value without blocking the event loop and bring it to ``device``.
-
-        The whole load (open, read into the host buffers, close, copy to the device, decode)
-        is one job in a worker thread: one hand-off per load, which matters when a forward
-        streams its layers. Once started, the job runs to its end even if the caller is
-        cancelled, so it never writes into ``out`` after this returns.
-
-        Args:
-            device: where the value is delivered.
-            out: host buffers to read into, by logical entry name (as in
-                :attr:`storage_key`), e.g. those :meth:`_host_buffers` returned for another
-                tensor with the same key; new ones are allocated when ``None``.
-
-        Returns:
-            the value (for a CPU target, the host buffers themselves).
-
-        Raises:
-            T2NErrorStorage: the file is missing, corrupt, or changed by another process.
-            T2NErrorMisuse: ``out`` does not match the payload.
-        """
-        value: torch.Tensor = await anyio.to_thread.run_sync(self._reload_unmanaged, device, out)
-        return value
-
     def _replaced_since(self, binding: _Binding) -> bool:
         """Whether a write replaced ``binding`` (after any write in progress has committed).
 
@@ -870,7 +843,7 @@ class OffloadedTensor(OpaqueTensor):
         payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
         the host buffer), or an opaque value, whose decoding may keep views of the read
         buffers or transform them, so that no buffer can be safely handed out. The caller may
-        reuse the buffers for another load (see :meth:`_aload`) once nothing else references
+        reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else references
         them.
         """
         binding = self._binding
@@ -915,19 +888,6 @@ class OffloadedTensor(OpaqueTensor):
         if isinstance(values, OffloadedTensor):
             values = values.reload(_CPU)
         self._write_locked(self._check_update(values, strict_shape, strict_dtype), device)
-
-    async def _aupdate_values(self, values: torch.Tensor) -> None:
-        """:meth:`update_values` for async code, with the same strict checks.
-
-        The whole write (a copy to the host, the file, the switch to it) is one job in a
-        worker thread that holds the tensor's write lock; once started it completes even if
-        the caller is cancelled, so the state never lags the file.
-        """
-        if values is self:
-            return
-        if isinstance(values, OffloadedTensor):
-            values = await values._aload(_CPU)
-        await anyio.to_thread.run_sync(self.update_values, values)
 
     def _check_update(
         self, values: torch.Tensor, strict_shape: bool, strict_dtype: bool
