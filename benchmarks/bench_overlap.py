@@ -25,9 +25,10 @@ Also reported: the read throughput of the pool's loads, of the sequential reads 
 reloads, and how much slower the compute runs while reads run on the other core (memory
 bandwidth and cores shared with the rest of the machine bound what any pipeline can reach).
 
-One streamed forward per workload is recorded: the read intervals (``_reload_unmanaged`` jobs of the I/O workers,
-patched in this process only) and, through forward hooks, when each layer was entered, when
-its compute started (after waiting for its weight), ended, and when its leases were released.
+One streamed forward per workload is recorded: the read intervals (the ``_reload_unmanaged``
+jobs of the I/O workers, patched in this process only) and, through forward hooks, when each
+layer was entered, when its compute started (after waiting for its weight), ended, and when
+its leases were released.
 ``timeline.png`` draws them: a lane of reads and a lane of compute per workload, one bar per
 layer, waits in gray.
 

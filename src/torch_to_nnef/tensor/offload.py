@@ -711,8 +711,8 @@ class OffloadedTensor(OpaqueTensor):
         """Signature of the payload's host buffers: ``((entry, dtype, shape), ...)``.
 
         Two tensors with equal keys can load into each other's host buffers (see
-        :meth:`_host_buffers` and the ``out`` argument of :meth:`_reload_unmanaged`); entries are named
-        by their logical names (``"tensor"`` for a plain value), not by file keys.
+        :meth:`_host_buffers` and the ``out`` argument of :meth:`_reload_unmanaged`); entries
+        are named by their logical names (``"tensor"`` for a plain value), not by file keys.
         """
         return self._binding.storage_key
 
@@ -843,8 +843,8 @@ class OffloadedTensor(OpaqueTensor):
         payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
         the host buffer), or an opaque value, whose decoding may keep views of the read
         buffers or transform them, so that no buffer can be safely handed out. The caller may
-        reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else references
-        them.
+        reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else
+        references them.
         """
         binding = self._binding
         if binding.opaque or not _is_whole_host_buffer(value, binding.spec(_PLAIN_ENTRY)):
