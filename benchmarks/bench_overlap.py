@@ -464,6 +464,22 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
 # ---------------------------------------------------------------------------------------------
 # Chart
 # ---------------------------------------------------------------------------------------------
+def _labelled_bar(
+    axis: Any, start: float, end: float, bottom: float, layer: int, colors: Any
+) -> None:
+    """One bar of a timeline lane (seconds in, milliseconds drawn), labelled by its layer."""
+    axis.broken_barh(
+        [(start * 1e3, (end - start) * 1e3)],
+        (bottom, 0.8),
+        facecolors=colors(layer % 20),
+        edgecolors="black",
+        linewidth=0.4,
+    )
+    axis.text(
+        (start + end) / 2 * 1e3, bottom + 0.4, str(layer), ha="center", va="center", fontsize=7
+    )
+
+
 def draw_timeline(runs: list[dict[str, Any]], path: Path) -> Path | None:
     """Draw the recorded forwards (reads lane, compute lane) into ``path``; None without
     matplotlib."""
@@ -480,48 +496,15 @@ def draw_timeline(runs: list[dict[str, Any]], path: Path) -> Path | None:
     for axis, run in zip(axes[:, 0], runs, strict=True):
         timeline = run["timeline"]
         for read in timeline["reads"]:
-            layer = read["layer"]
-            axis.broken_barh(
-                [(read["start"] * 1e3, (read["end"] - read["start"]) * 1e3)],
-                (1.1, 0.8),
-                facecolors=colors(layer % 20),
-                edgecolors="black",
-                linewidth=0.4,
-            )
-            axis.text(
-                (read["start"] + read["end"]) / 2 * 1e3,
-                1.5,
-                str(layer),
-                ha="center",
-                va="center",
-                fontsize=7,
-            )
+            _labelled_bar(axis, read["start"], read["end"], 1.1, read["layer"], colors)
         for entry in timeline["layers"]:
-            layer = entry["layer"]
             stall = entry["compute_start"] - entry["entered"]
             if stall > 0:
                 axis.broken_barh(
                     [(entry["entered"] * 1e3, stall * 1e3)], (0.25, 0.5), facecolors="lightgray"
                 )
-            axis.broken_barh(
-                [
-                    (
-                        entry["compute_start"] * 1e3,
-                        (entry["compute_end"] - entry["compute_start"]) * 1e3,
-                    )
-                ],
-                (0.1, 0.8),
-                facecolors=colors(layer % 20),
-                edgecolors="black",
-                linewidth=0.4,
-            )
-            axis.text(
-                (entry["compute_start"] + entry["compute_end"]) / 2 * 1e3,
-                0.5,
-                str(layer),
-                ha="center",
-                va="center",
-                fontsize=7,
+            _labelled_bar(
+                axis, entry["compute_start"], entry["compute_end"], 0.1, entry["layer"], colors
             )
         axis.set_yticks([0.5, 1.5], ["compute", "reads"])
         axis.set_ylim(0, 2)
