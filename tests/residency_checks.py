@@ -18,6 +18,15 @@ def _check(pool: TensorResidencyPool) -> None:
     assert actor.evicting_bytes == sum(e.nbytes for e in resident if e.evicting)
     in_use = [e for e in resident if not e.pinned and (e.leases or e.waiters)]
     assert actor.in_use_bytes == sum(e.nbytes for e in in_use)
+    assert actor.loading_bytes == sum(e.nbytes for e in actor.entries.values() if e.load)
+    # Spare buffers fill only what resident values and loads leave of the budget plus the
+    # peak in use, so the pool never holds more than that.
+    assert actor.spares.nbytes <= actor._spare_room()
+    if pool.max_cached_bytes is not None and actor.spares.nbytes:
+        assert (
+            actor.resident_bytes + actor.loading_bytes + actor.spares.nbytes
+            <= pool.max_cached_bytes + actor.active_peak
+        )
     for entry in actor.entries.values():
         assert entry.leases >= 0 and entry.waiters >= 0
         assert entry.value is not None or entry.load is not None, (

@@ -793,3 +793,21 @@ def test_a_burst_of_requests_from_a_thread_is_served_in_order(tmp_path: Path) ->
         assert [float(h.wait()[0]) for h in handles] == [float(i) for i in range(2000)]
         check_invariants(pool)
     assert pool.closed
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_ended_without_waiting_frees_its_room_before_the_next_load(
+    tmp_path: Path,
+) -> None:
+    """With no room for cached values, ending a lease evicts its value at once, so the next
+    load, sent right behind, reads into its buffer instead of fresh memory."""
+    ts = make_tensors(tmp_path, 40)
+    with TensorResidencyPool(max_cached_bytes=0) as pool:
+        for index, t in enumerate(ts):
+            with pool.acquire(t) as value:
+                assert float(value[0]) == float(index)
+            del value  # nothing references it any more: its buffer may be reused
+        stats = pool.stats()
+        assert stats.loads == len(ts)
+        assert stats.reused_buffers == len(ts) - 1
+        check_invariants(pool)

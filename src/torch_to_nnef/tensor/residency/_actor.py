@@ -169,6 +169,10 @@ class _Actor:
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
         self.in_use_bytes = 0  # resident bytes leased or awaited (outside the budget)
+        self.loading_bytes = 0  # bytes of the loads running
+        # The most the values in use and the loads have held at once: spare buffers fill at
+        # most the part of it they do not hold now (see _spare_room).
+        self.active_peak = 0
         self.leased_entries = 0
         self.closing = False
         self.closed = False
@@ -182,6 +186,8 @@ class _Actor:
         self._send: MemoryObjectSendStream[_Message]
         self._receive: MemoryObjectReceiveStream[_Message]
         self._mailbox = 0
+        self._wake: anyio.Event
+        self._stopped = False
         self._draining = False
         # Counters; foreign-thread hits are counted under a lock and their recency replayed.
         self._hits = self._misses = self._loads = self._bytes_read = 0
@@ -203,6 +209,8 @@ class _Actor:
         waits (flush, close) in a task group."""
         self._send, self._receive = anyio.create_memory_object_stream[_Message](float("inf"))
         self._mailbox = 0
+        self._wake = anyio.Event()
+        self._stopped = False
         self._call_soon = asyncio.get_running_loop().call_soon_threadsafe
         self._workers = concurrent.futures.ThreadPoolExecutor(
             self._max_workers, thread_name_prefix="t2n-residency-io"
@@ -212,9 +220,13 @@ class _Actor:
                 self._task_group = task_group
                 task_status.started()
                 async with self._receive:
-                    async for message in self._receive:
-                        self._mailbox -= 1
-                        self._run_message(message)
+                    # The stream is only ever read without waiting, by drain(): a task blocked
+                    # in receive() would be handed the next request directly, and a drain()
+                    # run meanwhile would serve the requests behind it first.
+                    while not self._stopped:
+                        await self._wake.wait()
+                        self._wake = anyio.Event()
+                        self.drain()
                 task_group.cancel_scope.cancel()
         finally:
             self._task_group = None
@@ -245,14 +257,19 @@ class _Actor:
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):
             self._mailbox -= 1
             self._run_message(message)
+            return
+        self._wake.set()
 
     def stop(self) -> None:
         """Stop serving foreign requests once the queued ones ran (loop thread)."""
         self._send.close()
+        self._stopped = True
+        self._wake.set()
 
     def drain(self) -> None:
-        """Catch up before a transition: replay the recency of lock-free hits made by other
-        threads, then run queued foreign requests, keeping their order.
+        """Replay the recency of lock-free hits made by other threads, then run the queued
+        foreign requests in the order they were sent. :meth:`serve` calls it when requests
+        arrive, and every transition calls it first, so that it follows them.
 
         Not re-entrant: the transitions of the requests it runs find it already running and
         go on, so a long queue is drained by one loop, not by a recursion as deep as itself.
@@ -523,6 +540,8 @@ class _Actor:
         entry.binding = binding
         self._jobs.add(io)
         self._reused_buffers += out is not None
+        self.loading_bytes += entry.nbytes
+        self._note_active()
 
     def _loaded(self, entry: _Entry, io: _IO, job: concurrent.futures.Future[Any]) -> None:
         error = job.exception()
@@ -533,6 +552,7 @@ class _Actor:
     ) -> None:
         self.drain()
         self._jobs.discard(io)
+        self.loading_bytes -= entry.nbytes
         if entry.load is io:
             entry.load = None
         if error is not None:
@@ -558,6 +578,7 @@ class _Actor:
         self.resident_bytes += entry.nbytes
         if self._in_use(entry):
             self.in_use_bytes += entry.nbytes
+        self._note_active()
         self.published[entry.key] = (entry.device, value, entry.binding)
         entry.retained = self.policy.admit(entry.key, entry.nbytes)
         if not entry.retained:
@@ -594,6 +615,7 @@ class _Actor:
             self.leased_entries += 1 if entry.leases else -1
         if self._in_use(entry) != was_in_use:
             self.in_use_bytes += -entry.nbytes if was_in_use else entry.nbytes
+            self._note_active()
         if entry.held and not was_held:
             self.policy.hold(entry.key)
             self._set_evicting(entry, False)  # a value on its way out is wanted again
@@ -613,6 +635,26 @@ class _Actor:
             entry = self.entries.get(key)
             if entry is not None and entry.value is not None and not entry.held:
                 self._evict(entry)
+
+    def _note_active(self) -> None:
+        """After values or loads were added: raise the peak in use, shrink the spares' room."""
+        self.active_peak = max(self.active_peak, self.in_use_bytes + self.loading_bytes)
+        self.spares.shrink(self._spare_room())
+
+    def _spare_room(self) -> int:
+        """How many bytes of spare buffers the pool may keep.
+
+        What is left of the budget plus the peak of values in use and loads running at once
+        (without a budget: of that peak) once resident values and loads are counted. A spare
+        stands for a value that left and that the next load replaces: a streamed forward reads
+        each layer into the buffer of one evicted before, instead of faulting fresh pages in,
+        and the pool never holds more than its budget plus that peak (the layer computing and
+        the one read ahead).
+        """
+        budget = self.policy.budget
+        if budget is None:
+            return max(0, self.active_peak - self.in_use_bytes - self.loading_bytes)
+        return max(0, budget + self.active_peak - self.resident_bytes - self.loading_bytes)
 
     def _evict(self, entry: _Entry) -> None:
         """Remove an unheld value, writing it back first when it is dirty."""
@@ -642,7 +684,9 @@ class _Actor:
             if entry.device.type == "cpu":
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:
-                    self.spares.offer(entry.source.storage_key, entry.nbytes, value, buffers)
+                    self.spares.offer(
+                        entry.source.storage_key, entry.nbytes, value, buffers, self._spare_room()
+                    )
 
     def _start_write(self, entry: _Entry) -> _IO:
         io = entry.write = _IO("write")

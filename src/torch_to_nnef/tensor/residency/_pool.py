@@ -491,10 +491,15 @@ class TensorResidencyPool:
 
     def _catch_up(self) -> None:
         """Make reads of the pool's state see every request sent before them without waiting
-        (a lease ended by another thread, say): when some have not run yet, wait for them."""
+        (a lease ended by another thread, say): when some have not run yet, wait for them, or
+        on the loop thread, run those queued."""
         unwaited = self._unwaited
         host = self._host
-        if unwaited.sent != unwaited.ran and host.running and not host.on_loop_thread():
+        if unwaited.sent == unwaited.ran or not host.running:
+            return
+        if host.on_loop_thread():
+            self._actor.drain()
+        else:
             self._send(lambda reply: None).result()  # runs after them: requests are FIFO
 
     def _warn_inline(self, operation: str) -> None:

@@ -38,26 +38,34 @@ class _Spare:
 
 
 class SpareBuffers:
-    """Candidates for reuse, grouped by storage key, bounded to ``limit`` bytes (oldest out)."""
+    """Candidates for reuse, grouped by storage key, bounded by their owner (oldest out)."""
 
     def __init__(self) -> None:
         self._by_key: dict[Hashable, deque[_Spare]] = {}
         self._all: OrderedDict[int, _Spare] = OrderedDict()
         self.nbytes = 0
-        self.limit = 0
 
     def offer(
-        self, key: StorageKey, nbytes: int, value: torch.Tensor, buffers: Mapping[str, torch.Tensor]
+        self,
+        key: StorageKey,
+        nbytes: int,
+        value: torch.Tensor,
+        buffers: Mapping[str, torch.Tensor],
+        room: int,
     ) -> None:
-        """Keep ``buffers`` (backing ``value``) as a candidate for a load with ``key``."""
-        self.limit = max(self.limit, 2 * nbytes)
+        """Keep ``buffers`` (backing ``value``) as a candidate for a load with ``key``, then
+        drop the oldest candidates beyond ``room`` bytes."""
         spare = _Spare(
             key, nbytes, weakref.ref(value), {n: b.untyped_storage() for n, b in buffers.items()}
         )
         self._by_key.setdefault(key, deque()).append(spare)
         self._all[id(spare)] = spare
         self.nbytes += nbytes
-        while self.nbytes > self.limit and self._all:
+        self.shrink(room)
+
+    def shrink(self, room: int) -> None:
+        """Drop the oldest candidates until they hold at most ``room`` bytes."""
+        while self.nbytes > room and self._all:
             self._drop(next(iter(self._all.values())))
 
     def take(self, key: StorageKey) -> dict[str, torch.Tensor] | None:
