@@ -1,15 +1,19 @@
 """Peak memory while streaming a model four times larger than the pool's budget.
 
 A checkpoint of 24 linear layers of 2048 x 2048 float32 (384 MiB) is written once, read once
-(warm page cache), then two kinds of fresh subprocess run on it:
+(warm page cache), then fresh subprocesses run on it. Each imports torch and the library,
+builds the model on the meta device and binds it to the checkpoint with
+``load_offloaded_checkpoint``, starts a pool whose budget is a quarter of the model, runs one
+small matmul (so that the BLAS library is loaded) and loads one 4 KiB tensor through the pool
+(so that its loop and I/O threads run). Then:
 
-- ``baseline``: imports torch and the library, builds the model on the meta device and binds
-  it to the checkpoint with ``load_offloaded_checkpoint``, starts a pool, runs one small
-  matmul (so that the BLAS library is loaded) and loads one 4 KiB tensor through the pool
-  (so that its loop and I/O threads run), without streaming any weight;
-- ``stream``: the same, then two forwards of the model streamed through a pool whose budget
-  is a quarter of the model (``stream_modules(pool, layers, depth=1)`` inside
-  ``pool.scope()``), once per retention strategy (LRU and SCHEDULED).
+- ``idle`` (context): nothing more;
+- ``baseline``: two forwards streamed exactly as below, over the same 24 layers made 64 x 64
+  (16 KiB each): everything the interpreter, torch and the library need to stream a forward,
+  without the weights;
+- ``stream``: two forwards of the model streamed through the pool
+  (``stream_modules(pool, layers, depth=1)`` inside ``pool.scope()``), once per retention
+  strategy (LRU and SCHEDULED).
 
 Each subprocess reports its peak resident set (``VmHWM`` on Linux, ``ru_maxrss``
 elsewhere). Target: the streaming peak stays under baseline + budget + the two largest layers
@@ -38,6 +42,7 @@ from _report import print_summary, summary_row
 MIB = 1 << 20
 CHILD_TIMEOUT_S = 300
 STRATEGIES = ("LRU", "SCHEDULED")
+SKELETON_WIDTH = 64
 
 
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -98,7 +103,7 @@ def child(mode: str, checkpoint: str, layers: int, width: int, budget: int, stra
         # loop and I/O threads started by one tiny load.
         (x @ torch.ones(width, 8)).sum()
         pool.resolve(OffloadedTensor.from_original_tensor(torch.zeros(1024), "warm", directory))
-        if mode == "stream":
+        if mode != "idle":
             with stream_modules(pool, list(model), depth=1), pool.scope():
                 for _ in range(2):
                     y = model(x)
@@ -163,7 +168,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory(prefix="t2n-bench-memory-") as directory:
         checkpoint = Path(directory) / "model.safetensors"
         write_checkpoint(checkpoint, layers, width)
-        baseline = run_child("baseline", checkpoint, layers, width, budget, "LRU")
+        skeleton = Path(directory) / "skeleton.safetensors"
+        write_checkpoint(skeleton, layers, SKELETON_WIDTH)
+        idle = run_child("idle", checkpoint, layers, width, budget, "LRU")
+        baseline = run_child("baseline", skeleton, layers, SKELETON_WIDTH, budget, "LRU")
         strategies = STRATEGIES[:1] if arguments.quick else STRATEGIES
         streams = {
             strategy: run_child("stream", checkpoint, layers, width, budget, strategy)
@@ -199,7 +207,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     details: dict[str, Any] = {
         "headers": ["process", "peak RSS MiB", "above baseline MiB", "layer loads"],
         "rows": [
-            ["baseline (no streaming)", f"{baseline['peak_rss_bytes'] / MIB:.1f}", "0.0", "0"],
+            [
+                "idle (no forward)",
+                f"{idle['peak_rss_bytes'] / MIB:.1f}",
+                f"{(idle['peak_rss_bytes'] - baseline['peak_rss_bytes']) / MIB:.1f}",
+                str(idle["loads"]),
+            ],
+            [
+                f"baseline (same forwards, {SKELETON_WIDTH} x {SKELETON_WIDTH} weights)",
+                f"{baseline['peak_rss_bytes'] / MIB:.1f}",
+                "0.0",
+                str(baseline["loads"]),
+            ],
             *(
                 [
                     f"stream, {r['strategy']}",
@@ -222,6 +241,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
             "quick": arguments.quick,
         },
         "baseline_peak_rss_bytes": baseline["peak_rss_bytes"],
+        "idle_peak_rss_bytes": idle["peak_rss_bytes"],
         "bound_bytes": bound,
         "results": results,
         "summary": summary,
