@@ -8,7 +8,7 @@ per load or write-back); their completions come back as transitions on the loop 
 
 Requests reach the actor in two ways, both served by the same transitions: callers on the loop
 thread call them directly (a function call is the cheapest message), other threads send a
-:class:`_Message` over an anyio memory-object stream that :meth:`_Actor.serve` drains.
+:class:`_Message` over an anyio memory-object stream, run in the order sent as they arrive.
 """
 
 from __future__ import annotations
@@ -186,8 +186,7 @@ class _Actor:
         self._send: MemoryObjectSendStream[_Message]
         self._receive: MemoryObjectReceiveStream[_Message]
         self._mailbox = 0
-        self._wake: anyio.Event
-        self._stopped = False
+        self._stopped: anyio.Event
         self._draining = False
         # Counters; foreign-thread hits are counted under a lock and their recency replayed.
         self._hits = self._misses = self._loads = self._bytes_read = 0
@@ -209,8 +208,7 @@ class _Actor:
         waits (flush, close) in a task group."""
         self._send, self._receive = anyio.create_memory_object_stream[_Message](float("inf"))
         self._mailbox = 0
-        self._wake = anyio.Event()
-        self._stopped = False
+        self._stopped = anyio.Event()
         self._call_soon = asyncio.get_running_loop().call_soon_threadsafe
         self._workers = concurrent.futures.ThreadPoolExecutor(
             self._max_workers, thread_name_prefix="t2n-residency-io"
@@ -220,13 +218,11 @@ class _Actor:
                 self._task_group = task_group
                 task_status.started()
                 async with self._receive:
-                    # The stream is only ever read without waiting, by drain(): a task blocked
-                    # in receive() would be handed the next request directly, and a drain()
-                    # run meanwhile would serve the requests behind it first.
-                    while not self._stopped:
-                        await self._wake.wait()
-                        self._wake = anyio.Event()
-                        self.drain()
+                    # Requests run as they arrive (post), read from the stream without waiting
+                    # by drain(): a task blocked in receive() would be handed the next request
+                    # directly, and a drain() run meanwhile would serve those behind it first.
+                    await self._stopped.wait()
+                    self.drain()
                 task_group.cancel_scope.cancel()
         finally:
             self._task_group = None
@@ -250,7 +246,8 @@ class _Actor:
         return done
 
     def post(self, message: _Message) -> None:
-        """Queue a foreign request (called on the loop thread, by ``call_soon_threadsafe``)."""
+        """Queue a foreign request and run the queue (on the loop thread: foreign threads
+        schedule this with ``call_soon_threadsafe``)."""
         self._mailbox += 1
         try:
             self._send.send_nowait(message)
@@ -258,18 +255,17 @@ class _Actor:
             self._mailbox -= 1
             self._run_message(message)
             return
-        self._wake.set()
+        self.drain()
 
     def stop(self) -> None:
         """Stop serving foreign requests once the queued ones ran (loop thread)."""
         self._send.close()
-        self._stopped = True
-        self._wake.set()
+        self._stopped.set()
 
     def drain(self) -> None:
         """Replay the recency of lock-free hits made by other threads, then run the queued
-        foreign requests in the order they were sent. :meth:`serve` calls it when requests
-        arrive, and every transition calls it first, so that it follows them.
+        foreign requests in the order they were sent. :meth:`post` calls it when a request
+        arrives, and every transition calls it first, so that it follows them.
 
         Not re-entrant: the transitions of the requests it runs find it already running and
         go on, so a long queue is drained by one loop, not by a recursion as deep as itself.
