@@ -31,10 +31,12 @@ class _Spare:
     nbytes: int
     value: weakref.ref[torch.Tensor]
     storages: dict[str, torch.UntypedStorage]
+    buffers: dict[str, torch.Tensor]  # new tensors on those storages, handed out for a load
 
     def free(self) -> bool:
-        """Whether nothing but this candidate uses the buffers any more."""
-        return self.value() is None and all(_use_count(s) == 1 for s in self.storages.values())
+        """Whether nothing but this candidate uses the buffers any more: each storage is
+        referenced by its own object here and by the tensor here, nothing else."""
+        return self.value() is None and all(_use_count(s) == 2 for s in self.storages.values())
 
 
 class SpareBuffers:
@@ -56,7 +58,11 @@ class SpareBuffers:
         """Keep ``buffers`` (backing ``value``) as a candidate for a load with ``key``, then
         drop the oldest candidates beyond ``room`` bytes."""
         spare = _Spare(
-            key, nbytes, weakref.ref(value), {n: b.untyped_storage() for n, b in buffers.items()}
+            key,
+            nbytes,
+            weakref.ref(value),
+            {n: b.untyped_storage() for n, b in buffers.items()},
+            {n: b.detach() for n, b in buffers.items()},
         )
         self._by_key.setdefault(key, deque()).append(spare)
         self._all[id(spare)] = spare
@@ -76,10 +82,7 @@ class SpareBuffers:
         for spare in list(candidates):
             if spare.free():
                 self._drop(spare)
-                return {
-                    name: torch.empty(0, dtype=dtype).set_(spare.storages[name]).view(shape)
-                    for name, dtype, shape in key
-                }
+                return spare.buffers
         return None
 
     def _drop(self, spare: _Spare) -> None:
