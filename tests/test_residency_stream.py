@@ -109,3 +109,26 @@ def test_strategies_on_the_streaming_workload(tmp_path: Path, strategy: Residenc
         assert served < 0.05, "a cyclic scan bigger than the budget defeats LRU"
     else:
         assert served > 0.15, f"{strategy}: only {served:.2f} of accesses served from memory"
+
+
+@pytest.mark.parametrize("budget_layers", [0, 1, 2])
+def test_streaming_reads_each_layer_once_per_forward(tmp_path: Path, budget_layers: int) -> None:
+    """The next forward's first module is prefetched only when the budget can keep it with
+    the last module, released after: otherwise it would be evicted as soon as read, and read
+    again when it runs."""
+    dense, model = offloaded_blocks(tmp_path, count=6)
+    x = torch.randn(2, WIDTH)
+    forwards = 4
+    pool = TensorResidencyPool(max_cached_bytes=budget_layers * LAYER_BYTES)
+    with pool, stream_modules(pool, model.blocks, depth=1):
+        for _ in range(forwards):
+            assert torch.allclose(model(x), dense(x), atol=1e-6)
+        stats = pool.stats()
+        assert "leased: 0," in repr(pool)
+    tensors_per_layer = 2  # weight and bias
+    prefetched = budget_layers >= 2  # the first module, read ahead at each forward's end
+    assert stats.loads == (forwards * 6 + prefetched) * tensors_per_layer
+    # Each lease on a value not yet loaded is a miss; the prefetched first module is a hit.
+    assert stats.misses == (forwards * 6 - (forwards - 1) * prefetched) * tensors_per_layer
+    # The first forward reads into fresh memory; later loads reuse the evicted buffers.
+    assert stats.reused_buffers >= (forwards - 1) * 6 * tensors_per_layer

@@ -67,6 +67,7 @@ class ModuleStream:
         self.depth = depth
         self.device = device
         self.groups = [_offloaded_tensors(m) for m in modules]
+        self._wrap = self._wrapped_modules(pool.max_cached_bytes)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._begun_everywhere: list[dict[int, list[TensorResidencyLease]]] = []
@@ -77,6 +78,27 @@ class ModuleStream:
             self._handles.append(
                 module.register_forward_hook(self._post_hook(index), always_call=True)
             )
+
+    def _wrapped_modules(self, budget: int | None) -> int:
+        """How many of the next forward's first modules to prefetch past the last module.
+
+        They are loaded, not held, so only as many as the budget keeps until they run: module
+        ``j`` is prefetched ``depth`` modules before it runs, and the modules released in
+        between are more recent. One the budget cannot keep would be evicted unused and read
+        again when it runs.
+        """
+        count = len(self.groups)
+        wanted = min(self.depth, count - 1)
+        if budget is None:
+            return wanted
+        sizes = [sum(t.payload_nbytes for t in group) for group in self.groups]
+        wrap = 0
+        for j in range(wanted):
+            between = sum(sizes[count + j - self.depth :]) + sum(sizes[:j])
+            if sizes[j] + between > budget:
+                break
+            wrap += 1
+        return wrap
 
     # -- hooks -------------------------------------------------------------------------------
     def _state(self) -> tuple[dict[int, list[Any]], dict[int, list[TensorResidencyLease]]]:
@@ -112,18 +134,20 @@ class ModuleStream:
                 token = _ACTIVE_RESIDENCY.set((pool, device))
             entered: list[TensorResidencyLease] = []
             try:
+                # Queue this module's loads, then those ahead, before waiting for any: a late
+                # value does not delay the reads behind it.
                 self._begin(index, begun)
-                for lease in begun.pop(index):
-                    lease.__enter__()
-                    entered.append(lease)
                 count = len(self.groups)
                 for step in range(1, min(self.depth, count - 1) + 1):
                     ahead = index + step
                     if ahead < count:
                         self._begin(ahead, begun)
-                    else:  # the next forward's first modules: loaded, not held
-                        for tensor in self.groups[ahead % count]:
+                    elif ahead - count < self._wrap:  # the next forward's: loaded, not held
+                        for tensor in self.groups[ahead - count]:
                             pool.prefetch(tensor, self.device)
+                for lease in begun.pop(index):
+                    lease.__enter__()
+                    entered.append(lease)
             except BaseException:
                 for lease in entered:
                     lease.__exit__(None, None, None)
@@ -191,7 +215,8 @@ def stream_modules(
     When module ``i`` starts (a forward pre-hook), its offloaded parameters and buffers are
     leased and leases on those of modules ``i+1 .. i+depth`` begin: they load in the
     background and stay held until their module has run, whatever the strategy. Past the
-    last module, the next forward's first modules are prefetched (loaded, not held). Leases
+    last module, the next forward's first modules are prefetched (loaded, not held) when the
+    budget can keep them until they run. Leases
     end when their module returns, even on error. The access order is declared to the pool, so
     ``ResidencyStrategy.SCHEDULED`` knows it from the first pass. A forward outside a
     ``pool.scope()`` is served by the pool too. Works for sync forwards, forwards in
