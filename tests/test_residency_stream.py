@@ -50,9 +50,16 @@ def test_sync_forward_streams_under_the_budget(tmp_path: Path, depth: int) -> No
         with stream_modules(pool, model.blocks, depth=depth) as stream:
             for _ in range(3):
                 assert torch.allclose(model(x), dense(x), atol=1e-6)
-                assert pool.resident_bytes <= 3 * LAYER_BYTES
+                # Between forwards the stream holds the next one's first `depth` modules
+                # (weight and bias each), on top of the budget, once they are loaded.
+                for block in model.blocks[:depth]:
+                    for t in block.parameters():
+                        pool.prefetch(t).wait()
+                assert f"leased: {2 * depth}," in repr(pool)
+                assert pool.resident_bytes <= (3 + depth) * LAYER_BYTES
                 assert active_tensor_residency() is None  # the hooks restore the context
-            assert "leased: 0," in repr(pool)
+        assert "leased: 0," in repr(pool)
+        assert pool.resident_bytes <= 3 * LAYER_BYTES
         stats = pool.stats()
         assert stats.loads >= 24 * 3 * 2 // 3  # most values were read again each pass
         hooks = [m._forward_pre_hooks for m in model.blocks] + [
@@ -111,24 +118,39 @@ def test_strategies_on_the_streaming_workload(tmp_path: Path, strategy: Residenc
         assert served > 0.15, f"{strategy}: only {served:.2f} of accesses served from memory"
 
 
-@pytest.mark.parametrize("budget_layers", [0, 1, 2])
+@pytest.mark.parametrize("budget_layers", [0, 2])
 def test_streaming_reads_each_layer_once_per_forward(tmp_path: Path, budget_layers: int) -> None:
-    """The next forward's first module is prefetched only when the budget can keep it with
-    the last module, released after: otherwise it would be evicted as soon as read, and read
-    again when it runs."""
+    """Past the last module, the stream leases the next forward's first module: it is read
+    while the last one computes, and held until the next forward runs it, whatever the
+    budget. Closing the stream releases it."""
     dense, model = offloaded_blocks(tmp_path, count=6)
     x = torch.randn(2, WIDTH)
     forwards = 4
     pool = TensorResidencyPool(max_cached_bytes=budget_layers * LAYER_BYTES)
-    with pool, stream_modules(pool, model.blocks, depth=1):
-        for _ in range(forwards):
-            assert torch.allclose(model(x), dense(x), atol=1e-6)
-        stats = pool.stats()
+    with pool:
+        with stream_modules(pool, model.blocks, depth=1):
+            for _ in range(forwards):
+                assert torch.allclose(model(x), dense(x), atol=1e-6)
+                for t in model.blocks[0].parameters():
+                    pool.prefetch(t).wait()  # joins the load begun during the last module
+                assert "leased: 2," in repr(pool)  # the first module's weight and bias
+            stats = pool.stats()
         assert "leased: 0," in repr(pool)
     tensors_per_layer = 2  # weight and bias
-    prefetched = budget_layers >= 2  # the first module, read ahead at each forward's end
-    assert stats.loads == (forwards * 6 + prefetched) * tensors_per_layer
-    # Each lease on a value not yet loaded is a miss; the prefetched first module is a hit.
-    assert stats.misses == (forwards * 6 - (forwards - 1) * prefetched) * tensors_per_layer
+    # Each layer is read once per forward; the first one of the next forward once more.
+    assert stats.loads == (forwards * 6 + 1) * tensors_per_layer
     # The first forward reads into fresh memory; later loads reuse the evicted buffers.
     assert stats.reused_buffers >= (forwards - 1) * 6 * tensors_per_layer
+
+
+def test_closing_the_pool_releases_what_a_stream_holds_ahead(tmp_path: Path) -> None:
+    _, model = offloaded_blocks(tmp_path, count=3)
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    stream = stream_modules(pool, model.blocks, depth=1)
+    model(torch.randn(2, WIDTH))
+    for t in model.blocks[0].parameters():
+        pool.prefetch(t).wait()
+    assert "leased: 2," in repr(pool)
+    pool.close()  # no "values are still leased" error: the stream's look-ahead is dropped
+    assert pool.closed
+    stream.close()

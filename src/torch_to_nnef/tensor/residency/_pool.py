@@ -7,6 +7,7 @@ import concurrent.futures
 import contextlib
 import logging
 import threading
+import weakref
 from collections.abc import Callable, Generator, Iterable
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal
@@ -31,6 +32,7 @@ from torch_to_nnef.tensor.residency._scope import _ACTIVE_RESIDENCY
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
+    from torch_to_nnef.tensor.residency._stream import ModuleStream
 
 __all__ = ["TensorPrefetch", "TensorResidencyLease", "TensorResidencyPool"]
 
@@ -322,6 +324,9 @@ class TensorResidencyPool:
         self._task_group: anyio.abc.TaskGroup | None = None
         self._start_lock = threading.Lock()
         self._unwaited = _Unwaited()
+        # Module streams over this pool: they hold the next forward's first modules, which
+        # closing releases first.
+        self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -974,6 +979,8 @@ class TensorResidencyPool:
         actor = self._actor
         if actor.closed:
             return
+        for stream in list(self._streams):
+            stream._release_next_forward()
         actor.begin_close()
         try:
             while True:

@@ -36,7 +36,8 @@ def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
 class ModuleStream:
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
-    A context manager: leaving it (or :meth:`close`) removes the hooks.
+    A context manager: leaving it (or :meth:`close`) removes the hooks and releases the
+    leases held for the next forward.
 
     Args:
         pool: the pool that serves the values.
@@ -67,38 +68,20 @@ class ModuleStream:
         self.depth = depth
         self.device = device
         self.groups = [_offloaded_tensors(m) for m in modules]
-        self._wrap = self._wrapped_modules(pool.max_cached_bytes)
         self._local = threading.local()
         self._lock = threading.Lock()
         self._begun_everywhere: list[dict[int, list[TensorResidencyLease]]] = []
+        # Leases begun past the last module on the next forward's first modules, taken by the
+        # thread that runs it (any thread).
+        self._next_forward: dict[int, list[TensorResidencyLease]] = {}
         self._handles: list[Any] = []
         pool.declare_schedule(t for group in self.groups for t in group)
+        pool._streams.add(self)
         for index, module in enumerate(modules):
             self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
             self._handles.append(
                 module.register_forward_hook(self._post_hook(index), always_call=True)
             )
-
-    def _wrapped_modules(self, budget: int | None) -> int:
-        """How many of the next forward's first modules to prefetch past the last module.
-
-        They are loaded, not held, so only as many as the budget keeps until they run: module
-        ``j`` is prefetched ``depth`` modules before it runs, and the modules released in
-        between are more recent. One the budget cannot keep would be evicted unused and read
-        again when it runs.
-        """
-        count = len(self.groups)
-        wanted = min(self.depth, count - 1)
-        if budget is None:
-            return wanted
-        sizes = [sum(t.payload_nbytes for t in group) for group in self.groups]
-        wrap = 0
-        for j in range(wanted):
-            between = sum(sizes[count + j - self.depth :]) + sum(sizes[:j])
-            if sizes[j] + between > budget:
-                break
-            wrap += 1
-        return wrap
 
     # -- hooks -------------------------------------------------------------------------------
     def _state(self) -> tuple[dict[int, list[Any]], dict[int, list[TensorResidencyLease]]]:
@@ -115,6 +98,13 @@ class ModuleStream:
         """Start leasing module ``index``'s tensors, so they are loaded and held in time."""
         if index in begun:
             return
+        with self._lock:
+            ahead = self._next_forward.get(index)
+            if ahead:  # begun past the last module (empty: another thread is beginning them)
+                del self._next_forward[index]
+        begun[index] = ahead if ahead else self._begin_leases(index)
+
+    def _begin_leases(self, index: int) -> list[TensorResidencyLease]:
         leases = []
         for tensor in self.groups[index]:
             lease = self.pool.acquire(tensor, self.device)
@@ -122,7 +112,21 @@ class ModuleStream:
             if lease._reply is None:  # on the loop thread: a plain prefetch instead
                 self.pool.prefetch(tensor, self.device)
             leases.append(lease)
-        begun[index] = leases
+        return leases
+
+    def _begin_next_forward(self, index: int) -> None:
+        """Begin leases on module ``index`` for the next forward, unless they are begun."""
+        with self._lock:
+            if index in self._next_forward:
+                return
+            self._next_forward[index] = []  # claimed: no other thread begins them too
+        leases = self._begin_leases(index)
+        with self._lock:
+            if self._handles:
+                self._next_forward[index] = leases
+                return
+        for lease in leases:  # the stream closed meanwhile
+            lease._cancel()
 
     def _pre_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
@@ -142,9 +146,8 @@ class ModuleStream:
                     ahead = index + step
                     if ahead < count:
                         self._begin(ahead, begun)
-                    elif ahead - count < self._wrap:  # the next forward's: loaded, not held
-                        for tensor in self.groups[ahead - count]:
-                            pool.prefetch(tensor, self.device)
+                    else:
+                        self._begin_next_forward(ahead - count)
                 for lease in begun.pop(index):
                     lease.__enter__()
                     entered.append(lease)
@@ -181,16 +184,26 @@ class ModuleStream:
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
         """Remove the hooks and drop leases begun for modules that did not run (idempotent)."""
-        handles, self._handles = self._handles, []
+        with self._lock:
+            handles, self._handles = self._handles, []
+            begun_everywhere, self._begun_everywhere = self._begun_everywhere, []
         for handle in handles:
             handle.remove()
-        with self._lock:
-            begun_everywhere, self._begun_everywhere = self._begun_everywhere, []
         for begun in begun_everywhere:
             for leases in begun.values():
                 for lease in leases:
                     lease._cancel()
             begun.clear()
+        self._release_next_forward()
+        self.pool._streams.discard(self)
+
+    def _release_next_forward(self) -> None:
+        """Drop the leases begun for the next forward (the pool does before it closes)."""
+        with self._lock:
+            next_forward, self._next_forward = self._next_forward, {}
+        for leases in next_forward.values():
+            for lease in leases:
+                lease._cancel()
 
     def __enter__(self) -> ModuleStream:
         return self
@@ -214,13 +227,19 @@ def stream_modules(
 
     When module ``i`` starts (a forward pre-hook), its offloaded parameters and buffers are
     leased and leases on those of modules ``i+1 .. i+depth`` begin: they load in the
-    background and stay held until their module has run, whatever the strategy. Past the
-    last module, the next forward's first modules are prefetched (loaded, not held) when the
-    budget can keep them until they run. Leases
-    end when their module returns, even on error. The access order is declared to the pool, so
-    ``ResidencyStrategy.SCHEDULED`` knows it from the first pass. A forward outside a
-    ``pool.scope()`` is served by the pool too. Works for sync forwards, forwards in
-    ``anyio.to_thread.run_sync`` workers and several concurrent forwards.
+    background and stay held until their module has run, whatever the strategy. Leases end
+    when their module returns, even on error.
+
+    Past the last module, leases begin on the next forward's first ``depth`` modules: they
+    are read while the last modules compute, so that the next forward (in any thread) starts
+    without waiting, and stay held until it runs them. Between forwards the pool thus holds
+    them on top of its budget (``pool.evict`` refuses them); closing the stream or the pool
+    releases them.
+
+    The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
+    the first pass. A forward outside a ``pool.scope()`` is served by the pool too. Works for
+    sync forwards, forwards in ``anyio.to_thread.run_sync`` workers and several concurrent
+    forwards.
 
     Args:
         pool: the pool that serves the values.
