@@ -107,8 +107,16 @@ def test_overlap_results_and_timeline(results: Path) -> None:
     document = load(results, "overlap")
     check_summary_rows(document)
     for run in document["results"]:
-        assert set(run["seconds"]) >= {"sequential_load", "sequential_compute", "pool_pipeline"}
+        assert set(run["seconds"]) >= {
+            "sequential_load",
+            "sequential_compute",
+            "pool_pipeline",
+            "pool_pipeline_cached",
+        }
         assert isinstance(run["overlap_efficiency"], float)
+        assert isinstance(run["cached_pool_efficiency"], float)
+        # Without a cache, every layer of every streamed forward is read.
+        assert run["pool_stats"]["loads"] >= run["layers"] * 3
         timeline = run["timeline"]
         assert [entry["layer"] for entry in timeline["layers"]] == list(range(run["layers"]))
         for entry in timeline["layers"]:
