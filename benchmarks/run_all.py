@@ -85,9 +85,9 @@ BENCHMARKS = (
         "Overlap of reads with compute (prefetch-ahead)",
         "bench_overlap.py",
         timeout_s=300,
-        about="Layers streamed with stream_modules(depth=1), pool budget of 3 layers, compute "
-        "on one torch thread calibrated to last as long as a read; timeline.png shows one "
-        "streamed forward.",
+        about="Layers streamed with stream_modules(depth=1) through a pool with no cache (and, "
+        "for context, one caching 3 layers), compute on one torch thread calibrated to last as "
+        "long as a read; timeline.png shows one streamed forward.",
     ),
     Benchmark(
         "memory",
