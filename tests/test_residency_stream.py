@@ -8,6 +8,7 @@ import anyio
 import pytest
 import torch
 
+from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
@@ -154,3 +155,15 @@ def test_closing_the_pool_releases_what_a_stream_holds_ahead(tmp_path: Path) -> 
     pool.close()  # no "values are still leased" error: the stream's look-ahead is dropped
     assert pool.closed
     stream.close()
+
+
+def test_a_forward_after_the_pool_closed_fails_clearly(tmp_path: Path) -> None:
+    _, model = offloaded_blocks(tmp_path, count=3)
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    with stream_modules(pool, model.blocks, depth=1) as stream:
+        model(torch.randn(2, WIDTH))
+        pool.close()
+        with pytest.raises(T2NErrorMisuse, match="closed"):
+            model(torch.randn(2, WIDTH))
+        assert not stream._next_forward
+    assert pool.closed

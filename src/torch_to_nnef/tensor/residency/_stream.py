@@ -105,13 +105,18 @@ class ModuleStream:
         begun[index] = ahead if ahead else self._begin_leases(index)
 
     def _begin_leases(self, index: int) -> list[TensorResidencyLease]:
-        leases = []
-        for tensor in self.groups[index]:
-            lease = self.pool.acquire(tensor, self.device)
-            lease._begin()
-            if lease._reply is None:  # on the loop thread: a plain prefetch instead
-                self.pool.prefetch(tensor, self.device)
-            leases.append(lease)
+        leases: list[TensorResidencyLease] = []
+        try:
+            for tensor in self.groups[index]:
+                lease = self.pool.acquire(tensor, self.device)
+                leases.append(lease)
+                lease._begin()
+                if lease._reply is None:  # on the loop thread: a plain prefetch instead
+                    self.pool.prefetch(tensor, self.device)
+        except BaseException:  # the pool closed, say: drop what was begun
+            for lease in leases:
+                lease._cancel()
+            raise
         return leases
 
     def _begin_next_forward(self, index: int) -> None:
@@ -120,7 +125,12 @@ class ModuleStream:
             if index in self._next_forward:
                 return
             self._next_forward[index] = []  # claimed: no other thread begins them too
-        leases = self._begin_leases(index)
+        try:
+            leases = self._begin_leases(index)
+        except BaseException:
+            with self._lock:
+                self._next_forward.pop(index, None)
+            raise
         with self._lock:
             if self._handles:
                 self._next_forward[index] = leases
