@@ -93,10 +93,13 @@ def test_quick_demo_ranks_the_strategies_on_the_cyclic_workload(
     _, output, _ = quick_run
     header, *rows = table_rows(output, "one request at a time")
     assert header == ONE_AT_A_TIME_HEADERS
-    by_mode = {(row[1], row[2]): row for row in rows}
+    by_mode = {(row[1], row[2]): row for row in rows if row[0] == "pool"}
     assert rows[0][0] == "no pool: load, then compute"
     assert rows[-1][0].startswith("ideal: max(load ")
-    hit = {mode: float(row[5]) for mode, row in by_mode.items() if mode[0] != "-"}
+    uncached = rows[-2]
+    assert uncached[:3] == ["pool caching nothing", "LRU", "depth 1"]
+    assert -0.05 <= float(uncached[5]) <= 0.05 and math.isfinite(float(uncached[4]))
+    hit = {mode: float(row[5]) for mode, row in by_mode.items()}
     lru, fixed, scheduled = (
         hit["LRU", "depth 1"],
         hit["FIXED", "depth 1"],
@@ -125,8 +128,8 @@ def test_quick_demo_verifies_streamed_outputs_against_the_dense_forward(
     )
     assert match is not None, output
     count, diff, tolerance, verdict = match.groups()
-    # 3 sequential forwards, 4 pools x 4 forwards, 6 serving runs x 6 requests.
-    assert int(count) == 3 + 4 * 4 + 6 * 6
+    # 3 sequential forwards, 5 pools x 4 forwards, 6 serving runs x 6 requests.
+    assert int(count) == 3 + 5 * 4 + 6 * 6
     assert verdict == "OK" and float(diff) <= float(tolerance)
 
 
@@ -141,6 +144,7 @@ def test_quick_demo_explains_and_removes_its_offload_directory(
     explanation = " ".join(output.strip().split("\n\n")[-1].split())
     assert "LRU evicts each layer just before it is needed again" in explanation
     assert "overlap efficiency" in explanation
+    assert "A pool caching nothing" in explanation
     assert re.search(r"time: setup [\d.]+ s, total [\d.]+ s", output)
 
 
