@@ -5,37 +5,48 @@ from __future__ import annotations
 import concurrent.futures
 
 from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._policy import FixedPolicy
+from torch_to_nnef.tensor.residency._runtime import Operation
+from torch_to_nnef.tensor.residency._state import Job
 
 
 def _check(pool: TensorResidencyPool) -> None:
     actor = pool._actor
-    actor.drain()
+    actor.sync()
     resident = [e for e in actor.entries.values() if e.value is not None]
     assert actor.resident_bytes == sum(e.nbytes for e in resident)
-    assert set(actor.published) == {e.key for e in resident}
-    assert actor.leased_entries == sum(1 for e in resident if e.leases)
+    # Published (handed out without the actor): resident values not on their way out.
+    assert set(actor.published) <= {e.key for e in resident if not e.evicting}
+    for key, slot in actor.published.items():
+        assert slot.open and slot.entry is actor.entries[key] and slot is slot.entry.slot
     assert actor.evicting_bytes == sum(e.nbytes for e in resident if e.evicting)
-    in_use = [e for e in resident if not e.pinned and (e.leases or e.waiters)]
+    in_use = [e for e in resident if not e.pinned and (e.tracked or e.waiters)]
     assert actor.in_use_bytes == sum(e.nbytes for e in in_use)
     assert actor.loading_bytes == sum(e.nbytes for e in actor.entries.values() if e.load)
     # Spare buffers fill only what resident values and loads leave of the budget plus the
     # peak in use, so the pool never holds more than that.
-    assert actor.spares.nbytes <= actor._spare_room()
+    assert actor.spares.nbytes <= actor.spare_room()
     if pool.max_cached_bytes is not None and actor.spares.nbytes:
         assert (
             actor.resident_bytes + actor.loading_bytes + actor.spares.nbytes
             <= pool.max_cached_bytes + actor.active_peak
         )
     for entry in actor.entries.values():
-        assert entry.leases >= 0 and entry.waiters >= 0
+        assert entry.waiters >= 0
+        assert entry.slot is None or entry.slot.leases >= 0
         assert entry.value is not None or entry.load is not None, (
             "an entry with nothing to wait for"
         )
+        if entry.slot is not None and entry.slot.leases and entry.slot.tracked:
+            assert entry.held
     budget = pool.max_cached_bytes
     unheld = [e for e in resident if not e.held and not e.evicting]
     if budget is not None:
-        assert all(e.retained for e in unheld), "an unretained value outlived its holders"
+        # Values leased without the actor count as cached until it needs their room.
+        assert all(e.retained or e.slot.leases for e in unheld), (
+            "an unretained value outlived its holders"
+        )
         kept = sum(e.nbytes for e in unheld)
         if isinstance(actor.policy, FixedPolicy):
             assert actor.policy.admitted_bytes <= budget
@@ -50,8 +61,9 @@ def _check(pool: TensorResidencyPool) -> None:
 
 def check_invariants(pool: TensorResidencyPool) -> None:
     """Assert the invariants, on the pool's loop thread when it runs on another one."""
-    host = pool._host
-    if not host.running or host.on_loop_thread():
+    runtime = pool._runtime
+    runtime.catch_up()
+    if not runtime.running or runtime.on_loop_thread():
         _check(pool)
         return
     done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -63,5 +75,22 @@ def check_invariants(pool: TensorResidencyPool) -> None:
         except BaseException as error:
             done.set_exception(error)
 
-    host.call(run)
+    runtime.post(run)
     done.result(timeout=10)
+
+
+class _Settle(Operation):
+    """Wait until no disk job runs (write-backs that evictions started end asynchronously)."""
+
+    def __init__(self, actor: Actor) -> None:
+        super().__init__()
+        self.actor = actor
+
+    def step(self) -> Job | None:
+        return next((job for job in self.actor.jobs if not job.done), None)
+
+
+def settle(pool: TensorResidencyPool) -> None:
+    """Wait, from a thread other than the pool's loop thread, until no disk job runs."""
+    if pool._runtime.running:
+        pool._runtime.call(_Settle(pool._actor))

@@ -574,7 +574,10 @@ async def test_cancelled_waiters_leave_no_lease_and_the_pool_keeps_serving(tmp_p
             check_invariants(pool)
         await pool.aflush()  # wait for the loads cancelled waiters left behind
         check_invariants(pool)
-        assert all(e.leases == 0 and e.waiters == 0 for e in pool._actor.entries.values())
+        assert all(
+            (e.slot is None or e.slot.leases == 0) and e.waiters == 0
+            for e in pool._actor.entries.values()
+        )
         for i, t in enumerate(ts):
             async with pool.acquire(t) as value:
                 assert float(value[0]) == float(i)
@@ -652,7 +655,7 @@ def test_private_loop_runs_on_uvloop_unless_opted_out(
     (t,) = make_tensors(tmp_path, 1)
     with TensorResidencyPool(use_uvloop=option) as pool:
         pool.resolve(t)
-        loop = pool._host.loop
+        loop = pool._runtime.loop
         assert loop is not None
         assert type(loop).__module__.split(".")[0] == expected
 

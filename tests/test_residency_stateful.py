@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from residency_checks import check_invariants
+from residency_checks import check_invariants, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -128,12 +128,7 @@ class PoolMachine(RuleBasedStateMachine):
 
     def settle(self) -> None:
         """Wait for write-backs that evictions started (they end asynchronously)."""
-
-        async def wait_jobs() -> None:
-            for job in self.pool._actor.pending_jobs():
-                await job.wait()
-
-        self.pool._blocking("settle", "settle", wait_jobs)
+        settle(self.pool)
 
     # -- rules -------------------------------------------------------------------------------
     @rule(i=st.integers(0, len(SIZES) - 1))

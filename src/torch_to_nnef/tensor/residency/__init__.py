@@ -4,14 +4,11 @@ One actor owns a pool's state on an event loop; every operation has a synchronou
 usable from any thread, and an async twin. See :class:`TensorResidencyPool`.
 """
 
-from torch_to_nnef.tensor.residency._actor import PoolStats
+from torch_to_nnef.tensor.residency._handles import TensorPrefetch, TensorResidencyLease
 from torch_to_nnef.tensor.residency._policy import ResidencyStrategy
-from torch_to_nnef.tensor.residency._pool import (
-    TensorPrefetch,
-    TensorResidencyLease,
-    TensorResidencyPool,
-)
+from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
 from torch_to_nnef.tensor.residency._scope import active_tensor_residency
+from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._stream import ModuleStream, stream_modules
 
 __all__ = [

@@ -6,21 +6,17 @@ import sys
 import threading
 from collections.abc import Iterable, Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
-from torch_to_nnef.tensor import offload as _offload
-from torch_to_nnef.tensor.residency._scope import _ACTIVE_RESIDENCY
+from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
-    from torch_to_nnef.tensor.residency._pool import (
-        TDevice,
-        TensorResidencyLease,
-        TensorResidencyPool,
-    )
+    from torch_to_nnef.tensor.residency._handles import TensorResidencyLease
+    from torch_to_nnef.tensor.residency._pool import TDevice, TensorResidencyPool
 
 __all__ = ["ModuleStream", "stream_modules"]
 
@@ -28,8 +24,8 @@ __all__ = ["ModuleStream", "stream_modules"]
 def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
     found: dict[int, OffloadedTensor] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        if isinstance(tensor, _offload.OffloadedTensor):
-            found.setdefault(id(tensor), tensor)
+        if isinstance(tensor, PoolSource):
+            found.setdefault(id(tensor), cast("OffloadedTensor", tensor))
     return list(found.values())
 
 
@@ -110,8 +106,7 @@ class ModuleStream:
             for tensor in self.groups[index]:
                 lease = self.pool.acquire(tensor, self.device)
                 leases.append(lease)
-                lease._begin()
-                if lease._reply is None:  # on the loop thread: a plain prefetch instead
+                if not lease._begin():  # on the loop thread: a plain prefetch instead
                     self.pool.prefetch(tensor, self.device)
         except BaseException:  # the pool closed, say: drop what was begun
             for lease in leases:
@@ -143,9 +138,9 @@ class ModuleStream:
             pool = self.pool
             held, begun = self._state()
             token = None
-            if _ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
+            if ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
                 device = None if self.device is None else torch.device(self.device)
-                token = _ACTIVE_RESIDENCY.set((pool, device))
+                token = ACTIVE_RESIDENCY.set((pool, device))
             entered: list[TensorResidencyLease] = []
             try:
                 # Queue this module's loads, then those ahead, before waiting for any: a late
@@ -165,7 +160,7 @@ class ModuleStream:
                 for lease in entered:
                     lease.__exit__(None, None, None)
                 if token is not None:
-                    _ACTIVE_RESIDENCY.reset(token)
+                    ACTIVE_RESIDENCY.reset(token)
                 raise
             held.setdefault(index, []).append((token, entered))
 
@@ -187,7 +182,7 @@ class ModuleStream:
             for lease in entered:
                 lease.__exit__(None, None, None)
             if token is not None:
-                _ACTIVE_RESIDENCY.reset(token)
+                ACTIVE_RESIDENCY.reset(token)
 
         return hook
 

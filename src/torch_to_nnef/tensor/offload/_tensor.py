@@ -1,27 +1,4 @@
-"""Offloaded tensors: tensors whose payload lives in a file and is loaded on use.
-
-An :class:`OffloadedTensor` is a storage-less shell that reports the shape, dtype and target
-device of a value kept on disk, in one payload file of :mod:`torch_to_nnef.tensor.storage`.
-Any torch operation on it loads the value (through the active residency pool inside
-``pool.scope()``, straight from disk otherwise), computes, and returns a plain ``torch.Tensor``.
-It can stand for a plain tensor or for an opaque value that describes itself with
-:class:`~torch_to_nnef.tensor.opaque.SupportsOffloadState` (a quantized ``QTensor``), and it
-can point into an existing ``.safetensors`` checkpoint without copying it.
-
-Ownership of files:
-
-- a payload written by an ``OffloadedTensor`` (:meth:`OffloadedTensor.from_original_tensor`,
-  updates, copies on write) belongs to it and is removed when the tensor is garbage collected
-  (or at interpreter exit);
-- a checkpoint it points into (:meth:`OffloadedTensor.from_safetensors`) is never written nor
-  removed: the first write copies the new value into the tensor's offload directory;
-- without an offload directory, payloads go to a private temporary directory, removed once no
-  tensor uses it anymore.
-
-Writes are atomic (a crash leaves the old or the new payload) and serialised per tensor;
-reads need no lock: a reader that finds the file replaced under it retries with the new
-layout.
-"""
+"""The ``OffloadedTensor`` class: the tensor subclass bound to a payload file (see the package)."""
 
 from __future__ import annotations
 
@@ -49,12 +26,12 @@ from torch_to_nnef.exceptions import (
     T2NErrorStorage,
 )
 from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload._protocol import PoolSource, active_tensor_residency
 from torch_to_nnef.tensor.opaque import (
     OpaqueTensor,
     SupportsOffloadState,
     opaque_to_final_tensor,
 )
-from torch_to_nnef.tensor.residency._scope import active_tensor_residency
 
 __all__ = ["OffloadedTensor"]
 
@@ -381,7 +358,7 @@ _GC_REQUEST = _GcRequest()
 # ---------------------------------------------------------------------------------------------
 # The tensor
 # ---------------------------------------------------------------------------------------------
-class OffloadedTensor(OpaqueTensor):
+class OffloadedTensor(OpaqueTensor, PoolSource):
     """A tensor whose value lives in a payload file and is loaded on use.
 
     The shell reports the shape, dtype and target device of the value; ``is_meta`` is false,
@@ -438,6 +415,8 @@ class OffloadedTensor(OpaqueTensor):
     _private: _PrivateDir | None
     _write_lock: threading.Lock
     _target_device: torch.device
+    _pending: threading.Condition
+    _pending_writes: int
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -570,6 +549,8 @@ class OffloadedTensor(OpaqueTensor):
         self._private = private
         self._write_lock = threading.Lock()
         self._target_device = device
+        self._pending = threading.Condition(threading.Lock())
+        self._pending_writes = 0
         return self
 
     # -- constructors ------------------------------------------------------------------------
@@ -707,6 +688,11 @@ class OffloadedTensor(OpaqueTensor):
         return self._binding.nbytes
 
     @property
+    def payload_version(self) -> object:
+        """An object replaced by every write of the payload (compare by identity)."""
+        return self._binding
+
+    @property
     def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         """Signature of the payload's host buffers: ``((entry, dtype, shape), ...)``.
 
@@ -791,7 +777,7 @@ class OffloadedTensor(OpaqueTensor):
         scope = active_tensor_residency()
         if scope is not None:
             pool, scope_device = scope
-            return pool.resolve(self, wanted if wanted is not None else scope_device)
+            return pool._scope_resolve(self, wanted if wanted is not None else scope_device)
         return self._reload_unmanaged(wanted)
 
     def _to_base_tensor(self) -> torch.Tensor:
@@ -810,6 +796,7 @@ class OffloadedTensor(OpaqueTensor):
                 new ones are allocated when ``None``.
         """
         target = self.device if device is None else _canonical_device(device)
+        self._wait_announced_writes()
         attempt = 0
         while True:
             binding = self._binding
@@ -825,6 +812,31 @@ class OffloadedTensor(OpaqueTensor):
                     continue
                 raise
             return _materialize(binding, host, target)
+
+    def _wait_announced_writes(self) -> None:
+        """Wait until the write-backs announced by residency pools have ended."""
+        if self._pending_writes:
+            with self._pending:
+                while self._pending_writes:
+                    self._pending.wait()
+
+    def _announce_write(self) -> None:
+        """A pool chose to write this tensor's value back: reads wait for it from now on."""
+        with self._pending:
+            self._pending_writes += 1
+
+    def _write_back(self, value: torch.Tensor) -> None:
+        """Write an announced value (blocking); the announcement ends whatever happens."""
+        try:
+            self.update_values(value)
+        finally:
+            self._end_write()
+
+    def _end_write(self) -> None:
+        """End an announced write-back: reads waiting for it go on."""
+        with self._pending:
+            self._pending_writes -= 1
+            self._pending.notify_all()
 
     def _replaced_since(self, binding: _Binding) -> bool:
         """Whether a write replaced ``binding`` (after any write in progress has committed).
@@ -1093,7 +1105,7 @@ class OffloadedTensor(OpaqueTensor):
         scope = active_tensor_residency()
         if scope is not None:
             pool, device = scope
-            lease = pool.acquire(self, device, mode="read_write")
+            lease = pool._scope_lease(self, device)
             with lease as value, torch._C.DisableTorchFunctionSubclass():
                 result = func(value, *arguments, **keywords)
             return self if result is value else result

@@ -1,0 +1,116 @@
+"""What a residency pool needs from an offloaded tensor, and the active residency scope.
+
+This module sits below both :mod:`torch_to_nnef.tensor.offload` and
+:mod:`torch_to_nnef.tensor.residency`: the tensor implements :class:`PoolSource`, the pool
+manages any :class:`PoolSource`, and the tensor finds the pool serving its reloads through
+:data:`ACTIVE_RESIDENCY` without importing the pool. Imports point down only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextvars import ContextVar
+from types import TracebackType
+from typing import Protocol
+
+import torch
+
+__all__ = ["ACTIVE_RESIDENCY", "PoolSource", "ScopePool", "active_tensor_residency"]
+
+
+class PoolSource:
+    """The contract between a residency pool and the tensors it manages.
+
+    A mixin without state: :class:`~torch_to_nnef.tensor.offload.OffloadedTensor` implements
+    it. The pool reads these members and calls these methods, nothing else.
+
+    - ``payload_version``: an object replaced by every write of the payload (compared by
+      identity): a value read from an older version is stale.
+    - ``_reload_unmanaged(device, out)``: read the payload (into ``out`` host buffers when
+      given) and bring it to ``device``; blocking, run on the pool's I/O workers. It waits for
+      announced write-backs first, so every read sees the latest written value.
+    - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
+      the same :attr:`storage_key` may reuse, or ``None``.
+    - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
+      until it ends, by ``_write_back(value)`` (write ``value``, blocking, on a worker; the
+      announcement ends whatever happens) or by ``_end_write()`` when it never started.
+    """
+
+    __slots__ = ()
+
+    @property
+    def name(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def target_device(self) -> torch.device:
+        raise NotImplementedError
+
+    @property
+    def payload_nbytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
+        raise NotImplementedError
+
+    @property
+    def payload_version(self) -> object:
+        raise NotImplementedError
+
+    def _reload_unmanaged(
+        self, device: torch.device | None = None, out: Mapping[str, torch.Tensor] | None = None
+    ) -> torch.Tensor:
+        raise NotImplementedError
+
+    def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        raise NotImplementedError
+
+    def _announce_write(self) -> None:
+        raise NotImplementedError
+
+    def _end_write(self) -> None:
+        raise NotImplementedError
+
+    def _write_back(self, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
+
+class ScopePool(Protocol):
+    """What a tensor needs from the pool of the active residency scope."""
+
+    def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:
+        """The value of ``source`` for a read (on ``device``, else its target device)."""
+
+    def _scope_lease(self, source: PoolSource, device: torch.device | None) -> _LeaseLike:
+        """A ``read_write`` lease on ``source``'s value, for an in-place op."""
+
+
+class _LeaseLike(Protocol):
+    def __enter__(self) -> torch.Tensor: ...
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None: ...
+
+
+ACTIVE_RESIDENCY: ContextVar[tuple[ScopePool, torch.device | None] | None] = ContextVar(
+    "t2n_active_residency", default=None
+)
+"""The pool serving reloads in this context and its device (see ``TensorResidencyPool.scope``).
+
+A contextvar: it follows ``anyio.to_thread.run_sync`` workers (which copy the caller's
+context) and stays private to each asyncio task.
+"""
+
+
+def active_tensor_residency() -> tuple[ScopePool, torch.device | None] | None:
+    """Return ``(pool, device)`` of the residency scope active in this context, or ``None``.
+
+    ``device`` is the device given to :meth:`TensorResidencyPool.scope` (``None`` means each
+    tensor's own target device).
+    """
+    return ACTIVE_RESIDENCY.get()

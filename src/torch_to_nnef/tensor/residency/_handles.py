@@ -1,0 +1,220 @@
+"""What the pool hands out: leases, prefetch handles, and the two points every value passes.
+
+:func:`hand_over` is the one place a value goes to a consumer (a lease, ``resolve``, a
+prefetch handle, scope ops); :func:`end_lease` the one place a lease ends.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Generator
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor.offload._protocol import PoolSource
+from torch_to_nnef.tensor.residency._requests import Acquire
+from torch_to_nnef.tensor.residency._state import Slot
+
+if TYPE_CHECKING:
+    from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
+
+__all__ = ["TensorPrefetch", "TensorResidencyLease", "end_lease", "hand_over"]
+
+
+def hand_over(value: torch.Tensor) -> torch.Tensor:
+    """A value leaving the pool for a consumer (the one place to make it safe to use)."""
+    return value
+
+
+def end_lease(pool: TensorResidencyPool, slot: Slot, read_write: bool) -> None:
+    """End a lease on ``slot`` (any thread); when that puts the pool over its budget, the
+    actor hears of it without waiting."""
+    if pool._actor.end_lease(slot, read_write):
+        pool._runtime.notify(pool._actor.leases_ended)
+
+
+class TensorPrefetch:
+    """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
+
+    ``handle.wait()`` blocks until the value is loaded and returns it (any thread but the
+    pool's loop thread); ``await handle`` does the same in async code; ``handle.done()`` tells
+    without blocking. A failed load raises :class:`T2NErrorStorage` from both. A handle on a
+    value that was resident already is done at once.
+
+    Handles are not constructed directly: :meth:`TensorResidencyPool.prefetch` and
+    :meth:`TensorResidencyPool.pin` return them.
+    """
+
+    __slots__ = ("_future", "_pool")
+
+    def __init__(self, pool: TensorResidencyPool, future: concurrent.futures.Future[Any]) -> None:
+        self._pool = pool
+        self._future = future
+
+    @classmethod
+    def _ready(cls, pool: TensorResidencyPool, value: torch.Tensor) -> TensorPrefetch:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        future.set_result(value)
+        return cls(pool, future)
+
+    def done(self) -> bool:
+        """Whether the load has ended (successfully or not)."""
+        return self._future.done()
+
+    def wait(self) -> torch.Tensor:
+        """Block until the value is loaded and return it.
+
+        Raises:
+            T2NErrorStorage: the load failed (the cause is chained).
+            T2NErrorMisuse: called on the pool's own loop thread before the load ended
+                (use ``await handle`` there).
+        """
+        if not self._future.done() and self._pool._runtime.on_loop_thread():
+            raise T2NErrorMisuse(
+                "TensorPrefetch.wait() would block the pool's event loop: "
+                "use `await handle` in async code"
+            )
+        return hand_over(self._future.result())
+
+    def __await__(self) -> Generator[Any, None, torch.Tensor]:
+        return self._await().__await__()
+
+    async def _await(self) -> torch.Tensor:
+        if self._future.done():
+            return hand_over(self._future.result())
+        value: torch.Tensor = await self._pool._runtime.await_foreign(self._future)
+        return hand_over(value)
+
+    def __repr__(self) -> str:
+        return f"<TensorPrefetch {'done' if self.done() else 'pending'}>"
+
+
+class TensorResidencyLease:
+    """A scoped claim on a resident value: ``with pool.acquire(t) as v`` or ``async with``.
+
+    While the lease is held the value stays resident. A ``read_write`` lease marks the value
+    dirty when it ends, and the pool writes it back before evicting it, on flush and on close.
+    A lease is entered once. Entering a lease on a resident value takes no round trip to the
+    pool's loop thread.
+
+    Leases are not constructed directly: :meth:`TensorResidencyPool.acquire` returns them.
+    Entering one raises what :meth:`TensorResidencyPool.resolve` raises, and
+    :class:`T2NErrorMisuse` when the lease is already held.
+    """
+
+    __slots__ = ("_begun", "_device", "_mode", "_pool", "_request", "_slot", "_source", "_used")
+
+    def __init__(
+        self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
+    ) -> None:
+        self._pool = pool
+        self._source = source
+        self._device = device
+        self._mode = mode
+        self._slot: Slot | None = None
+        self._used = False
+        self._request: Acquire | None = None  # begun and not entered yet
+        self._begun: concurrent.futures.Future[Any] | None = None
+
+    @property
+    def mode(self) -> str:
+        """``"read"`` or ``"read_write"``."""
+        return self._mode
+
+    def _check_unused(self) -> None:
+        if self._used:
+            raise T2NErrorMisuse("this lease is already held: a lease can be entered once")
+        self._used = True
+
+    def _fast(self) -> tuple[torch.Tensor, Slot] | None:
+        """Take the lease on a resident value without the loop thread, or ``None``."""
+        actor = self._pool._actor
+        slot = actor.fresh_slot(self._source, self._device)
+        if slot is not None and actor.try_lease(slot, self._mode == "read_write"):
+            return slot.value, slot
+        return None
+
+    def _acquire(self) -> Acquire:
+        return Acquire(self._pool._actor, self._source, self._device, self._mode == "read_write")
+
+    def _take(self, granted: tuple[torch.Tensor, Slot]) -> torch.Tensor:
+        value, self._slot = granted
+        return hand_over(value)
+
+    def _begin(self) -> bool:
+        """Start acquiring without waiting, so that ``__enter__`` later finds the value loaded.
+
+        Returns whether it began: not on the pool's loop thread (which cannot wait). A begun
+        lease holds its value as soon as it is granted: enter it, or :meth:`_cancel` it.
+        """
+        runtime = self._pool._runtime
+        runtime.ensure_running()
+        if self._begun is not None or runtime.on_loop_thread():
+            return self._begun is not None
+        granted = self._fast()
+        if granted is not None:
+            self._begun = concurrent.futures.Future()
+            self._begun.set_result(granted)
+        else:
+            self._request = self._acquire()
+            self._begun = runtime.start(self._request)
+        return True
+
+    def _cancel(self) -> None:
+        """Drop a begun lease that will not be entered (any thread)."""
+        begun, request = self._begun, self._request
+        self._begun = self._request = None
+        if begun is None or self._used:
+            return
+        if request is not None:
+            self._pool._runtime.notify(request.abandon)
+        elif begun.done() and begun.exception() is None:
+            end_lease(self._pool, begun.result()[1], False)
+
+    def __enter__(self) -> torch.Tensor:
+        begun, request = self._begun, self._request
+        self._check_unused()
+        if begun is not None:
+            self._begun = self._request = None
+            try:
+                return self._take(begun.result())
+            except BaseException:
+                if request is not None:
+                    self._pool._runtime.notify(request.abandon)
+                raise
+        granted = self._fast()
+        if granted is None:
+            granted = self._pool._runtime.call(self._acquire())
+        return self._take(granted)
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        slot, self._slot = self._slot, None
+        if slot is not None:
+            end_lease(self._pool, slot, self._mode == "read_write")
+
+    async def __aenter__(self) -> torch.Tensor:
+        self._check_unused()
+        granted = self._fast()
+        if granted is None:
+            granted = await self._pool._runtime.acall(self._acquire())
+        return self._take(granted)
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.__exit__(exc_type, exc, tb)
+
+    def __repr__(self) -> str:
+        state = "held" if self._slot is not None else "idle"
+        return f"<TensorResidencyLease {self._source.name!r} mode={self._mode} {state}>"

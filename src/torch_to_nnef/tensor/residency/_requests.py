@@ -1,0 +1,182 @@
+"""The pool's requests, as operations of the runtime's driver: one class per operation.
+
+Each ``step`` calls the actor's transition and interprets the job it waited for; each
+``abandon`` gives back what the operation holds. Both run on the loop thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor.offload._protocol import PoolSource
+from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._runtime import Operation
+from torch_to_nnef.tensor.residency._state import Job, Slot, Ticket, as_storage_error
+
+__all__ = ["Acquire", "Close", "Evict", "Flush", "Prefetch", "Resolve", "Transition"]
+
+
+class Resolve(Operation):
+    """Serve a value (a hit), or wait for its load and serve what it read."""
+
+    inline = "resolve"
+
+    def __init__(self, actor: Actor, source: PoolSource, device: torch.device) -> None:
+        super().__init__()
+        self.actor, self.source, self.device = actor, source, device
+
+    def step(self) -> torch.Tensor | Job:
+        if self.waited is not None:
+            return self.waited.result()  # not retained values are only delivered by the load
+        return self.actor.resolve_step(self.source, self.device)
+
+
+class Prefetch(Resolve):
+    """Start (or join) a load, pinning the value with ``pin``; the loaded value."""
+
+    def __init__(self, actor: Actor, source: PoolSource, device: torch.device, pin: bool) -> None:
+        super().__init__(actor, source, device)
+        self.pin = pin
+
+    def step(self) -> torch.Tensor | Job:
+        if self.waited is not None:
+            return self.waited.result()
+        return self.actor.prefetch_step(self.source, self.device, self.pin)
+
+
+class Acquire(Operation, Ticket):
+    """Grant a lease: ``(value, slot)``. While it waits, its reservation keeps the value."""
+
+    inline = "acquire"
+
+    def __init__(
+        self, actor: Actor, source: PoolSource, device: torch.device, read_write: bool
+    ) -> None:
+        Operation.__init__(self)
+        Ticket.__init__(self, source, device, read_write)
+        self.actor = actor
+
+    def step(self) -> tuple[torch.Tensor, Slot] | Job:
+        waited = self.waited
+        if waited is not None and waited.kind == "load" and waited.error is not None:
+            raise as_storage_error(waited.error)
+        result = self.actor.acquire_step(self)
+        if isinstance(result, Job):
+            return result
+        assert self.slot is not None
+        return result, self.slot
+
+    def abandon(self) -> None:
+        super().abandon()
+        self.actor.abandon_acquire(self)
+
+
+class Transition(Operation):
+    """A request that never waits (unpin, declare_schedule): one transition."""
+
+    def __init__(self, transition: Callable[[], Any]) -> None:
+        super().__init__()
+        self.transition = transition
+
+    def step(self) -> Any:
+        return self.transition()
+
+
+class Evict(Operation):
+    """Evict a value, waiting for its load or write-back first."""
+
+    twin = "aevict"
+
+    def __init__(self, actor: Actor, source: PoolSource) -> None:
+        super().__init__()
+        self.actor, self.source = actor, source
+
+    def step(self) -> Job | None:
+        waited = self.waited
+        if waited is not None and waited.kind == "write" and waited.error is not None:
+            raise write_error(self.source, waited.error)
+        return self.actor.evict_step(self.source)
+
+
+class Flush(Operation):
+    """Write dirty values back (all, or one tensor's) and wait for loads in flight."""
+
+    twin = "aflush"
+
+    def __init__(self, actor: Actor, source: PoolSource | None) -> None:
+        super().__init__()
+        self.actor, self.source = actor, source
+        self.jobs: list[Job] | None = None
+
+    def step(self) -> Job | None:
+        if self.jobs is None:
+            self.actor.check_open()
+            self.jobs = self.actor.flush_step(self.source)
+        pending = next((job for job in self.jobs if not job.done), None)
+        if pending is not None:
+            return pending
+        failed = _failed_writes(self.jobs)
+        if failed:
+            raise T2NErrorStorage(
+                f"{len(failed)} write-back(s) failed; the dirty values stay resident, "
+                "free space or fix the offload directory and flush again"
+            ) from failed[0].error
+        return None
+
+
+class Close(Operation):
+    """Refuse while values are leased; write every dirty value back; release everything."""
+
+    twin = "aclose"
+
+    def __init__(self, actor: Actor, before: Callable[[], None]) -> None:
+        super().__init__()
+        self.actor = actor
+        self.before = before
+        self.began = False
+        self.jobs: list[Job] = []
+
+    def step(self) -> Job | None:
+        actor = self.actor
+        if actor.closed:
+            return None
+        if not self.began:
+            self.before()
+            actor.begin_close()
+            self.began = True
+        while True:
+            pending = next((job for job in self.jobs if not job.done), None)
+            if pending is not None:
+                return pending
+            failed = _failed_writes(self.jobs)
+            if failed:
+                raise T2NErrorStorage(
+                    f"closing the pool: {len(failed)} write-back(s) failed; the dirty values "
+                    "stay resident and the pool stays open: fix the cause and close again"
+                ) from failed[0].error
+            self.jobs = list(actor.jobs) or actor.flush_step(None)
+            if not self.jobs:
+                actor.finish_close()
+                return None
+
+    def abandon(self) -> None:
+        super().abandon()
+        if self.began and not self.actor.closed:
+            self.began = False
+            self.actor.abort_close()
+
+
+def _failed_writes(jobs: list[Job]) -> list[Job]:
+    return [job for job in jobs if job.kind == "write" and job.error is not None]
+
+
+def write_error(source: PoolSource, error: BaseException) -> T2NErrorStorage:
+    wrapped = T2NErrorStorage(
+        f"writing {source.name!r} back failed; the value stays resident and dirty: {error}"
+    )
+    wrapped.__cause__ = error
+    return wrapped

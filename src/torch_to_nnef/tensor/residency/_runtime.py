@@ -1,0 +1,413 @@
+"""The runtime of a pool: its event loop, its I/O workers, and the one driver of requests.
+
+**Loop.** The actor runs on an asyncio event loop: the caller's (``async with pool``), or a
+private daemon thread's (``with pool`` or the first synchronous call), on uvloop when it is
+importable unless ``use_uvloop=False`` or ``T2N_RESIDENCY_UVLOOP=0``. Other backends (trio)
+are not supported. Requests from other threads reach the loop with ``call_soon_threadsafe``,
+which runs them in the order they were sent; there is no other queue.
+
+**Workers.** Disk jobs run on ``max_workers`` threads; each completion is scheduled on the
+loop as the actor's transition for that job.
+
+**The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
+and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
+:meth:`Runtime.drive` runs the step, retries it after the job, abandons the operation on
+error, and settles the caller's completion: a ``concurrent.futures.Future`` for a thread or
+another loop, an ``asyncio.Future`` for a task of the pool's loop. The faces differ only in
+how they wait for that completion (:meth:`Runtime.call`, :meth:`Runtime.acall`,
+:meth:`Runtime.start`). A completion cancelled by its waiter is never set; what the
+operation holds is undone instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._state import Job
+
+__all__ = ["Operation", "Runtime", "uvloop_wanted"]
+
+LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
+
+Completion = concurrent.futures.Future[Any] | asyncio.Future[Any]
+_INVALID_STATE = (concurrent.futures.InvalidStateError, asyncio.InvalidStateError)
+
+
+class Operation:
+    """One request, run by :meth:`Runtime.drive` on the loop thread.
+
+    Attributes:
+        twin: for a blocking operation, the name of its async twin: its sync face refuses to
+            run on the loop thread. ``None``: the sync face may wait for jobs there inline.
+        inline: the name shown in the one-time warning when the sync face loads inline.
+    """
+
+    twin: str | None = None
+    inline: str = ""
+
+    def __init__(self) -> None:
+        self.abandoned = False
+        self.waited: Job | None = None  # the job the step returned last
+
+    def step(self) -> Any:
+        """Advance (loop thread): return the result, or a :class:`Job` to wait for."""
+        raise NotImplementedError
+
+    def abandon(self) -> None:
+        """Undo what the operation holds: it failed or its caller left (idempotent)."""
+        self.abandoned = True
+
+    def undo(self, result: Any) -> None:
+        """The result was produced but its caller left: give back what it holds."""
+        self.abandon()
+
+
+def uvloop_wanted(use_uvloop: bool | None) -> bool:
+    """Whether a private loop should run on uvloop (the option, then the environment)."""
+    if use_uvloop is None:
+        use_uvloop = os.environ.get("T2N_RESIDENCY_UVLOOP", "1").lower() not in ("0", "false", "no")
+    if not use_uvloop:
+        return False
+    try:
+        import uvloop  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
+    if use_uvloop:
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+        return loop
+    return asyncio.new_event_loop()
+
+
+def _set_result(done: Completion, value: Any) -> bool:
+    if done.done():
+        return False
+    try:
+        done.set_result(value)
+    except _INVALID_STATE:  # cancelled by its waiter meanwhile
+        return False
+    return True
+
+
+def _set_exception(done: Completion, error: BaseException) -> None:
+    if not done.done():
+        with contextlib.suppress(*_INVALID_STATE):
+            done.set_exception(error)
+
+
+def _abandon(operation: Operation) -> None:
+    try:
+        operation.abandon()
+    except BaseException:  # its caller has its own error already
+        LOGGER.exception("giving back what a failed request held failed")
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()  # retrieved: nobody waits for it any more
+
+
+class Runtime:
+    """The loop, the I/O workers and the driver of one pool's actor (see the module doc)."""
+
+    def __init__(self, actor: Actor, max_workers: int, use_uvloop: bool | None) -> None:
+        self.actor = actor
+        self.loop: asyncio.AbstractEventLoop | None = None
+        self.thread_id: int | None = None
+        self._max_workers = max_workers
+        self._use_uvloop = use_uvloop
+        self._workers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # the loop's publication, against posts
+        self._start_lock = threading.Lock()
+        self._warned_inline = False
+        # Notifications sent without waiting (under _lock), and how many ran (loop thread).
+        self._sent = 0
+        self._ran = 0
+
+    # ------------------------------------------------------------------------------------------
+    # The loop
+    # ------------------------------------------------------------------------------------------
+    @property
+    def running(self) -> bool:
+        return self.loop is not None
+
+    @property
+    def private(self) -> bool:
+        return self._thread is not None
+
+    def on_loop_thread(self) -> bool:
+        return self.thread_id == threading.get_ident()
+
+    def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._workers = concurrent.futures.ThreadPoolExecutor(
+            self._max_workers, thread_name_prefix="t2n-residency-io"
+        )
+        self.actor.submit = self._submit
+        with self._lock:
+            self.thread_id = threading.get_ident()
+            self.loop = loop
+
+    def _detach(self) -> concurrent.futures.ThreadPoolExecutor | None:
+        with self._lock:
+            self.loop = None
+            self.thread_id = None
+        self.actor.submit = None
+        workers, self._workers = self._workers, None
+        return workers
+
+    def attach_current(self) -> None:
+        """Serve on the running loop of the calling task (``async with pool``)."""
+        self._attach(asyncio.get_running_loop())
+
+    def detach_current(self) -> None:
+        """Stop serving on the caller's loop (end of ``async with pool``)."""
+        workers = self._detach()
+        if workers is not None:
+            workers.shutdown(wait=True)  # jobs run to their end; nothing is left behind
+
+    def ensure_running(self) -> None:
+        """Start the private loop thread unless the actor is served already."""
+        if self.loop is not None:
+            return
+        with self._start_lock:  # two threads' first calls start one loop
+            if self.loop is not None:
+                return
+            self.actor.check_open()
+            self._start_private()
+
+    def _start_private(self) -> None:
+        ready = threading.Event()
+        use_uvloop = uvloop_wanted(self._use_uvloop)
+
+        def run() -> None:
+            loop = _new_loop(use_uvloop)
+            asyncio.set_event_loop(loop)
+            self._attach(loop)
+            ready.set()
+            try:
+                loop.run_forever()
+            finally:
+                workers = self._detach()
+                # Requests posted before the detach are in the ready queue: run them (they
+                # find the pool closed and say so) rather than leave their callers waiting.
+                loop.run_until_complete(asyncio.sleep(0))
+                if workers is not None:
+                    workers.shutdown(wait=True)
+                try:
+                    loop.run_until_complete(loop.shutdown_asyncgens())
+                finally:
+                    loop.close()
+
+        thread = threading.Thread(target=run, name="t2n-residency-loop", daemon=True)
+        self._thread = thread
+        thread.start()
+        ready.wait()
+
+    def stop_private(self) -> None:
+        """Stop the private loop thread and wait for it (from any other thread)."""
+        thread = self._thread
+        if thread is None:
+            return
+        with self._lock:
+            loop = self.loop
+            if loop is not None:
+                loop.call_soon_threadsafe(loop.stop)
+        if thread is not threading.current_thread():
+            thread.join(30.0)
+        self._thread = None
+
+    def post(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Run ``callback(*args)`` on the loop thread, after what was posted before."""
+        with self._lock:
+            loop = self.loop
+            if loop is None:
+                raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
+            try:
+                loop.call_soon_threadsafe(callback, *args)
+            except RuntimeError as error:  # loop closed underneath us
+                raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped") from error
+
+    def notify(self, callback: Callable[..., Any], *args: Any) -> None:
+        """Tell the actor something without waiting (any thread); reads of the pool's state
+        from other threads see it (:meth:`catch_up`)."""
+        if self.on_loop_thread() or not self.running:
+            callback(*args)
+            return
+        with self._lock:
+            self._sent += 1
+
+        def counted() -> None:
+            try:
+                callback(*args)
+            finally:
+                self._ran += 1
+
+        try:
+            self.post(counted)
+        except T2NErrorMisuse:
+            with self._lock:
+                self._sent -= 1
+            callback(*args)  # the loop is gone: nothing runs concurrently any more
+
+    def catch_up(self) -> None:
+        """Wait until the notifications sent so far ran (reads of state from other threads)."""
+        if self._sent == self._ran or not self.running:
+            return
+        if self.on_loop_thread():
+            return  # they are queued behind the running callback; the state is consistent
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        with contextlib.suppress(T2NErrorMisuse):
+            self.post(done.set_result, None)
+            done.result()
+
+    # ------------------------------------------------------------------------------------------
+    # Workers
+    # ------------------------------------------------------------------------------------------
+    def _submit(
+        self,
+        kind: str,
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
+        transition: Callable[[Job], None],
+    ) -> Job:
+        workers = self._workers
+        if workers is None:
+            raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
+        future = workers.submit(function, *args)
+        job = Job(kind, future, transition)
+        future.add_done_callback(partial(self._job_ended, job))
+        return job
+
+    def _job_ended(self, job: Job, future: concurrent.futures.Future[Any]) -> None:
+        with contextlib.suppress(T2NErrorMisuse):  # the loop is gone: nobody to tell
+            self.post(job.complete)
+
+    # ------------------------------------------------------------------------------------------
+    # The driver
+    # ------------------------------------------------------------------------------------------
+    def drive(self, operation: Operation, done: Completion, inline: bool = False) -> None:
+        """Run ``operation`` to its end on the loop thread and settle ``done``.
+
+        ``inline``: wait for jobs by blocking the loop thread (the sync face called on it).
+        """
+        while True:
+            if operation.abandoned:
+                _set_exception(done, T2NErrorMisuse("this request was abandoned by its caller"))
+                return
+            if done.done():  # cancelled by its waiter
+                _abandon(operation)
+                return
+            try:
+                result = operation.step()
+                if isinstance(result, Job) and inline and not result.done:
+                    self._wait_inline(operation, result)
+            except BaseException as error:
+                _set_exception(done, error)
+                _abandon(operation)
+                return
+            if isinstance(result, Job):
+                operation.waited = result
+                if not result.done:
+                    if inline:
+                        continue
+                    result.add_callback(partial(self.drive, operation, done))
+                    return
+                continue
+            if not _set_result(done, result):
+                try:
+                    operation.undo(result)
+                except BaseException:
+                    LOGGER.exception("giving back what an abandoned request held failed")
+            return
+
+    def _wait_inline(self, operation: Operation, job: Job) -> None:
+        if job.kind == "load" and not self._warned_inline:
+            self._warned_inline = True
+            LOGGER.warning(
+                "TensorResidencyPool.%s loaded a value synchronously on the pool's event-loop "
+                "thread, blocking it; run torch forwards in a worker thread with "
+                "`await anyio.to_thread.run_sync(...)`",
+                operation.inline,
+            )
+        if job.future is not None:
+            concurrent.futures.wait([job.future])
+        job.complete()
+
+    def call(self, operation: Operation) -> Any:
+        """The sync face: run ``operation`` and block until it ends (any thread)."""
+        if self.on_loop_thread():
+            if operation.twin is not None:
+                name = operation.twin[1:]
+                raise T2NErrorMisuse(
+                    f"pool.{name}() would block the pool's event loop: "
+                    f"use `await pool.{operation.twin}()`"
+                )
+            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            self.drive(operation, done, inline=True)
+            return done.result()
+        self.ensure_running()
+        done = self.start(operation)
+        try:
+            return done.result()
+        except BaseException:
+            # Interrupted (or failed): whatever it holds is given back, in order after it.
+            self.notify(operation.abandon)
+            raise
+
+    def start(self, operation: Operation) -> concurrent.futures.Future[Any]:
+        """Send ``operation`` to the loop without waiting (any thread); its completion."""
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        if self.on_loop_thread():
+            self.drive(operation, done)
+        else:
+            self.post(self.drive, operation, done)
+        return done
+
+    async def acall(self, operation: Operation) -> Any:
+        """The async face: run ``operation`` and await it (the pool's loop or another)."""
+        if self.on_loop_thread():
+            assert self.loop is not None
+            here: asyncio.Future[Any] = self.loop.create_future()
+            self.drive(operation, here)
+            try:
+                return await here
+            except BaseException:
+                operation.abandon()
+                raise
+        if not self.running:
+            raise T2NErrorMisuse(
+                "the TensorResidencyPool is not running: use `async with pool:` in this loop, "
+                "or `with pool:` before awaiting it from another loop"
+            )
+        done = self.start(operation)
+        return await self.await_foreign(done, operation)
+
+    async def await_foreign(
+        self, done: concurrent.futures.Future[Any], operation: Operation | None = None
+    ) -> Any:
+        """Await a completion from a loop other than the pool's. Cancelling the awaiting task
+        never cancels ``done``: the operation is abandoned in order instead."""
+        wrapped = asyncio.wrap_future(done)
+        try:
+            return await asyncio.shield(wrapped)
+        except BaseException:
+            wrapped.add_done_callback(_consume)
+            if operation is not None:
+                self.notify(operation.abandon)
+            raise

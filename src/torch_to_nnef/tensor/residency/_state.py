@@ -1,0 +1,187 @@
+"""The records a pool's actor keeps: entries, their published slots, disk jobs, counters."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
+from torch_to_nnef.tensor.offload._protocol import PoolSource
+
+__all__ = ["Entry", "Job", "PoolStats", "Slot", "Ticket", "as_storage_error"]
+
+
+class PoolStats(NamedTuple):
+    """Counters of a :class:`TensorResidencyPool` since it was created."""
+
+    hits: int
+    """Requests served by a resident value."""
+    misses: int
+    """Requests that had to wait for a load."""
+    loads: int
+    """Payloads read from disk."""
+    bytes_read: int
+    """Bytes read from disk by those loads."""
+    evictions: int
+    """Values that left the pool (budget, explicit eviction or close)."""
+    write_backs: int
+    """Dirty values written back to their files."""
+    bytes_written: int
+    """Bytes written by those write-backs."""
+    load_errors: int
+    """Loads that failed (missing or corrupt files)."""
+    reused_buffers: int = 0
+    """Loads that read into the host buffers of an evicted value instead of fresh memory."""
+
+
+def as_storage_error(error: BaseException) -> BaseException:
+    """A load error as the callers see it: a ``T2NError``, the original chained."""
+    if isinstance(error, T2NError):
+        return error
+    wrapped = T2NErrorStorage(f"loading an offloaded tensor failed: {error!r}")
+    wrapped.__cause__ = error
+    return wrapped
+
+
+class Job:
+    """One disk job (a load or a write-back) on an I/O worker, and who waits for its end.
+
+    The worker's future completes on the worker thread; :meth:`complete` runs the actor's
+    transition for it on the loop thread, once (scheduled by the runtime, or run at once by
+    an inline wait on the loop thread itself).
+    """
+
+    __slots__ = ("_callbacks", "_transition", "done", "error", "future", "kind", "value")
+
+    def __init__(
+        self,
+        kind: str,
+        future: concurrent.futures.Future[Any],
+        transition: Callable[[Job], None],
+    ) -> None:
+        self.kind = kind
+        self.future: concurrent.futures.Future[Any] | None = future
+        self.done = False
+        self.value: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._transition: Callable[[Job], None] | None = transition
+        self._callbacks: list[Callable[[], None]] = []
+
+    def complete(self) -> None:
+        """Run the transition of the ended worker job (loop thread; only the first call acts).
+
+        The worker's future is dropped then: it and its callback refer to each other, and
+        would keep the loaded value alive until the cycle collector runs.
+        """
+        transition, self._transition = self._transition, None
+        if transition is not None:
+            transition(self)
+            self.future = None
+
+    def add_callback(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` on the loop thread once the job ended (at once if it has)."""
+        if self.done:
+            callback()
+        else:
+            self._callbacks.append(callback)
+
+    def finish(self, value: torch.Tensor | None, error: BaseException | None) -> None:
+        self.done = True
+        self.value = value
+        self.error = error
+        callbacks, self._callbacks = self._callbacks, []
+        for callback in callbacks:
+            callback()
+
+    def result(self) -> torch.Tensor:
+        """The loaded value, or the load error as :class:`T2NErrorStorage`."""
+        if self.error is not None:
+            raise as_storage_error(self.error)
+        assert self.value is not None
+        return self.value
+
+
+class Slot:
+    """What other threads see of a resident value, and the leases they hold on it.
+
+    Every field but ``value``, ``device`` and ``version`` (fixed at creation) changes under
+    the actor's lock only. A thread takes or ends a lease here without the loop thread; the
+    actor never evicts, reuses or replaces a value whose slot has leases, and closes the slot
+    (no new lease) before it does.
+    """
+
+    __slots__ = (
+        "changed",
+        "device",
+        "dirty",
+        "entry",
+        "leases",
+        "open",
+        "tracked",
+        "value",
+        "version",
+        "writing",
+    )
+
+    def __init__(self, entry: Entry, value: torch.Tensor, version: object) -> None:
+        self.entry = entry
+        self.value = value
+        self.device = entry.device
+        self.version = version
+        self.open = True  # leases may be taken without the actor
+        self.leases = 0  # held by any thread
+        self.dirty = False  # a read_write lease ended since the actor last looked
+        self.tracked = False  # the actor counts leases as holding the value (outside the budget)
+        self.writing = False  # a write-back runs: read_write leases go to the actor
+        self.changed = False  # queued for the actor's next look at its leases
+
+
+@dataclass(eq=False)
+class Entry:
+    """What the pool knows about one tensor."""
+
+    key: int
+    source: PoolSource
+    device: torch.device
+    nbytes: int
+    value: torch.Tensor | None = None
+    slot: Slot | None = None
+    load: Job | None = None
+    write: Job | None = None
+    waiters: int = 0
+    pinned: bool = False
+    dirty: bool = False
+    retained: bool = False
+    evicting: bool = False
+    version: object = None  # the source's payload version the value was read from
+    stuck: bool = False  # its write-back failed: kept, unevictable, until a flush writes it
+
+    @property
+    def tracked(self) -> bool:
+        return self.slot is not None and self.slot.tracked
+
+    @property
+    def held(self) -> bool:
+        return bool(self.waiters or self.pinned or self.stuck or self.tracked)
+
+    @property
+    def resident(self) -> bool:
+        """Loaded and not chosen for eviction (what ``is_resident`` reports)."""
+        return self.value is not None and not self.evicting
+
+
+class Ticket:
+    """One acquire: its reservation while it waits for the value, then its lease."""
+
+    def __init__(self, source: PoolSource, device: torch.device, read_write: bool) -> None:
+        self.source = source
+        self.device = device
+        self.read_write = read_write
+        self.entry: Entry | None = None
+        self.waiting = False  # counted in the entry's waiters
+        self.first = True  # the first try (counts the hit or the miss)
+        self.slot: Slot | None = None  # the lease granted and not yet taken by the caller

@@ -1,0 +1,237 @@
+"""The pool's core: leases without the loop thread, read-your-writes, downward imports."""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import random
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from residency_checks import check_invariants
+from test_residency import faces, make_tensors, open_pool
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+
+pytestmark = [pytest.mark.timeout(90)]
+
+SRC = Path(__file__).resolve().parents[1] / "src"
+BIG = 1 << 22  # float32: 16 MiB, so that a write-back takes a while
+
+
+def _churn(
+    pool: TensorResidencyPool, others: list[OffloadedTensor], seed: int, stop: threading.Event
+) -> None:
+    rng = random.Random(seed)
+    while not stop.is_set():
+        t = rng.choice(others)
+        kind = rng.randrange(4)
+        if kind == 0:
+            pool.resolve(t)
+        elif kind == 1:
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(0.0)  # a write: dirty values are written back on eviction
+        elif kind == 2:
+            pool.prefetch(t).wait()
+        else:
+            with contextlib.suppress(T2NErrorMisuse):  # another thread holds it
+                pool.evict(t)
+
+
+@pytest.mark.parametrize("resident_first", [True, False])
+def test_a_held_lease_never_changes_while_other_threads_churn(
+    tmp_path: Path, resident_first: bool
+) -> None:
+    ts = make_tensors(tmp_path, 12, numel=1024)
+    held, others = ts[0], ts[1:]
+    with TensorResidencyPool(max_cached_bytes=2 * 4096, max_workers=2) as pool:
+        if resident_first:
+            pool.resolve(held)  # the lease below is taken without the loop thread
+        stop = threading.Event()
+        errors: list[BaseException] = []
+
+        def churn(seed: int) -> None:
+            try:
+                _churn(pool, others, seed, stop)
+            except BaseException as error:
+                errors.append(error)
+
+        with pool.acquire(held) as value:
+            pointer = value.data_ptr()
+            threads = [threading.Thread(target=churn, args=(seed,)) for seed in range(3)]
+            for thread in threads:
+                thread.start()
+            try:
+                for _ in range(300):
+                    assert value.data_ptr() == pointer
+                    assert torch.equal(value, torch.zeros(1024)), "a held value changed"
+                    assert pool.is_resident(held), "a held value lost its residency"
+                    with pytest.raises(T2NErrorMisuse, match="while it is leased"):
+                        pool.evict(held)
+                    assert pool.resolve(held) is value
+            finally:
+                stop.set()
+                for thread in threads:
+                    thread.join(30)
+        assert not errors, errors
+        check_invariants(pool)
+        assert pool.stats().evictions > 0, "the other threads did not churn the pool"
+
+
+def test_a_read_write_lease_taken_without_the_loop_is_written_back(tmp_path: Path) -> None:
+    ts = make_tensors(tmp_path, 4)
+    with TensorResidencyPool(max_cached_bytes=2 * 1024) as pool:
+        pool.resolve(ts[0])
+        with pool.acquire(ts[0], mode="read_write") as value:
+            value.fill_(7.0)
+        for t in ts[1:]:
+            pool.resolve(t)  # pushes ts[0] out: written back first
+        pool.flush()
+        assert not pool.is_resident(ts[0])
+    assert torch.equal(ts[0].reload(), torch.full((256,), 7.0))
+
+
+@faces
+@pytest.mark.asyncio
+async def test_an_evicted_dirty_value_is_read_as_written(tmp_path: Path, face_name: str) -> None:
+    a = OffloadedTensor.from_original_tensor(torch.zeros(BIG), "a", offload_dir=tmp_path)
+    b = OffloadedTensor.from_original_tensor(torch.ones(BIG), "b", offload_dir=tmp_path)
+    async with open_pool(face_name, max_cached_bytes=BIG * 4) as face:
+        async with face.acquire(a, mode="read_write") as value:
+            value.fill_(3.0)
+        await face.resolve(b)  # pushes the dirty value of a out: its write-back starts
+        assert not face.pool.is_resident(a), "a value chosen for eviction is still resident"
+        expected = torch.full((BIG,), 3.0)
+        assert torch.equal(a.reload(), expected)  # outside the pool: waits for the write
+        assert torch.equal(a + 0, expected)  # an op outside any scope
+        with TensorResidencyPool() as other:  # another pool
+            assert torch.equal(other.resolve(a), expected)
+        await face.flush()
+
+
+@faces
+@pytest.mark.asyncio
+async def test_prefetch_of_a_resident_value_is_done_at_once(tmp_path: Path, face_name: str) -> None:
+    ts = make_tensors(tmp_path, 2)
+    async with open_pool(face_name) as face:
+        await face.resolve(ts[0])
+        handle = face.pool.prefetch(ts[0])
+        assert handle.done()
+        assert torch.equal(handle.wait(), torch.zeros(256))
+        assert torch.equal(await handle, torch.zeros(256))
+
+
+@pytest.mark.asyncio
+async def test_hits_from_threads_never_wait_for_the_loop(tmp_path: Path) -> None:
+    ts = make_tensors(tmp_path, 2)
+    async with TensorResidencyPool() as pool:
+        await pool.aresolve(ts[0])
+        results: list[object] = []
+
+        def hits() -> None:
+            results.append(pool.prefetch(ts[0]).done())
+            results.append(float(pool.resolve(ts[0])[0]))
+            with pool.acquire(ts[0]) as value:
+                results.append(float(value[0]))
+            with pool.acquire(ts[0], mode="read_write") as value:
+                results.append(float(value[0]))
+
+        thread = threading.Thread(target=hits)
+        thread.start()
+        thread.join(20)  # blocks the pool's loop: a hit that needs it would never end
+        assert not thread.is_alive(), "a hit waited for the pool's loop thread"
+        assert results == [True, 0.0, 0.0, 0.0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Imports point down
+# ---------------------------------------------------------------------------------------------
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in sorted((SRC / "torch_to_nnef").rglob("*.py")):
+        parts = list(path.relative_to(SRC).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts.pop()
+        found[".".join(parts)] = path
+    return found
+
+
+PUBLIC_MODULES = sorted(m for m in _modules() if not any(p.startswith("_") for p in m.split(".")))
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_each_public_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+
+
+def _imports_at_import_time(module: str, path: Path, known: set[str]) -> set[str]:
+    """Modules of the package that ``module`` imports when it is imported (not in functions
+    nor under ``TYPE_CHECKING``), each with the packages above it, which Python runs first."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    targets: set[str] = set()
+
+    def visit(statements: list[ast.stmt]) -> None:
+        for node in statements:
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                visit(node.orelse)
+                continue
+            if isinstance(node, ast.If | ast.Try | ast.With):
+                for block in ("body", "orelse", "finalbody", "handlers"):
+                    for child in getattr(node, block, []):
+                        visit(child.body if isinstance(child, ast.ExceptHandler) else [child])
+            elif isinstance(node, ast.Import):
+                targets.update(alias.name for alias in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1])
+                    base = f"{base}.{node.module}" if node.module else base
+                targets.add(base)
+                targets.update(f"{base}.{alias.name}" for alias in node.names)
+
+    visit(tree.body)
+    closed: set[str] = set()
+    for target in targets:
+        parts = target.split(".")
+        for end in range(1, len(parts) + 1):
+            candidate = ".".join(parts[:end])
+            if candidate in known and candidate != module:
+                closed.add(candidate)
+    return closed
+
+
+def test_no_import_circle_in_the_package() -> None:
+    modules = _modules()
+    known = set(modules)
+    graph = {m: _imports_at_import_time(m, p, known) for m, p in modules.items()}
+    # A package imports its own submodules; those import the package first: no circle.
+    for module, targets in graph.items():
+        graph[module] = {t for t in targets if not module.startswith(t + ".")}
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph[module]):
+            if state.get(target) == 1:
+                circle = [*stack[stack.index(target) :], target]
+                raise AssertionError("import circle: " + " -> ".join(circle))
+            if target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
