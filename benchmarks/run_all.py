@@ -81,6 +81,15 @@ BENCHMARKS = (
         "OrderedDict LRU reading misses synchronously.",
     ),
     Benchmark(
+        "bulk_prefetch",
+        "Bulk prefetch",
+        "bench_residency.py",
+        ("--part", "bulk"),
+        timeout_s=240,
+        about="16 payloads of 32 MiB prefetched at once (max_workers=2), then waited for; the "
+        "reference is two threads reading them with readinto into fresh buffers.",
+    ),
+    Benchmark(
         "overlap",
         "Overlap of reads with compute (prefetch-ahead)",
         "bench_overlap.py",
