@@ -262,7 +262,7 @@ Path({marker!r}).touch()
 
 class Evil:
     @classmethod
-    def from_offload_state(cls, tensors, attributes):
+    def from_offload_state(cls, state, target_device=None):
         Path({marker!r}).touch()
 """
 

@@ -271,29 +271,29 @@ def test_reference_data_cannot_be_assigned() -> None:
 # -- SupportsOffloadState registry ------------------------------------------------------------
 def test_offload_state_classes_register_under_their_tag() -> None:
     class Registered(SupportsOffloadState):
-        offload_tag = "tests.opaque.Registered"
+        OFFLOAD_STATE_TAG = "tests.opaque.Registered"
 
     assert offload_state_class("tests.opaque.Registered") is Registered
 
     class Defaulted(SupportsOffloadState):
         pass
 
-    assert Defaulted.offload_tag == f"{__name__}.{Defaulted.__qualname__}"
-    assert offload_state_class(Defaulted.offload_tag) is Defaulted
+    assert Defaulted.OFFLOAD_STATE_TAG == f"{__name__}.{Defaulted.__qualname__}"
+    assert offload_state_class(Defaulted.OFFLOAD_STATE_TAG) is Defaulted
 
 
-def test_duplicate_offload_tag_raises() -> None:
+def test_duplicate_OFFLOAD_STATE_TAG_raises() -> None:
     class Original(SupportsOffloadState):
-        offload_tag = "tests.opaque.Duplicate"
+        OFFLOAD_STATE_TAG = "tests.opaque.Duplicate"
 
     with pytest.raises(T2NErrorMisuse, match=r"'tests.opaque.Duplicate' is already registered"):
 
         class Impostor(SupportsOffloadState):
-            offload_tag = "tests.opaque.Duplicate"
+            OFFLOAD_STATE_TAG = "tests.opaque.Duplicate"
 
     assert offload_state_class("tests.opaque.Duplicate") is Original
 
 
-def test_unknown_offload_tag_raises_storage_error() -> None:
+def test_unknown_OFFLOAD_STATE_TAG_raises_storage_error() -> None:
     with pytest.raises(T2NErrorStorage, match=r"unknown offload class tag 'tests.nowhere'"):
         offload_state_class("tests.nowhere")

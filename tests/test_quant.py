@@ -350,7 +350,7 @@ def test_qtensor_is_an_opaque_tensor_with_offload_state() -> None:
     assert isinstance(q, OpaqueTensor)
     assert isinstance(q, SupportsOffloadState)
     assert type(type(q)) is type(torch.Tensor)
-    assert offload_state_class(QTensorTractScaleOnly.offload_tag) is QTensorTractScaleOnly
+    assert offload_state_class(QTensorTractScaleOnly.OFFLOAD_STATE_TAG) is QTensorTractScaleOnly
 
 
 def test_metadata_without_expansion(weight: torch.Tensor) -> None:
@@ -595,7 +595,10 @@ def test_offload_state_round_trips_exactly(shape: tuple[int, ...], dtype: torch.
     q.specific_machine = "arm64"
     q.nnef_name = "block.0.weight"
 
-    tensors, attributes = q.offload_state()
+    state = q.to_offload_state()
+    assert QTensorTractScaleOnly.is_offload_state(state)
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    attributes = {k: v for k, v in state.items() if k not in tensors}
     attributes = json.loads(json.dumps(attributes))  # JSON-able, as storage writes it
     assert set(tensors) == {"u8_blob", "scale"}
     assert tensors["u8_blob"].dtype == torch.uint8
@@ -603,7 +606,7 @@ def test_offload_state_round_trips_exactly(shape: tuple[int, ...], dtype: torch.
     assert tensors["scale"].dtype == torch.float16
 
     rebuilt = QTensorTractScaleOnly.from_offload_state(
-        {k: v.clone() for k, v in tensors.items()}, attributes
+        {**attributes, **{k: v.clone() for k, v in tensors.items()}}
     )
     assert type(rebuilt) is QTensorTractScaleOnly
     assert rebuilt.shape == q.shape and rebuilt.dtype == dtype
@@ -615,9 +618,9 @@ def test_offload_state_round_trips_exactly(shape: tuple[int, ...], dtype: torch.
 
 def test_offload_state_is_rebuilt_through_its_registered_class(weight: torch.Tensor) -> None:
     q = fp_to_tract_q4_0_with_min_max_calibration(weight)
-    tensors, attributes = q.offload_state()
-    cls = offload_state_class(q.offload_tag)
-    rebuilt = cls.from_offload_state(tensors, attributes)
+    state = q.to_offload_state()
+    cls = offload_state_class(q.OFFLOAD_STATE_TAG)
+    rebuilt = cls.from_offload_state(state)
     assert isinstance(rebuilt, QTensorTractScaleOnly)
     assert torch.equal(rebuilt.decompress(), q.decompress())
 
@@ -626,36 +629,37 @@ def test_offload_state_with_compressors_is_refused(weight: torch.Tensor) -> None
     qscheme = qscale_per_group_f16_min_max_calibration(weight, 4, 32)
     q = QTensorTractScaleOnly(weight, qscheme, u8_compressors=[NibblePacker()])
     with pytest.raises(T2NErrorNotImplemented, match="compressors are not serializable"):
-        q.offload_state()
+        q.to_offload_state()
 
 
 @pytest.mark.parametrize(
     ("tamper", "message"),
     [
-        (lambda t, a: t.pop("scale"), "expected tensors 'u8_blob' and 'scale'"),
-        (lambda t, a: a.update(n_bits=8), "'n_bits' must be 4"),
-        (lambda t, a: a.update(shape=[64, 64]), "'u8_blob' must be a 1-D uint8"),
-        (lambda t, a: a.update(shape="64x32"), "'shape' must be a list"),
-        (lambda t, a: a.update(dequant_to_dtype="int8"), "'dequant_to_dtype' must be one of"),
-        (lambda t, a: a.update(specific_machine=3), "specific_machine must be None"),
-        (lambda t, a: a.update(shape=[2048]), "2-D to 4-D"),
-        (lambda t, a: t.update(scale=t["scale"].float()), "'scale' must hold 64 float16"),
-        (lambda t, a: a.update(u8_packing="none"), "'u8_packing' must be 'nibble_pairs'"),
+        (lambda s: s.pop("scale"), "expected tensors 'u8_blob' and 'scale'"),
+        (lambda s: s.update(n_bits=8), "'n_bits' must be 4"),
+        (lambda s: s.update(shape=[64, 64]), "'u8_blob' must be a 1-D uint8"),
+        (lambda s: s.update(shape="64x32"), "'shape' must be a list"),
+        (lambda s: s.update(dequant_to_dtype="int8"), "'dequant_to_dtype' must be one of"),
+        (lambda s: s.update(specific_machine=3), "specific_machine must be None"),
+        (lambda s: s.update(shape=[2048]), "2-D to 4-D"),
+        (lambda s: s.update(scale=s["scale"].float()), "'scale' must hold 64 float16"),
+        (lambda s: s.update(u8_packing="none"), "'u8_packing' must be 'nibble_pairs'"),
+        (lambda s: s.pop("__t2n_offload_state__"), "expected a dict tagged"),
     ],
 )
 def test_invalid_offload_state_raises_storage_error(tamper: object, message: str) -> None:
     q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(64, 32))
-    tensors, attributes = q.offload_state()
-    tamper(tensors, attributes)  # type: ignore[operator]
+    state = q.to_offload_state()
+    tamper(state)  # type: ignore[operator]
     with pytest.raises(T2NErrorStorage, match=re.escape(message)):
-        QTensorTractScaleOnly.from_offload_state(tensors, attributes)
+        QTensorTractScaleOnly.from_offload_state(state)
 
 
 @CUDA
 def test_offload_state_round_trips_on_cuda() -> None:
     q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(16, 64, device="cuda"))
-    tensors, attributes = q.offload_state()
-    assert tensors["u8_blob"].is_cuda
-    rebuilt = QTensorTractScaleOnly.from_offload_state(tensors, attributes)
+    state = q.to_offload_state()
+    assert state["u8_blob"].is_cuda
+    rebuilt = QTensorTractScaleOnly.from_offload_state(state)
     assert rebuilt.device == q.device
     assert torch.equal(rebuilt.decompress(), q.decompress())

@@ -21,7 +21,7 @@ from safetensors import safe_open
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
-from torch_to_nnef.tensor.opaque import OpaqueTensor, SupportsOffloadState
+from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
 from torch_to_nnef.tensor.storage._buffers import advise_huge_pages, byte_view, tensor_pieces
 from torch_to_nnef.tensor.storage._device import _copy_stream, _should_pin
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
@@ -516,7 +516,7 @@ def test_non_string_name_is_misuse(tmp_path: Path) -> None:
 class ScaledInt8(OpaqueTensor, SupportsOffloadState):
     """A tiny opaque tensor: int8 values times a float scale."""
 
-    offload_tag = "tests.test_storage.ScaledInt8"
+    OFFLOAD_STATE_TAG = "tests.test_storage.ScaledInt8"
     values: torch.Tensor
     scale: float
 
@@ -533,22 +533,25 @@ class ScaledInt8(OpaqueTensor, SupportsOffloadState):
     def _to_base_tensor(self) -> torch.Tensor:
         return self.values.float() * self.scale
 
-    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return {"values": self.values}, {"scale": self.scale, "kind": ["int8", 1]}
+    def to_offload_state(self) -> dict[str, Any]:
+        return {
+            OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
+            "values": self.values,
+            "scale": self.scale,
+            "kind": ["int8", 1],
+        }
 
     @classmethod
-    def from_offload_state(
-        cls, tensors: dict[str, torch.Tensor], attributes: dict[str, Any]
-    ) -> ScaledInt8:
-        assert attributes["kind"] == ["int8", 1]
-        return cls(tensors["values"], attributes["scale"])
+    def from_offload_state(cls, state: dict[str, Any], target_device: Any = None) -> ScaledInt8:
+        assert cls.is_offload_state(state) and state["kind"] == ["int8", 1]
+        return cls(state["values"], state["scale"])
 
 
 class NotJsonAble(ScaledInt8):
-    offload_tag = "tests.test_storage.NotJsonAble"
+    OFFLOAD_STATE_TAG = "tests.test_storage.NotJsonAble"
 
-    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        return {"values": self.values}, {"scale": object()}
+    def to_offload_state(self) -> dict[str, Any]:
+        return {"values": self.values, "scale": float("nan")}
 
 
 def test_opaque_value_round_trips_through_a_payload_file(tmp_path: Path) -> None:

@@ -1,16 +1,26 @@
 """Errors raised by torch_to_nnef.
 
 Every error a user sees is a :class:`T2NError`; its message says what was wrong and what to do.
-
-::
+Each class also derives from the builtin exception that code written for upstream
+torch-to-nnef expects, so that ``except ValueError:`` or ``except NotImplementedError:`` keeps
+catching what it caught there::
 
     T2NError                              base of every error of the library
-    ├── T2NErrorMisuse                    the API was called in a way it does not support
-    ├── T2NErrorNotImplemented            a feature or an operation is not available
-    ├── T2NErrorImpossibleQuantization    a tensor cannot be quantized with the requested scheme
-    ├── T2NErrorInconsistentTensor        a replacement tensor disagrees on device, dtype or shape
-    ├── T2NErrorStorage                   a payload file is missing, corrupt or unwritable
-    └── T2NErrorCheckpoint                a checkpoint does not match the model it is bound to
+    ├── T2NErrorMisuse                    (ValueError) the API was called in a way it does not
+    │                                     support
+    ├── T2NErrorInconsistentTensor        (ValueError) a replacement tensor disagrees on device,
+    │                                     dtype or shape
+    ├── T2NErrorNotImplemented            (NotImplementedError) a feature or an operation is not
+    │                                     available
+    ├── T2NErrorImpossibleQuantization    (NotImplementedError) a tensor cannot be quantized with
+    │                                     the requested scheme
+    ├── T2NErrorStorage                   (OSError) a payload file is missing, corrupt or
+    │                                     unwritable
+    ├── T2NErrorCheckpoint                (ValueError) a checkpoint does not match the model it is
+    │                                     bound to
+    └── T2NErrorTorchGraphExtraction      a traced graph cannot be related to the model
+        └── T2NErrorTorchJitTraceFailed   (RuntimeError) a trace refers to an opaque tensor the
+                                          model does not hold
 """
 
 from __future__ import annotations
@@ -23,6 +33,8 @@ __all__ = [
     "T2NErrorMisuse",
     "T2NErrorNotImplemented",
     "T2NErrorStorage",
+    "T2NErrorTorchGraphExtraction",
+    "T2NErrorTorchJitTraceFailed",
 ]
 
 
@@ -30,32 +42,41 @@ class T2NError(Exception):
     """Base class of every error raised by torch_to_nnef."""
 
 
-class T2NErrorMisuse(T2NError):
+class T2NErrorMisuse(ValueError, T2NError):
     """The API was called with arguments or in a state it does not support.
 
     The message names the offending value and the correct call.
     """
 
 
-class T2NErrorNotImplemented(T2NError, NotImplementedError):
+class T2NErrorNotImplemented(NotImplementedError, T2NError):
     """The requested operation is not available for this tensor type or configuration."""
 
 
-class T2NErrorImpossibleQuantization(T2NError):
+class T2NErrorImpossibleQuantization(NotImplementedError, T2NError):
     """A tensor cannot be quantized with the requested scheme (its shape is named)."""
 
 
-class T2NErrorInconsistentTensor(T2NError):
+class T2NErrorInconsistentTensor(ValueError, T2NError):
     """A replacement tensor disagrees with the one it replaces (device, dtype or shape)."""
 
 
-class T2NErrorStorage(T2NError):
+class T2NErrorStorage(OSError, T2NError):
     """A payload file is missing, unreadable, corrupt or could not be written.
 
     The message names the path and the rule that was broken; no partial payload is ever
-    returned and nothing on disk is left torn.
+    returned and nothing on disk is left torn. It is an ``OSError``, like the errors of the
+    file operations it stands for.
     """
 
 
-class T2NErrorCheckpoint(T2NError):
+class T2NErrorCheckpoint(ValueError, T2NError):
     """A checkpoint does not fit its model (missing, unexpected or mis-shaped keys)."""
+
+
+class T2NErrorTorchGraphExtraction(T2NError):
+    """A traced graph cannot be related to the model it was traced from."""
+
+
+class T2NErrorTorchJitTraceFailed(RuntimeError, T2NErrorTorchGraphExtraction):
+    """A trace refers to an opaque tensor that the traced model does not hold."""

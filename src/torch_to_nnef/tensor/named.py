@@ -18,8 +18,9 @@ from torch.overrides import get_default_nowrap_functions
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.opaque import OpaqueTensor, OpaqueTensorRef
+from torch_to_nnef.tensor.updater import ModTensorUpdater
 
-__all__ = ["NamedTensor", "apply_name_to_tensor_in_module"]
+__all__ = ["NamedTensor", "apply_name_to_tensor_in_module", "get_or_add_named_tensor"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -159,6 +160,44 @@ class NamedTensor(torch.Tensor):
             return _strip_names(result, args)
 
 
+def get_or_add_named_tensor(
+    ids_to_ntensor: dict[int, NamedTensor],
+    ref_mod: torch.nn.Module,
+    attr_name: str,
+    full_name: str,
+    data: torch.Tensor,
+) -> NamedTensor:
+    """Return the :class:`NamedTensor` of the tensor ``ref_mod.<attr_name>``, making it once.
+
+    ``ids_to_ntensor`` maps the ``id()`` of tensors already named to their
+    :class:`NamedTensor`: a tensor met again under another path (a tied weight) gets the one
+    made the first time, named after its first path. Otherwise ``NamedTensor(data,
+    full_name)`` is made and recorded.
+
+    Args:
+        ids_to_ntensor: the record of tensors named so far, updated in place.
+        ref_mod: the module holding the tensor.
+        attr_name: the tensor's attribute name on ``ref_mod``.
+        full_name: the tensor's dotted path, its name when it is met first.
+        data: the values of the NamedTensor to make (usually the tensor itself).
+
+    Raises:
+        T2NErrorMisuse: ``ref_mod`` has no attribute ``attr_name``.
+    """
+    try:
+        held = getattr(ref_mod, attr_name)
+    except AttributeError:
+        raise T2NErrorMisuse(
+            f"{type(ref_mod).__name__} has no attribute {attr_name!r} to name {full_name!r}"
+        ) from None
+    named = ids_to_ntensor.get(id(held))
+    if named is None:
+        named = ids_to_ntensor[id(held)] = NamedTensor(data, nnef_name=full_name)
+    else:
+        LOGGER.debug("shared tensor %r is named %r", full_name, named.nnef_name)
+    return named
+
+
 def apply_name_to_tensor_in_module(model: torch.nn.Module) -> None:
     """Turn every parameter and buffer of ``model`` into a :class:`NamedTensor`.
 
@@ -173,8 +212,6 @@ def apply_name_to_tensor_in_module(model: torch.nn.Module) -> None:
     (:class:`~torch_to_nnef.tensor.opaque.OpaqueTensor` and references to them) are left as
     they are.
     """
-    from torch_to_nnef.tensor.updater import ModTensorUpdater
-
     updater = ModTensorUpdater(model, add_buffers=True)
     for names, tensor in list(updater.iter_tensors()):
         if isinstance(tensor, (OpaqueTensor, OpaqueTensorRef, NamedTensor)):

@@ -15,21 +15,33 @@ from __future__ import annotations
 
 import itertools
 import logging
+import os
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch.overrides import get_default_nowrap_functions
 
-from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorNotImplemented, T2NErrorStorage
+from torch_to_nnef.exceptions import (
+    T2NErrorMisuse,
+    T2NErrorNotImplemented,
+    T2NErrorStorage,
+    T2NErrorTorchJitTraceFailed,
+)
+from torch_to_nnef.tensor.updater import ModTensorUpdater
+from torch_to_nnef.tensor.utils import get_named_parameters
 
 __all__ = [
+    "OFFLOAD_STATE_KEY",
     "OpaqueTensor",
     "OpaqueTensorRef",
     "SupportsOffloadState",
+    "find_opaque_ref_by_py_id",
     "offload_state_class",
     "opaque_to_final_tensor",
+    "resolve_offload_state",
     "set_opaque_tensor_in_params_as_ref",
 ]
 
@@ -157,7 +169,24 @@ class OpaqueTensor(torch.Tensor):
     ``detach()`` and ``requires_grad_()`` return the tensor itself, so that
     ``nn.Parameter(opaque, requires_grad=False)`` keeps the opaque type. ``data`` returns the
     tensor itself to keep access to its special attributes.
+
+    A subclass written for upstream torch-to-nnef, whose ``__new__`` calls
+    ``super().__new__(cls, fp_tensor)``, gets a shell reporting the shape, dtype and device of
+    ``fp_tensor`` (which is not kept: the subclass keeps what it needs in ``__init__``).
     """
+
+    t2n_supports_grad: ClassVar[bool] = False
+    """Opaque values carry no autograd history (see ``utils.can_require_grad``)."""
+
+    @staticmethod
+    def __new__(cls, elem: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG004
+        """Build a storage-less shell with the shape, dtype and device of ``elem``."""
+        if not isinstance(elem, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"{cls.__name__}(elem, ...) takes the tensor whose shape, dtype and device it "
+                f"reports, got {type(elem).__name__}"
+            )
+        return OpaqueTensor._make_shell(cls, elem.shape, elem.dtype, elem.device)
 
     @staticmethod
     def _make_shell(
@@ -189,6 +218,19 @@ class OpaqueTensor(torch.Tensor):
             return result
         return self._to_base_tensor()
 
+    def to_trace_tensor(self, device: str | torch.device | None) -> torch.Tensor:
+        """Return what a trace should compute with in place of this tensor.
+
+        With ``device="meta"`` and a floating point dtype, a meta tensor of this tensor's shape
+        and dtype: nothing is read nor decompressed, which suits operations that only
+        propagate shapes (``linear``, ``matmul``, views). Integer values (codebooks, indices)
+        are expanded even then, since a trace may read them. Any other ``device`` (``None``,
+        ``"cpu"``, ...) gives the expanded value, as :meth:`to_base_tensor` does.
+        """
+        if device is not None and torch.device(device).type == "meta" and self.dtype.is_floating_point:
+            return torch.empty(tuple(self.shape), dtype=self.dtype, device="meta")
+        return self.to_base_tensor()
+
     # -- behaviour shared by every opaque tensor ---------------------------------------------
     @property  # type: ignore[override]
     def data(self) -> OpaqueTensor:
@@ -206,16 +248,17 @@ class OpaqueTensor(torch.Tensor):
         """Return the tensor itself (opaque tensors carry no autograd history)."""
         return self
 
-    def requires_grad_(self, requires_grad: bool = True) -> OpaqueTensor:  # type: ignore[override]
+    def requires_grad_(self, mode: bool = False) -> OpaqueTensor:  # type: ignore[override]
         """Accept ``requires_grad_(False)`` and return the tensor itself.
 
         Args:
-            requires_grad: must be ``False``: opaque tensors cannot require gradients.
+            mode: must be ``False`` (the default): opaque tensors cannot require gradients.
 
         Raises:
-            T2NErrorMisuse: ``requires_grad`` is true.
+            T2NErrorMisuse: ``mode`` is true (upstream torch-to-nnef ignores it silently; a
+                training loop would then get no gradient without notice).
         """
-        if requires_grad:
+        if mode:
             raise T2NErrorMisuse(
                 f"{type(self).__name__} cannot require gradients; "
                 "wrap it with nn.Parameter(tensor, requires_grad=False)"
@@ -263,6 +306,7 @@ class OpaqueTensorRef(torch.Tensor):
 
     opaque_tensor: OpaqueTensor
     meta_tensor: torch.Tensor
+    t2n_supports_grad: ClassVar[bool] = False
 
     @staticmethod
     def __new__(cls, meta_tensor: torch.Tensor, opaque_tensor: OpaqueTensor) -> OpaqueTensorRef:
@@ -298,7 +342,10 @@ class OpaqueTensorRef(torch.Tensor):
         return self
 
     def requires_grad_(self, requires_grad: bool = True) -> OpaqueTensorRef:  # type: ignore[override]
-        """Return the reference itself; ``requires_grad`` is ignored (references have no grad)."""
+        """Return the reference itself; ``requires_grad`` is ignored (references have no grad).
+
+        ``nn.Parameter(ref)`` calls it while wrapping the reference.
+        """
         return self
 
     def to(self, *args: Any, **kwargs: Any) -> torch.Tensor:  # type: ignore[override]
@@ -354,8 +401,6 @@ def set_opaque_tensor_in_params_as_ref(model: torch.nn.Module) -> None:
     the expanded values. Tied parameters (one tensor held by several modules) share one
     reference. Parameters that are not opaque, or are references already, are left as they are.
     """
-    from torch_to_nnef.tensor.updater import ModTensorUpdater
-
     updater = ModTensorUpdater(model)
     for _, tensor in list(updater.iter_tensors()):
         if isinstance(tensor, OpaqueTensor):
@@ -363,59 +408,142 @@ def set_opaque_tensor_in_params_as_ref(model: torch.nn.Module) -> None:
             updater.update_by_ref(tensor, OpaqueTensorRef(meta, tensor))
 
 
+def find_opaque_ref_by_py_id(module: torch.nn.Module, py_id: int) -> OpaqueTensorRef:
+    """Return the parameter of ``module`` that references the opaque tensor ``id(...) == py_id``.
+
+    After :func:`set_opaque_tensor_in_params_as_ref`, a parameter is an
+    :class:`OpaqueTensorRef`; this finds it back from the Python id of the opaque tensor it
+    stands for (tied parameters are the same reference).
+
+    Raises:
+        T2NErrorTorchJitTraceFailed: no parameter of ``module`` references that tensor.
+    """
+    for _, param in get_named_parameters(module):
+        if isinstance(param, OpaqueTensorRef) and id(param.opaque_tensor) == py_id:
+            return param
+    raise T2NErrorTorchJitTraceFailed(
+        f"no parameter of this {type(module).__name__} references the opaque tensor with "
+        f"id {py_id}; call set_opaque_tensor_in_params_as_ref(module) first, and keep the "
+        "opaque tensor alive"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
-# Offload state: describe an opaque tensor as plain tensors plus JSON-able attributes.
+# Offload state: describe an opaque tensor as a dict of tensors and plain values.
 # ---------------------------------------------------------------------------------------------
+OFFLOAD_STATE_KEY = "__t2n_offload_state__"
+"""The key of an offload state naming the class that rebuilds it (its ``OFFLOAD_STATE_TAG``)."""
+
 _OFFLOAD_STATE_CLASSES: dict[str, type[SupportsOffloadState]] = {}
 
 
 class SupportsOffloadState:
-    """Mixin by which an opaque tensor describes itself for storage.
+    """Mixin by which an opaque tensor describes itself for storage, without pickle.
 
-    A subclass implements :meth:`offload_state` (a few plain tensors plus JSON-able attributes)
-    and :meth:`from_offload_state` (the inverse). Each class is registered under its
-    ``offload_tag`` (by default ``"module.QualName"``), which the storage layer writes next to
-    the tensors; two classes cannot claim the same tag.
+    A subclass implements:
+
+    - :meth:`to_offload_state`: a dict whose :data:`OFFLOAD_STATE_KEY` entry is the class's
+      ``OFFLOAD_STATE_TAG`` and whose other values are tensors, ``None``, booleans, numbers,
+      strings, ``torch.dtype``, ``torch.device``, ``torch.Size``, or lists, tuples and
+      str-keyed dicts of them;
+    - :meth:`from_offload_state` (the inverse);
+    - optionally :meth:`write_offload_state_in_file`, which writes an inference engine's file
+      straight from a state.
+
+    The storage layer writes the tensors of a state as the entries of a payload file and the
+    rest as JSON; reading it back never runs code from the file. Each class is registered under
+    its ``OFFLOAD_STATE_TAG`` (by default ``"module.QualName"``; a subclass that does not
+    declare one gets its own default tag); two classes cannot claim the same tag.
     """
 
-    offload_tag: ClassVar[str]
+    OFFLOAD_STATE_TAG: ClassVar[str]
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        tag = cls.__dict__.get("offload_tag") or f"{cls.__module__}.{cls.__qualname__}"
+        tag = cls.__dict__.get("OFFLOAD_STATE_TAG") or f"{cls.__module__}.{cls.__qualname__}"
         if not isinstance(tag, str):
-            raise T2NErrorMisuse(f"offload_tag of {cls.__qualname__} must be a str, got {tag!r}")
-        other = _OFFLOAD_STATE_CLASSES.get(tag)
-        if other is not None and other is not cls:
             raise T2NErrorMisuse(
-                f"offload tag {tag!r} is already registered by {other.__module__}."
-                f"{other.__qualname__}; give {cls.__qualname__} a distinct `offload_tag`"
+                f"OFFLOAD_STATE_TAG of {cls.__qualname__} must be a str, got {tag!r}"
             )
-        cls.offload_tag = tag
+        other = _OFFLOAD_STATE_CLASSES.get(tag)
+        # A class defined again under the same name (a reloaded module) replaces the former one.
+        if other is not None and (other.__module__, other.__qualname__) != (
+            cls.__module__,
+            cls.__qualname__,
+        ):
+            raise T2NErrorMisuse(
+                f"offload state tag {tag!r} is already registered by {other.__module__}."
+                f"{other.__qualname__}; give {cls.__qualname__} a distinct OFFLOAD_STATE_TAG"
+            )
+        cls.OFFLOAD_STATE_TAG = tag
         _OFFLOAD_STATE_CLASSES[tag] = cls
 
-    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Return ``(tensors, attributes)`` describing this value; attributes are JSON-able.
+    @classmethod
+    def is_offload_state(cls, state: Any) -> bool:
+        """Whether ``state`` is an offload state of this class (its tag under the state key)."""
+        return isinstance(state, dict) and state.get(OFFLOAD_STATE_KEY) == cls.OFFLOAD_STATE_TAG
+
+    def to_offload_state(self) -> dict[str, Any]:
+        """Return the offload state describing this value (see the class documentation).
 
         Raises:
             T2NErrorNotImplemented: the subclass does not implement it.
         """
-        raise T2NErrorNotImplemented(f"{type(self).__name__} must implement offload_state()")
+        raise T2NErrorNotImplemented(f"{type(self).__name__} must implement to_offload_state()")
 
     @classmethod
     def from_offload_state(
-        cls: type[_S], tensors: dict[str, torch.Tensor], attributes: dict[str, Any]
+        cls: type[_S], state: dict[str, Any], target_device: torch.device | str | None = None
     ) -> _S:
-        """Rebuild a value from what :meth:`offload_state` returned.
+        """Rebuild a value from what :meth:`to_offload_state` returned.
 
         Args:
-            tensors: the tensors of the offload state, by name.
-            attributes: the JSON-able attributes of the offload state.
+            state: the offload state (its tensors are where the storage layer read them).
+            target_device: where to place the value; ``None`` leaves it where the state's
+                tensors are.
 
         Raises:
             T2NErrorNotImplemented: the subclass does not implement it.
         """
         raise T2NErrorNotImplemented(f"{cls.__name__} must implement from_offload_state()")
+
+    @classmethod
+    def write_offload_state_in_file(
+        cls,
+        state: dict[str, Any],
+        dirpath: str | os.PathLike[str],
+        label: str,
+        inference_target: Any = None,
+    ) -> Path | None:
+        """Write the inference engine's file of the value ``state`` describes.
+
+        Lets an offloaded value be exported without being rebuilt in memory.
+
+        Args:
+            state: an offload state of this class.
+            dirpath: the model folder.
+            label: the tensor's label in the engine's graph; it names the file.
+            inference_target: the engine (version) to write for; ``None``: the latest.
+
+        Raises:
+            T2NErrorNotImplemented: the class has no file format of its own.
+        """
+        raise T2NErrorNotImplemented(
+            f"{cls.__name__} has no inference engine file format; only classes such as "
+            "QTensorTractScaleOnly implement write_offload_state_in_file()"
+        )
+
+
+def resolve_offload_state(state: Any) -> type[SupportsOffloadState] | None:
+    """Return the class registered for the tag of ``state``, or ``None``.
+
+    ``None`` when ``state`` is not a dict holding a registered tag under
+    :data:`OFFLOAD_STATE_KEY`.
+    """
+    if not isinstance(state, dict):
+        return None
+    tag = state.get(OFFLOAD_STATE_KEY)
+    return _OFFLOAD_STATE_CLASSES.get(tag) if isinstance(tag, str) else None
 
 
 def offload_state_class(tag: str) -> type[SupportsOffloadState]:

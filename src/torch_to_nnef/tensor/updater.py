@@ -4,6 +4,9 @@ A transformer usually ties its token embedding and its LM head: one parameter ob
 two modules. Assigning a new tensor to one of them (``model.lm_head.weight = ...``) silently
 unties them. :class:`ModTensorUpdater` indexes, once, every place of a model that holds each
 tensor, and replaces a tensor in all of them at once.
+
+This module knows nothing of the library's tensor subclasses: whether a replacement may require
+gradients is asked of :func:`~torch_to_nnef.tensor.utils.can_require_grad`.
 """
 
 from __future__ import annotations
@@ -17,15 +20,19 @@ import torch
 from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorInconsistentTensor, T2NErrorMisuse
-from torch_to_nnef.tensor.opaque import OpaqueTensor, OpaqueTensorRef
+from torch_to_nnef.tensor.utils import can_require_grad
 
-__all__ = ["ModTensorUpdater"]
+__all__ = ["ModTensorUpdater", "TensorHoldKind"]
 
 
-class _Kind(enum.Enum):
+class TensorHoldKind(str, enum.Enum):
+    """How a module holds a tensor: as a parameter, a buffer or a plain attribute."""
+
     PARAMETER = "parameter"
     BUFFER = "buffer"
-    UNREGISTERED = "unregistered tensor attribute"
+    UNREGISTRED = "unregistred"
+    """A plain tensor attribute, neither parameter nor buffer (upstream's spelling)."""
+    UNREGISTERED = "unregistred"  # an alias of UNREGISTRED, correctly spelled
 
 
 @dataclass(eq=False)
@@ -37,13 +44,13 @@ class _Slot:
 
     module: nn.Module
     local_name: str
-    kind: _Kind
+    kind: TensorHoldKind
     names: list[str] = field(default_factory=list)
 
     def read(self) -> torch.Tensor | None:
-        if self.kind is _Kind.PARAMETER:
+        if self.kind is TensorHoldKind.PARAMETER:
             return self.module._parameters.get(self.local_name)
-        if self.kind is _Kind.BUFFER:
+        if self.kind is TensorHoldKind.BUFFER:
             return self.module._buffers.get(self.local_name)
         value = self.module.__dict__.get(self.local_name)
         return value if isinstance(value, torch.Tensor) else None
@@ -51,9 +58,9 @@ class _Slot:
     def write(self, tensor: torch.Tensor) -> None:
         # Write the module's own dictionaries: `Module.__setattr__` would re-register a
         # parameter assigned to a plain attribute and refuses non-parameters in `_parameters`.
-        if self.kind is _Kind.PARAMETER:
+        if self.kind is TensorHoldKind.PARAMETER:
             self.module._parameters[self.local_name] = tensor  # type: ignore[assignment]
-        elif self.kind is _Kind.BUFFER:
+        elif self.kind is TensorHoldKind.BUFFER:
             self.module._buffers[self.local_name] = tensor
         else:
             self.module.__dict__[self.local_name] = tensor
@@ -71,22 +78,16 @@ class _Entry:
         return tuple(name for slot in self.slots.values() for name in slot.names)
 
 
-def _held_tensors(module: nn.Module, kind: _Kind) -> Iterator[tuple[str, torch.Tensor]]:
-    if kind is _Kind.PARAMETER:
+def _held_tensors(module: nn.Module, kind: TensorHoldKind) -> Iterator[tuple[str, torch.Tensor]]:
+    if kind is TensorHoldKind.PARAMETER:
         items: Iterable[tuple[str, object]] = module._parameters.items()
-    elif kind is _Kind.BUFFER:
+    elif kind is TensorHoldKind.BUFFER:
         items = module._buffers.items()
     else:
         items = vars(module).items()
     for local, value in items:
         if isinstance(value, torch.Tensor):
             yield local, value
-
-
-def _can_require_grad(tensor: torch.Tensor) -> bool:
-    if isinstance(tensor, (OpaqueTensor, OpaqueTensorRef)):
-        return False
-    return tensor.is_floating_point() or tensor.is_complex()
 
 
 def _describe(names: Iterable[str]) -> str:
@@ -147,11 +148,11 @@ class ModTensorUpdater:
         # Parameters first, then buffers, then plain attributes, each in module order: a
         # tensor's first name is the one `model.named_parameters()` reports.
         modules = list(model.named_modules(remove_duplicate=False))
-        kinds = [_Kind.PARAMETER]
+        kinds = [TensorHoldKind.PARAMETER]
         if buffers:
-            kinds.append(_Kind.BUFFER)
+            kinds.append(TensorHoldKind.BUFFER)
         if unregistered:
-            kinds.append(_Kind.UNREGISTERED)
+            kinds.append(TensorHoldKind.UNREGISTERED)
         slots: dict[tuple[int, str], _Slot] = {}
         for kind in kinds:
             for prefix, module in modules:
@@ -171,7 +172,7 @@ class ModTensorUpdater:
         for entry in self._entries.values():
             if not entry.tensor.requires_grad:
                 continue
-            param_slots = [s for s in entry.slots.values() if s.kind is _Kind.PARAMETER]
+            param_slots = [s for s in entry.slots.values() if s.kind is TensorHoldKind.PARAMETER]
             if param_slots:
                 entry.tensor.requires_grad_(False)
                 self._grad_disabled.extend(param_slots)
@@ -188,11 +189,107 @@ class ModTensorUpdater:
                 "attributes are indexed only with add_buffers / add_unregistred_tensor)"
             ) from None
 
+    def _entry(self, ref: torch.Tensor) -> _Entry:
+        entry = self._entries.get(id(ref))
+        if entry is None:
+            raise T2NErrorMisuse(
+                f"the model does not hold this {type(ref).__name__} of shape "
+                f"{tuple(ref.shape)} in any indexed place (it was never indexed or was "
+                "already replaced); pass the tensor the model currently holds, e.g. "
+                "updater.get_by_name(name)"
+            )
+        return entry
+
+    # -- checks -------------------------------------------------------------------------------
+    @staticmethod
+    def split_param_name(name: str) -> tuple[str, str]:
+        """Split a dotted name into its module path and local name.
+
+        ``"encoder.0.weight"`` gives ``("encoder.0", "weight")``; ``"weight"`` gives
+        ``("", "weight")``.
+        """
+        module_name, _, local_name = name.rpartition(".")
+        return module_name, local_name
+
+    def check_same_dtype(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
+        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in dtype."""
+        _raise_mismatches(["dtype"], tensor0, tensor1)
+
+    def check_same_device(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
+        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in device."""
+        _raise_mismatches(["device"], tensor0, tensor1)
+
+    def check_same_shape(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
+        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in shape."""
+        _raise_mismatches(["shape"], tensor0, tensor1)
+
+    def check_consistency(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
+        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in device, dtype or
+        shape; the message lists every difference."""
+        _raise_mismatches(_CHECKED, tensor0, tensor1)
+
+    def maybe_parameterize(self, ref: torch.Tensor, new_tensor: torch.Tensor) -> torch.Tensor:
+        """Return ``new_tensor`` as the model would hold it in place of ``ref``.
+
+        Where ``ref`` is held as a parameter and ``new_tensor`` is not an ``nn.Parameter``,
+        and ``add_parameter_if_unset`` is true, the result is ``nn.Parameter(new_tensor)``
+        (requiring gradients when ``ref`` did, ``disable_requires_grad`` is false and
+        ``new_tensor`` can: plain floating point values, not opaque ones, which keep their
+        type). Otherwise ``new_tensor`` itself, unchanged.
+
+        Raises:
+            T2NErrorMisuse: the model does not hold ``ref``.
+        """
+        entry = self._entry(ref)
+        return self._parameterized(entry, list(entry.slots.values()), new_tensor)
+
+    def _parameterized(
+        self, entry: _Entry, slots: list[_Slot], new_tensor: torch.Tensor
+    ) -> torch.Tensor:
+        if (
+            isinstance(new_tensor, nn.Parameter)
+            or not self._add_parameter_if_unset
+            or not any(slot.kind is TensorHoldKind.PARAMETER for slot in slots)
+        ):
+            return new_tensor
+        requires_grad = (
+            entry.tensor.requires_grad
+            and not self._disable_requires_grad
+            and can_require_grad(new_tensor)
+        )
+        return nn.Parameter(new_tensor, requires_grad=requires_grad)
+
     # -- queries ------------------------------------------------------------------------------
     @property
     def model(self) -> nn.Module:
         """The module this updater was built for."""
         return self._model
+
+    @property
+    def add_parameter_if_unset(self) -> bool:
+        """Whether a parameter replaced by a plain tensor is wrapped in an ``nn.Parameter``."""
+        return self._add_parameter_if_unset
+
+    @property
+    def id_to_names(self) -> dict[int, frozenset[str]]:
+        """Every indexed tensor's ``id()`` mapped to all its names (a snapshot)."""
+        return {key: frozenset(entry.names) for key, entry in self._entries.items()}
+
+    @property
+    def id_to_kind(self) -> dict[int, TensorHoldKind]:
+        """Every indexed tensor's ``id()`` mapped to how it is held (a snapshot).
+
+        A tensor held both as a parameter and otherwise counts as a parameter.
+        """
+        return {
+            key: min((slot.kind for slot in entry.slots.values()), key=_KIND_ORDER.index)
+            for key, entry in self._entries.items()
+        }
+
+    @property
+    def name_to_parent_module(self) -> dict[str, nn.Module]:
+        """Every indexed name mapped to the module holding the tensor (a snapshot)."""
+        return {name: slot.module for name, slot in self._slots_by_name.items()}
 
     @property
     def available_names(self) -> list[str]:
@@ -228,17 +325,17 @@ class ModTensorUpdater:
     # -- updates ------------------------------------------------------------------------------
     def update_by_ref(
         self,
-        old_tensor: torch.Tensor,
+        ref: torch.Tensor,
         new_tensor: torch.Tensor,
         enforce_tensor_consistency: bool = True,
     ) -> torch.Tensor:
-        """Replace ``old_tensor`` by ``new_tensor`` everywhere the model holds it.
+        """Replace ``ref`` by ``new_tensor`` everywhere the model holds it.
 
         Args:
-            old_tensor: a tensor the model holds (the very object, e.g. ``model.fc.weight``).
+            ref: a tensor the model holds (the very object, e.g. ``model.fc.weight``).
             new_tensor: its replacement; it may be any tensor subclass, opaque tensors
-                included. Where ``old_tensor`` was a parameter, a replacement that is not an
-                ``nn.Parameter`` is wrapped in one (see ``add_parameter_if_unset``).
+                included. Where ``ref`` was a parameter, a replacement that is not an
+                ``nn.Parameter`` is wrapped in one (see :meth:`maybe_parameterize`).
             enforce_tensor_consistency: check that both tensors report the same device, dtype
                 and shape.
 
@@ -246,22 +343,15 @@ class ModTensorUpdater:
             The tensor now held by the model (``new_tensor`` or the parameter wrapping it).
 
         Raises:
-            T2NErrorMisuse: the model does not hold ``old_tensor`` (never indexed, or already
+            T2NErrorMisuse: the model does not hold ``ref`` (never indexed, or already
                 replaced), or a parameter would be replaced by a non-parameter while
                 ``add_parameter_if_unset`` is false.
             T2NErrorInconsistentTensor: the tensors differ in device, dtype or shape; the
                 message gives both values.
         """
-        entry = self._entries.get(id(old_tensor))
-        if entry is None:
-            raise T2NErrorMisuse(
-                f"the model does not hold this {type(old_tensor).__name__} of shape "
-                f"{tuple(old_tensor.shape)} in any indexed place (it was never indexed or was "
-                "already replaced); pass the tensor the model currently holds, e.g. "
-                "updater.get_by_name(name)"
-            )
-        if new_tensor is old_tensor:
-            return old_tensor
+        entry = self._entry(ref)
+        if new_tensor is ref:
+            return ref
         return self._replace(
             entry, list(entry.slots.values()), new_tensor, enforce_tensor_consistency
         )
@@ -312,7 +402,7 @@ class ModTensorUpdater:
         """
         for slot in self._grad_disabled:
             tensor = slot.read()
-            if tensor is not None and not tensor.requires_grad and _can_require_grad(tensor):
+            if tensor is not None and not tensor.requires_grad and can_require_grad(tensor):
                 tensor.requires_grad_(True)
 
     # -- internals ----------------------------------------------------------------------------
@@ -329,22 +419,16 @@ class ModTensorUpdater:
             names.remove(first)
             names.insert(0, first)
         if check:
-            _check_consistency(names, entry.tensor, new_tensor)
-        if any(slot.kind is _Kind.PARAMETER for slot in slots) and not isinstance(
-            new_tensor, nn.Parameter
+            _raise_mismatches(_CHECKED, entry.tensor, new_tensor, names)
+        new_tensor = self._parameterized(entry, slots, new_tensor)
+        if not isinstance(new_tensor, nn.Parameter) and any(
+            slot.kind is TensorHoldKind.PARAMETER for slot in slots
         ):
-            if not self._add_parameter_if_unset:
-                raise T2NErrorMisuse(
-                    f"{_describe(names)} is a parameter and the replacement is a "
-                    f"{type(new_tensor).__name__}; pass an nn.Parameter or build "
-                    "ModTensorUpdater with add_parameter_if_unset=True"
-                )
-            requires_grad = (
-                entry.tensor.requires_grad
-                and not self._disable_requires_grad
-                and _can_require_grad(new_tensor)
+            raise T2NErrorMisuse(
+                f"{_describe(names)} is a parameter and the replacement is a "
+                f"{type(new_tensor).__name__}; pass an nn.Parameter or build "
+                "ModTensorUpdater with add_parameter_if_unset=True"
             )
-            new_tensor = nn.Parameter(new_tensor, requires_grad=requires_grad)
         for slot in slots:
             slot.write(new_tensor)
             del entry.slots[id(slot)]
@@ -363,17 +447,25 @@ class ModTensorUpdater:
         )
 
 
-def _check_consistency(names: list[str], old: torch.Tensor, new: torch.Tensor) -> None:
-    problems = [
-        f"{what} {getattr(new, what)} instead of {getattr(old, what)}"
-        for what in ("device", "dtype")
-        if getattr(old, what) != getattr(new, what)
-    ]
-    if tuple(old.shape) != tuple(new.shape):
-        problems.append(f"shape {tuple(new.shape)} instead of {tuple(old.shape)}")
+_CHECKED = ("device", "dtype", "shape")
+_KIND_ORDER = list(TensorHoldKind)
+
+
+def _raise_mismatches(
+    what: Iterable[str], old: torch.Tensor, new: torch.Tensor, names: list[str] | None = None
+) -> None:
+    """Raise :class:`T2NErrorInconsistentTensor` listing each of ``what`` that differs."""
+    problems = []
+    for attribute in what:
+        before, after = getattr(old, attribute), getattr(new, attribute)
+        if attribute == "shape":
+            before, after = tuple(before), tuple(after)
+        if before != after:
+            problems.append(f"{attribute} {after} instead of {before}")
     if problems:
+        subject = f"cannot replace {_describe(names)}" if names else "the tensors differ"
         raise T2NErrorInconsistentTensor(
-            f"cannot replace {_describe(names)}: the new tensor has {'; '.join(problems)}. "
+            f"{subject}: the new tensor has {'; '.join(problems)}. "
             "Convert it first (e.g. new.to(old.device, old.dtype)), or pass "
             "enforce_tensor_consistency=False to change it on purpose"
         )

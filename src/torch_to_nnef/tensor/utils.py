@@ -13,7 +13,12 @@ from typing import cast
 import torch
 from torch import nn
 
-__all__ = ["get_named_buffers", "get_named_parameters", "get_named_parameters_and_buffers"]
+__all__ = [
+    "can_require_grad",
+    "get_named_buffers",
+    "get_named_parameters",
+    "get_named_parameters_and_buffers",
+]
 
 _Members = Callable[[nn.Module], Iterable[tuple[str, torch.Tensor | None]]]
 
@@ -44,12 +49,12 @@ def _iter_members(
 
 
 def get_named_parameters(
-    module: nn.Module, remove_duplicate: bool = True
+    mod: nn.Module, remove_duplicate: bool = True
 ) -> Iterator[tuple[str, nn.Parameter]]:
-    """Yield ``(full dotted name, parameter)`` for every parameter of ``module``.
+    """Yield ``(full dotted name, parameter)`` for every parameter of ``mod``.
 
     Args:
-        module: the module to walk, with all its submodules.
+        mod: the module to walk, with all its submodules.
         remove_duplicate: when true (the default) a tensor reachable by several names is
             yielded once, under the first name in module registration order; when false it
             is yielded once per name (tied weights appear under every name).
@@ -57,34 +62,46 @@ def get_named_parameters(
     # `_parameters` only holds parameters.
     return cast(
         Iterator[tuple[str, nn.Parameter]],
-        _iter_members(module, (_parameters_of,), remove_duplicate),
+        _iter_members(mod, (_parameters_of,), remove_duplicate),
     )
 
 
 def get_named_buffers(
-    module: nn.Module, remove_duplicate: bool = True
+    mod: nn.Module, remove_duplicate: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(full dotted name, buffer)`` for every registered buffer of ``module``.
+    """Yield ``(full dotted name, buffer)`` for every registered buffer of ``mod``.
 
     Args:
-        module: the module to walk, with all its submodules.
+        mod: the module to walk, with all its submodules.
         remove_duplicate: as for :func:`get_named_parameters`.
     """
-    return _iter_members(module, (_buffers_of,), remove_duplicate)
+    return _iter_members(mod, (_buffers_of,), remove_duplicate)
 
 
 def get_named_parameters_and_buffers(
-    module: nn.Module, remove_duplicate: bool = True
+    mod: nn.Module, remove_duplicate: bool = True
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(full dotted name, tensor)`` for every parameter and buffer of ``module``.
+    """Yield ``(full dotted name, tensor)`` for every parameter and buffer of ``mod``.
 
     Every parameter comes first, then every buffer, each in module registration order (the
-    order of ``module.named_parameters()`` followed by ``module.named_buffers()``).
+    order of ``mod.named_parameters()`` followed by ``mod.named_buffers()``).
 
     Args:
-        module: the module to walk, with all its submodules.
+        mod: the module to walk, with all its submodules.
         remove_duplicate: when true a tensor is yielded once, under its first name (a
             parameter name when it is both a parameter of one module and a buffer of
             another); when false it is yielded once per name.
     """
-    return _iter_members(module, (_parameters_of, _buffers_of), remove_duplicate)
+    return _iter_members(mod, (_parameters_of, _buffers_of), remove_duplicate)
+
+
+def can_require_grad(tensor: torch.Tensor) -> bool:
+    """Whether ``requires_grad=True`` can be set on ``tensor``.
+
+    True for floating point and complex tensors, unless the tensor's class declares
+    ``t2n_supports_grad = False``, as opaque tensors (quantized, offloaded) and references to
+    them do: their values are produced on demand and carry no autograd history.
+    """
+    if not getattr(type(tensor), "t2n_supports_grad", True):
+        return False
+    return tensor.is_floating_point() or tensor.is_complex()

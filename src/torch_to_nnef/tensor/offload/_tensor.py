@@ -780,6 +780,38 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             return pool._scope_resolve(self, wanted if wanted is not None else scope_device)
         return self._reload_unmanaged(wanted)
 
+    def write_qtensor_in_file(
+        self, dirpath: PathLike, label: str, inference_target: Any = None
+    ) -> bool:
+        """Write the inference engine's file of an offloaded opaque value, straight from disk.
+
+        The payload's offload state is read and handed to its class's
+        ``write_offload_state_in_file`` (a ``QTensorTractScaleOnly`` writes a tract ``.dat``
+        file), without rebuilding the value. A value changed inside a residency pool is what
+        the file holds once the pool has written it back (``pool.flush(t)``).
+
+        Args:
+            dirpath: the model folder.
+            label: the tensor's label in the engine's graph.
+            inference_target: passed to ``write_offload_state_in_file``.
+
+        Returns:
+            ``True`` when a file was written; ``False`` for a plain (not opaque) payload,
+            which has no engine-specific file.
+
+        Raises:
+            T2NErrorStorage: the payload file is missing or corrupt.
+            T2NErrorNotImplemented: the value's class has no engine file format.
+        """
+        with self._write_lock:  # no write replaces the payload while it is read
+            binding = self._binding
+            if not binding.opaque:
+                return False
+            host = storage.read_payload(binding.layout, names=binding.file_names)
+        cls, state = storage.decode_offload_state(binding.by_logical(host), binding.layout.metadata)
+        cls.write_offload_state_in_file(state, dirpath, label, inference_target=inference_target)
+        return True
+
     def _to_base_tensor(self) -> torch.Tensor:
         if self.force_gc_collect:
             _GC_REQUEST.pending = True

@@ -15,14 +15,14 @@ from torch_to_nnef.tensor.quant.base import QScalePerGroupF16 as QScalePerGroupF
 from torch_to_nnef.tensor.quant.base import QScheme as QScheme
 from torch_to_nnef.tensor.quant.base import QTensor as QTensor
 from torch_to_nnef.tensor.quant.base import U8Compressor as U8Compressor
-from torch_to_nnef.tensor.quant.calibration import (
-    fp_to_tract_q4_0_with_min_max_calibration as fp_to_tract_q4_0_with_min_max_calibration,
-)
-from torch_to_nnef.tensor.quant.calibration import (
+from torch_to_nnef.tensor.quant.base import (
     qscale_per_group_f16_min_max_calibration as qscale_per_group_f16_min_max_calibration,
 )
 from torch_to_nnef.tensor.quant.qtract import QTensorTract as QTensorTract
 from torch_to_nnef.tensor.quant.qtract import QTensorTractScaleOnly as QTensorTractScaleOnly
+from torch_to_nnef.tensor.quant.qtract import (
+    fp_to_tract_q4_0_with_min_max_calibration as fp_to_tract_q4_0_with_min_max_calibration,
+)
 
 __all__ = [
     # tensors

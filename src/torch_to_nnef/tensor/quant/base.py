@@ -23,9 +23,15 @@ from torch_to_nnef.exceptions import (
     T2NErrorMisuse,
     T2NErrorNotImplemented,
 )
-from torch_to_nnef.tensor.opaque import OpaqueTensor
+from torch_to_nnef.tensor.opaque import OpaqueTensor, opaque_to_final_tensor
 
-__all__ = ["QScalePerGroupF16", "QScheme", "QTensor", "U8Compressor"]
+__all__ = [
+    "QScalePerGroupF16",
+    "QScheme",
+    "QTensor",
+    "U8Compressor",
+    "qscale_per_group_f16_min_max_calibration",
+]
 
 _Q = TypeVar("_Q", bound="QTensor")
 
@@ -56,9 +62,22 @@ def _move_tensor_attributes(obj: Any, device: torch.device) -> Any:
 class QScheme:
     """A quantization scheme: how floats become uint8 codes and codes become floats again.
 
-    Subclasses implement :meth:`quantize_as_u8` and :meth:`dequantize`. A scheme is a value
-    object: methods never mutate it, so one scheme can be shared by several tensors.
+    Subclasses implement :meth:`quantize_as_u8` and :meth:`dequantize` (and
+    :meth:`quantize_as_torch` when PyTorch has a quantized dtype for the scheme). A scheme is a
+    value object: methods never mutate it, so one scheme can be shared by several tensors.
     """
+
+    def quantize_as_torch(self, fp_tensor: torch.Tensor) -> torch.Tensor:
+        """Return ``fp_tensor`` as a natively quantized PyTorch tensor (``torch.qint8``...).
+
+        Raises:
+            T2NErrorNotImplemented: PyTorch has no quantized dtype for this scheme (the base
+                class and :class:`QScalePerGroupF16`); use :meth:`quantize_as_u8`.
+        """
+        raise T2NErrorNotImplemented(
+            f"{type(self).__name__} has no native PyTorch quantized form; use quantize_as_u8() "
+            "and a QTensor"
+        )
 
     def quantize_as_u8(self, fp_tensor: torch.Tensor) -> torch.Tensor:
         """Return the uint8 codes of ``fp_tensor`` (same shape, dtype ``torch.uint8``).
@@ -143,6 +162,21 @@ class QScalePerGroupF16(QScheme):
         """The code that stands for zero: ``2 ** (n_bits - 1)``."""
         return 1 << (self.n_bits - 1)
 
+    @staticmethod
+    def reshape_tensor_per_group(fp_tensor: torch.Tensor, group_size: int) -> torch.Tensor:
+        """Return ``fp_tensor`` as a ``(n_groups, group_size)`` tensor (a view when possible).
+
+        Raises:
+            T2NErrorImpossibleQuantization: the volume of ``fp_tensor`` is not a multiple of
+                ``group_size``.
+        """
+        if fp_tensor.numel() % group_size != 0:
+            raise T2NErrorImpossibleQuantization(
+                f"a tensor of shape {tuple(fp_tensor.shape)} ({fp_tensor.numel()} values) "
+                f"cannot be cut into groups of {group_size}; incomplete groups are not supported"
+            )
+        return fp_tensor.reshape(-1, group_size)
+
     def _check_volume(self, shape: torch.Size, what: str) -> None:
         volume = shape.numel()
         if volume != self.n_groups * self.group_size:
@@ -168,7 +202,8 @@ class QScalePerGroupF16(QScheme):
                 f"only floating point tensors can be quantized, got dtype {fp_tensor.dtype}"
             )
         self._check_volume(fp_tensor.shape, "tensor")
-        groups = fp_tensor.detach().reshape(-1, self.group_size).to(torch.float32)
+        groups = self.reshape_tensor_per_group(fp_tensor.detach(), self.group_size)
+        groups = groups.to(torch.float32)
         scale = self.scale.to(device=groups.device, dtype=torch.float32)
         safe_scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         ratio = torch.where(scale == 0, torch.zeros_like(groups), groups / safe_scale)
@@ -190,7 +225,7 @@ class QScalePerGroupF16(QScheme):
         if not target_dtype.is_floating_point:
             raise T2NErrorMisuse(f"dequantize needs a floating target dtype, got {target_dtype}")
         self._check_volume(u8_tensor.shape, "code tensor")
-        groups = u8_tensor.reshape(-1, self.group_size).to(torch.float32)
+        groups = self.reshape_tensor_per_group(u8_tensor, self.group_size).to(torch.float32)
         scale = self.scale.to(device=groups.device, dtype=torch.float32)
         # A code (at most 8 bits) times a float16 scale (11 significant bits) is exact in
         # float32: the only rounding is the final cast.
@@ -516,3 +551,91 @@ def _check_dequant_dtype(cls: type[QTensor], dtype: Any) -> None:
         raise T2NErrorMisuse(
             f"{cls.__name__} dequant_to_dtype must be a floating torch.dtype, got {dtype!r}"
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Min-max calibration: choose per-group scales from the values of a floating point tensor.
+# ---------------------------------------------------------------------------------------------
+def plain_float(fp_tensor: torch.Tensor) -> torch.Tensor:
+    """Return ``fp_tensor`` as a plain floating point tensor (opaque tensors expanded)."""
+    if not isinstance(fp_tensor, torch.Tensor):
+        raise T2NErrorMisuse(f"expected a floating point torch.Tensor, got {type(fp_tensor)}")
+    if isinstance(fp_tensor, OpaqueTensor):
+        fp_tensor = opaque_to_final_tensor(fp_tensor)
+    if not fp_tensor.is_floating_point():
+        raise T2NErrorMisuse(
+            f"only floating point tensors can be quantized, got dtype {fp_tensor.dtype}"
+        )
+    return fp_tensor.detach()
+
+
+def _group_magnitude(abs_groups: torch.Tensor, percentile: float) -> torch.Tensor:
+    """Per-row ``percentile`` quantile of ``abs_groups`` (linear interpolation, like
+    ``torch.quantile``, without its input size limit)."""
+    ordered = abs_groups.sort(dim=1).values
+    position = percentile * (ordered.shape[1] - 1)
+    low = int(position)
+    high = min(low + 1, ordered.shape[1] - 1)
+    fraction = position - low
+    return ordered[:, low] + fraction * (ordered[:, high] - ordered[:, low])
+
+
+def qscale_per_group_f16_min_max_calibration(
+    fp_tensor: torch.Tensor,
+    n_bits: int,
+    group_size: int,
+    percentile: float = 1.0,
+) -> QScalePerGroupF16:
+    """Calibrate a :class:`QScalePerGroupF16` for ``fp_tensor`` from each group's extremes.
+
+    The tensor is read in row-major order and cut into groups of ``group_size`` values. Each
+    group's scale is its value of largest magnitude divided by ``-2 ** (n_bits - 1)`` (tract's
+    and GGML's convention: that value is then represented exactly). With ``percentile < 1``
+    the magnitude is the group's ``percentile`` quantile of absolute values instead (clipping
+    outliers), keeping the sign of the largest value. Scales are float16, on the device of
+    ``fp_tensor``.
+
+    Args:
+        fp_tensor: floating point values (opaque tensors are expanded first).
+        n_bits: bits per code, from 1 to 8.
+        group_size: values per group; must divide the volume of ``fp_tensor``.
+        percentile: in ``(0, 1]``; 1 is the plain maximum.
+
+    Raises:
+        T2NErrorImpossibleQuantization: the volume is not a multiple of ``group_size``, the
+            tensor holds NaN or infinite values, or a scale overflows float16.
+        T2NErrorMisuse: an argument is out of range or ``fp_tensor`` is not floating point.
+    """
+    if not isinstance(percentile, (int, float)) or not 0.0 < percentile <= 1.0:
+        raise T2NErrorMisuse(f"percentile must be in (0, 1], got {percentile!r}")
+    if isinstance(n_bits, bool) or not isinstance(n_bits, int) or not 1 <= n_bits <= 8:
+        raise T2NErrorMisuse(f"n_bits must be an int from 1 to 8, got {n_bits!r}")
+    if isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < 1:
+        raise T2NErrorMisuse(f"group_size must be a positive int, got {group_size!r}")
+    values = plain_float(fp_tensor)
+    shape = tuple(values.shape)
+    if values.numel() == 0 or values.numel() % group_size != 0:
+        raise T2NErrorImpossibleQuantization(
+            f"tensor of shape {shape} has {values.numel()} values, not a positive multiple of "
+            f"the group size {group_size}; incomplete groups cannot be quantized"
+        )
+    with torch.no_grad():
+        groups = values.reshape(-1, group_size).to(torch.float32)
+        if not bool(torch.isfinite(groups).all()):
+            raise T2NErrorImpossibleQuantization(
+                f"tensor of shape {shape} holds NaN or infinite values; they cannot be quantized"
+            )
+        magnitudes = groups.abs()
+        largest = groups.gather(1, magnitudes.argmax(dim=1, keepdim=True)).squeeze(1)
+        if percentile == 1.0:
+            extreme = largest
+        else:
+            sign = torch.where(largest < 0, -1.0, 1.0)
+            extreme = sign * _group_magnitude(magnitudes, float(percentile))
+        scale = (extreme / -float(1 << (n_bits - 1))).to(torch.float16)
+        if not bool(torch.isfinite(scale).all()):
+            raise T2NErrorImpossibleQuantization(
+                f"tensor of shape {shape} holds values too large for float16 scales "
+                f"(max |x| = {float(magnitudes.max())}); rescale the tensor first"
+            )
+    return QScalePerGroupF16(group_size=group_size, scale=scale, n_bits=n_bits)

@@ -21,7 +21,7 @@ from torch_to_nnef.exceptions import (
     T2NErrorNotImplemented,
     T2NErrorStorage,
 )
-from torch_to_nnef.tensor.opaque import SupportsOffloadState
+from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, SupportsOffloadState
 from torch_to_nnef.tensor.quant._dat import (
     Q40_GROUP_SIZE,
     Q40Layout,
@@ -29,9 +29,21 @@ from torch_to_nnef.tensor.quant._dat import (
     q40_dat_bytes,
     write_dat_file,
 )
-from torch_to_nnef.tensor.quant.base import QScalePerGroupF16, QScheme, QTensor, U8Compressor
+from torch_to_nnef.tensor.quant.base import (
+    QScalePerGroupF16,
+    QScheme,
+    QTensor,
+    U8Compressor,
+    plain_float,
+    qscale_per_group_f16_min_max_calibration,
+)
 
-__all__ = ["Q40Layout", "QTensorTract", "QTensorTractScaleOnly"]
+__all__ = [
+    "Q40Layout",
+    "QTensorTract",
+    "QTensorTractScaleOnly",
+    "fp_to_tract_q4_0_with_min_max_calibration",
+]
 
 _T = TypeVar("_T", bound="QTensorTractScaleOnly")
 
@@ -129,7 +141,7 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
     qscheme: QScalePerGroupF16  # type: ignore[assignment]
     specific_machine: str | None
 
-    offload_tag: ClassVar[str] = "torch_to_nnef.QTensorTractScaleOnly"
+    OFFLOAD_STATE_TAG: ClassVar[str] = "torch_to_nnef.QTensorTractScaleOnly"
     _CARRIED_ATTRIBUTES: ClassVar[tuple[str, ...]] = ("nnef_name", "specific_machine")
 
     def __init__(
@@ -185,41 +197,44 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
         self,
         dirpath: str | os.PathLike[str],
         label: str,
+        inference_target: Any = None,
         *,
-        layout: Q40Layout = Q40Layout.CURRENT,
+        layout: Q40Layout | None = None,
     ) -> Path:
         """Write ``<dirpath>/<label>.dat``, the tract Q4_0 tensor file, and return its path.
 
         An NNEF graph reads it with ``variable<scalar>(label = '<label>', shape = [...])``.
-        Writing the same label again with identical bytes does nothing.
+        Writing the same label again with identical bytes does nothing. The file is written
+        atomically (a temporary file renamed into place).
 
         Args:
             dirpath: the model folder (created if missing).
             label: the variable label; ``/`` separates sub-folders.
-            layout: nibble order, ``Q40Layout.CURRENT`` for tract >= 0.21.11 (see
-                ``Q40Layout.for_tract_version``).
+            inference_target: the tract version to write for, which chooses the nibble
+                order: a version string (``"0.21.11"``) or an object with a ``version``
+                attribute (an upstream ``TractNNEF``); ``None``: the current layout.
+            layout: the nibble order itself, instead of ``inference_target``
+                (``Q40Layout.CURRENT`` for tract >= 0.21.11, ``Q40Layout.LEGACY`` before).
 
         Raises:
-            T2NErrorMisuse: the label escapes ``dirpath``, ``layout`` is not a
-                :class:`Q40Layout`, or the file exists with different content.
+            T2NErrorMisuse: the label escapes ``dirpath``, ``inference_target`` or ``layout``
+                is not of a supported kind or they disagree, or the file exists with
+                different content.
             T2NErrorStorage: the file could not be written.
         """
-        if not isinstance(layout, Q40Layout):
-            raise T2NErrorMisuse(
-                f"layout must be a Q40Layout (CURRENT or LEGACY), got {layout!r}; "
-                "Q40Layout.for_tract_version('0.21.11') picks one from a tract version"
-            )
-        path = label_path(dirpath, label)
-        header, blocks = q40_dat_bytes(self.decompress_to_u8(), self.qscheme.scale, layout)
-        return write_dat_file(path, header, blocks)
+        return _write_q40(
+            dirpath, label, self.decompress_to_u8(), self.qscheme.scale, inference_target, layout
+        )
 
     # -- offload state -----------------------------------------------------------------------
-    def offload_state(self) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-        """Describe this tensor as two uint8/float16 tensors plus JSON-able attributes.
+    def to_offload_state(self) -> dict[str, Any]:
+        """Describe this tensor as two uint8/float16 tensors plus plain attributes.
 
         ``u8_blob`` holds two 4-bit codes per byte (code ``2i`` in the low nibble of byte
         ``i``, code ``2i + 1`` in its high nibble), half the size of the in-memory codes;
         ``scale`` holds the float16 scale of each group. Both stay on this tensor's device.
+        The other entries are JSON values (``shape``, ``dequant_to_dtype`` as a dtype name,
+        ``nnef_name``, ``specific_machine``, and the format's constants).
 
         Raises:
             T2NErrorNotImplemented: the tensor has u8 compressors, which are not serializable.
@@ -230,9 +245,10 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
                 "offloaded: compressors are not serializable; build it without compressors"
             )
         codes = self.decompress_to_u8().reshape(-1)
-        packed = codes[0::2] | (codes[1::2] << 4)
-        tensors = {"u8_blob": packed, "scale": self.qscheme.scale.reshape(-1)}
-        attributes: dict[str, Any] = {
+        return {
+            OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
+            "u8_blob": codes[0::2] | (codes[1::2] << 4),
+            "scale": self.qscheme.scale.reshape(-1),
             "format": _STATE_FORMAT,
             "shape": [int(d) for d in self.shape],
             "group_size": self.qscheme.group_size,
@@ -243,38 +259,116 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
             "specific_machine": self.specific_machine,
             "nnef_name": self.nnef_name,
         }
-        return tensors, attributes
 
     @classmethod
     def from_offload_state(
-        cls: type[_T], tensors: dict[str, torch.Tensor], attributes: dict[str, Any]
+        cls: type[_T], state: dict[str, Any], target_device: torch.device | str | None = None
     ) -> _T:
-        """Rebuild the tensor described by :meth:`offload_state`, on the tensors' device.
+        """Rebuild the tensor described by :meth:`to_offload_state`.
+
+        Args:
+            state: the offload state.
+            target_device: where the rebuilt tensor lives; ``None``: where the state's
+                tensors are.
 
         Raises:
-            T2NErrorStorage: the tensors or attributes are missing, of the wrong kind, or
-                inconsistent with each other.
+            T2NErrorStorage: the state is not one of this class, or its tensors or attributes
+                are missing, of the wrong kind, or inconsistent with each other.
         """
         try:
-            state = _read_state(tensors, attributes)
-            blob, scale = state.pop("u8_blob"), state.pop("scale")
-            codes = torch.stack([blob & 0x0F, blob >> 4], dim=1).reshape(state["shape"])
-            return cls._from_parts(
-                u8_blob=codes,
+            parts = _read_state(cls, state)
+            blob, scale = parts.pop("u8_blob"), parts.pop("scale")
+            rebuilt = cls._from_parts(
+                u8_blob=_unpack_nibbles(blob, parts["shape"]),
                 qscheme=QScalePerGroupF16(Q40_GROUP_SIZE, scale, Q40_N_BITS),
                 u8_compressors=[],
-                **state,
+                **parts,
             )
         except (T2NErrorMisuse, T2NErrorImpossibleQuantization) as exc:
             raise T2NErrorStorage(f"invalid {cls.__name__} offload state: {exc}") from exc
+        if target_device is not None:
+            rebuilt = rebuilt.to(device=target_device)
+        return rebuilt
+
+    @classmethod
+    def write_offload_state_in_file(
+        cls,
+        state: dict[str, Any],
+        dirpath: str | os.PathLike[str],
+        label: str,
+        inference_target: Any = None,
+    ) -> Path:
+        """Write the tract ``.dat`` file of the tensor ``state`` describes, without rebuilding
+        it; see :meth:`write_in_file` for the arguments and the rules.
+
+        Raises:
+            T2NErrorStorage: ``state`` is not a valid offload state of this class, or the file
+                could not be written.
+            T2NErrorMisuse: as for :meth:`write_in_file`.
+        """
+        parts = _read_state(cls, state)
+        codes = _unpack_nibbles(parts["u8_blob"], parts["shape"])
+        return _write_q40(dirpath, label, codes, parts["scale"], inference_target, None)
 
 
-def _read_state(tensors: dict[str, torch.Tensor], attributes: dict[str, Any]) -> dict[str, Any]:
+def _unpack_nibbles(blob: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.stack([blob & 0x0F, blob >> 4], dim=1).reshape(shape)
+
+
+def _layout_for(inference_target: Any, layout: Q40Layout | None) -> Q40Layout:
+    """The nibble order to write, from a tract version (or ``TractNNEF``) and/or a layout."""
+    if layout is not None and not isinstance(layout, Q40Layout):
+        raise T2NErrorMisuse(
+            f"layout must be a Q40Layout (CURRENT or LEGACY), got {layout!r}; "
+            "Q40Layout.for_tract_version('0.21.11') picks one from a tract version"
+        )
+    if inference_target is None:
+        return layout or Q40Layout.CURRENT
+    version = getattr(inference_target, "version", inference_target)
+    to_str = getattr(version, "to_str", None)
+    if callable(to_str):
+        version = to_str()
+    if not isinstance(version, str):
+        raise T2NErrorMisuse(
+            "inference_target must be a tract version such as '0.21.11' or an object with a "
+            f"version attribute (upstream's TractNNEF), got {inference_target!r}"
+        )
+    chosen = Q40Layout.for_tract_version(version)
+    if layout is not None and layout is not chosen:
+        raise T2NErrorMisuse(
+            f"tract {version} reads {chosen}, but layout={layout} was given; pass only one"
+        )
+    return chosen
+
+
+def _write_q40(
+    dirpath: str | os.PathLike[str],
+    label: str,
+    codes: torch.Tensor,
+    scale: torch.Tensor,
+    inference_target: Any,
+    layout: Q40Layout | None,
+) -> Path:
+    chosen = _layout_for(inference_target, layout)
+    path = label_path(dirpath, label)
+    header, blocks = q40_dat_bytes(codes, scale, chosen)
+    return write_dat_file(path, header, blocks)
+
+
+def _read_state(cls: type[QTensorTractScaleOnly], state: Any) -> dict[str, Any]:
     """Validate an offload state; return the keyword arguments of ``_from_parts`` plus parts."""
 
     def fail(reason: str) -> T2NErrorStorage:
-        return T2NErrorStorage(f"invalid QTensorTractScaleOnly offload state: {reason}")
+        return T2NErrorStorage(f"invalid {cls.__name__} offload state: {reason}")
 
+    if not cls.is_offload_state(state):
+        tag = state.get(OFFLOAD_STATE_KEY) if isinstance(state, dict) else None
+        raise fail(
+            f"expected a dict tagged {cls.OFFLOAD_STATE_TAG!r} under {OFFLOAD_STATE_KEY!r}, "
+            f"got {type(state).__name__} tagged {tag!r}"
+        )
+    tensors = {k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    attributes = {k: v for k, v in state.items() if not isinstance(v, torch.Tensor)}
     if set(tensors) != {"u8_blob", "scale"}:
         raise fail(f"expected tensors 'u8_blob' and 'scale', got {sorted(tensors)}")
     expected = {
@@ -288,11 +382,13 @@ def _read_state(tensors: dict[str, torch.Tensor], attributes: dict[str, Any]) ->
         if attributes.get(key) != value:
             raise fail(f"attribute {key!r} must be {value!r}, got {attributes.get(key)!r}")
     shape = attributes.get("shape")
+    if isinstance(shape, (tuple, torch.Size)):
+        shape = list(shape)
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise fail(f"attribute 'shape' must be a list of non-negative ints, got {shape!r}")
-    dtype = _FLOAT_DTYPES.get(str(attributes.get("dequant_to_dtype")))
+    dtype = _FLOAT_DTYPES.get(str(attributes.get("dequant_to_dtype")).removeprefix("torch."))
     if dtype is None:
         raise fail(
             f"attribute 'dequant_to_dtype' must be one of {sorted(_FLOAT_DTYPES)}, "
@@ -325,3 +421,28 @@ def _read_state(tensors: dict[str, torch.Tensor], attributes: dict[str, Any]) ->
         "specific_machine": attributes.get("specific_machine"),
         "nnef_name": nnef_name,
     }
+
+
+def fp_to_tract_q4_0_with_min_max_calibration(
+    fp_tensor: torch.Tensor, percentile: float = 1.0
+) -> QTensorTractScaleOnly:
+    """Quantize a weight to tract's Q4_0 with min-max calibrated scales.
+
+    The result dequantizes to the dtype of ``fp_tensor`` and lives on its device.
+
+    Args:
+        fp_tensor: a 2-D to 4-D floating point weight (an ``nn.Parameter`` is fine) whose
+            trailing volume (product of the dims after the first) is a multiple of 32.
+        percentile: in ``(0, 1]``, see :func:`qscale_per_group_f16_min_max_calibration`.
+
+    Raises:
+        T2NErrorImpossibleQuantization: the shape does not fit Q4_0 (the message gives it), or
+            the values cannot be calibrated.
+        T2NErrorMisuse: ``fp_tensor`` is not floating point or ``percentile`` is out of range.
+    """
+    values = plain_float(fp_tensor)
+    check_q40_shape(values.shape)
+    qscheme = qscale_per_group_f16_min_max_calibration(
+        values, n_bits=Q40_N_BITS, group_size=Q40_GROUP_SIZE, percentile=percentile
+    )
+    return QTensorTractScaleOnly(values, qscheme, dequant_to_dtype=values.dtype)

@@ -10,7 +10,8 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
 - :func:`write_payload` / :func:`awrite_payload` write files atomically.
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
-  as several tensors plus JSON metadata naming their class tag.
+  as the tensors of their offload state plus JSON metadata naming their class tag;
+  :func:`decode_offload_state` gives the state itself, without rebuilding the value.
 - :func:`payload_path` turns a tensor name into a file name that stays inside its directory.
 
 Every problem with a file raises :class:`~torch_to_nnef.exceptions.T2NErrorStorage` naming the
@@ -30,6 +31,7 @@ from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
+from torch_to_nnef.tensor.storage._opaque import decode_offload_state as decode_offload_state
 from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
 from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
 from torch_to_nnef.tensor.storage._opaque import is_opaque_payload as is_opaque_payload
@@ -53,6 +55,7 @@ __all__ = [
     # opaque payloads
     "encode_opaque",
     "decode_opaque",
+    "decode_offload_state",
     "is_opaque_payload",
     # file names
     "payload_path",

@@ -1,8 +1,18 @@
-"""Opaque payloads: a :class:`SupportsOffloadState` value as tensors plus string metadata.
+"""Opaque payloads: the offload state of a :class:`SupportsOffloadState` value, without pickle.
 
-The metadata holds the class tag under ``"t2n.class"`` and the JSON attributes under
-``"t2n.attributes"``; decoding looks the class up by its tag and calls its
-``from_offload_state``. No code is ever loaded from a file: an unknown tag is an error.
+An offload state is a dict (see :class:`~torch_to_nnef.tensor.opaque.SupportsOffloadState`).
+Its tensors become the entries of the payload file; everything else becomes JSON in the
+metadata: the class tag under ``"t2n.class"`` and the other values under ``"t2n.attributes"``.
+
+- A tensor at the top level of the state is the entry named by its key. A tensor deeper
+  down (in a list, tuple or dict) is the entry named by its dotted path (``"parts.0"``) and
+  is written in the JSON as ``{"tensor": "<entry>"}``.
+- ``None``, booleans, numbers, strings and lists are JSON as they are; a tuple is
+  ``{"tuple": [...]}``, a dict ``{"dict": {...}}``, a ``torch.dtype`` ``{"dtype": "float16"}``,
+  a ``torch.device`` ``{"device": "cuda:0"}``, a ``torch.Size`` ``{"size": [...]}``.
+
+Decoding looks the class up by its tag and calls its ``from_offload_state``: no code is ever
+loaded from a file, an unknown tag or an unknown JSON form is an error.
 """
 
 from __future__ import annotations
@@ -13,13 +23,87 @@ from typing import Any
 
 import torch
 
-from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
-from torch_to_nnef.tensor.opaque import SupportsOffloadState, offload_state_class
+from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.opaque import (
+    OFFLOAD_STATE_KEY,
+    OpaqueTensor,
+    OpaqueTensorRef,
+    SupportsOffloadState,
+    offload_state_class,
+)
 
-__all__ = ["decode_opaque", "encode_opaque", "is_opaque_payload"]
+__all__ = ["decode_offload_state", "decode_opaque", "encode_opaque", "is_opaque_payload"]
 
 CLASS_KEY = "t2n.class"
 ATTRIBUTES_KEY = "t2n.attributes"
+
+_SUPPORTED = (
+    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, and lists, "
+    "tuples and str-keyed dicts of them"
+)
+_DTYPES = {
+    str(dtype).removeprefix("torch."): dtype
+    for dtype in vars(torch).values()
+    if isinstance(dtype, torch.dtype)
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------
+def _encode_value(value: Any, path: str, tensors: dict[str, torch.Tensor], kind: str) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return _encode_tensor(value, path, tensors, kind)
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, torch.Size):
+        return {"size": list(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode_value(v, f"{path}.{i}", tensors, kind) for i, v in enumerate(value)]
+        return items if isinstance(value, list) else {"tuple": items}
+    if isinstance(value, dict):
+        return {"dict": _encode_mapping(value, f"{path}.", tensors, kind)}
+    raise T2NErrorMisuse(
+        f"{kind}.to_offload_state() holds a {type(value).__name__} at {path!r}, which cannot be "
+        f"stored without pickle; an offload state holds {_SUPPORTED}"
+    )
+
+
+def _encode_tensor(
+    value: torch.Tensor, path: str, tensors: dict[str, torch.Tensor], kind: str
+) -> dict[str, str]:
+    if isinstance(value, (OpaqueTensor, OpaqueTensorRef)) or value.device.type == "meta":
+        raise T2NErrorMisuse(
+            f"{kind}.to_offload_state() holds a {type(value).__name__} on {value.device} at "
+            f"{path!r}; an offload state holds plain tensors with values (expand opaque ones "
+            "with opaque_to_final_tensor)"
+        )
+    if path in tensors:
+        raise T2NErrorMisuse(
+            f"{kind}.to_offload_state() names two tensors {path!r} (a key with a dot clashes "
+            "with a nested path); rename one of them"
+        )
+    plain = value.detach()
+    tensors[path] = plain if type(plain) is torch.Tensor else plain.as_subclass(torch.Tensor)
+    return {"tensor": path}
+
+
+def _encode_mapping(
+    mapping: Mapping[Any, Any], prefix: str, tensors: dict[str, torch.Tensor], kind: str
+) -> dict[str, Any]:
+    encoded: dict[str, Any] = {}
+    for key, value in mapping.items():
+        if not isinstance(key, str):
+            raise T2NErrorMisuse(
+                f"{kind}.to_offload_state() has a key {key!r} of type {type(key).__name__} "
+                f"under {prefix.rstrip('.') or 'the state'!r}; offload state keys are str"
+            )
+        encoded[key] = _encode_value(value, f"{prefix}{key}", tensors, kind)
+    return encoded
 
 
 def encode_opaque(value: SupportsOffloadState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -30,65 +114,106 @@ def encode_opaque(value: SupportsOffloadState) -> tuple[dict[str, torch.Tensor],
 
     Returns:
         ``(tensors, metadata)`` ready for :func:`write_payload`: the tensors of
-        ``value.offload_state()`` and ``{"t2n.class": tag, "t2n.attributes": json}``.
+        ``value.to_offload_state()`` by entry name, and
+        ``{"t2n.class": tag, "t2n.attributes": json}``.
 
     Raises:
-        T2NErrorMisuse: ``value`` does not support offload state, or its state is not a dict
-            of str to tensors plus JSON-able attributes.
+        T2NErrorMisuse: ``value`` does not support offload state, or its state is not a dict,
+            names another class's tag, or holds values that cannot be stored without pickle
+            (the message names the key).
     """
     if not isinstance(value, SupportsOffloadState):
         raise T2NErrorMisuse(
             f"{type(value).__name__} does not implement SupportsOffloadState and cannot be "
             "stored as an opaque payload"
         )
-    tensors, attributes = value.offload_state()
     kind = type(value).__name__
-    if not isinstance(tensors, dict) or not all(
-        isinstance(key, str) and isinstance(tensor, torch.Tensor) for key, tensor in tensors.items()
-    ):
-        raise T2NErrorMisuse(f"{kind}.offload_state() must return a dict of str to tensors first")
-    if not isinstance(attributes, dict):
+    tag = type(value).OFFLOAD_STATE_TAG
+    state = value.to_offload_state()
+    if not isinstance(state, dict):
         raise T2NErrorMisuse(
-            f"{kind}.offload_state() must return a dict of attributes second, "
-            f"got {type(attributes).__name__}"
+            f"{kind}.to_offload_state() must return a dict, got {type(state).__name__}"
         )
-    try:
-        encoded = json.dumps(attributes, sort_keys=True)
-    except (TypeError, ValueError) as exc:
+    if state.get(OFFLOAD_STATE_KEY, tag) != tag:
         raise T2NErrorMisuse(
-            f"the attributes of {kind}.offload_state() must be JSON-able: {exc}"
+            f"{kind}.to_offload_state() is tagged {state[OFFLOAD_STATE_KEY]!r} but {kind} is "
+            f"registered as {tag!r}; put type(self).OFFLOAD_STATE_TAG under OFFLOAD_STATE_KEY"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    top = {key: v for key, v in state.items() if key != OFFLOAD_STATE_KEY}
+    attributes: dict[str, Any] = {}
+    for key, encoded in _encode_mapping(top, "", tensors, kind).items():
+        if not (isinstance(encoded, dict) and encoded.get("tensor") == key):
+            attributes[key] = encoded  # top-level tensors are entries named by their key
+    try:
+        document = json.dumps(attributes, sort_keys=True, allow_nan=False)
+    except ValueError as exc:
+        raise T2NErrorMisuse(
+            f"the attributes of {kind}.to_offload_state() must be JSON-able: {exc}"
         ) from exc
-    return dict(tensors), {CLASS_KEY: value.offload_tag, ATTRIBUTES_KEY: encoded}
+    return tensors, {CLASS_KEY: tag, ATTRIBUTES_KEY: document}
 
 
-def is_opaque_payload(metadata: Mapping[str, str]) -> bool:
-    """Whether a payload's metadata describes an opaque value (written by :func:`encode_opaque`)."""
-    return CLASS_KEY in metadata
+# ---------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------
+def _decode_value(value: Any, tensors: Mapping[str, torch.Tensor], used: set[str]) -> Any:
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_decode_value(v, tensors, used) for v in value]
+    if isinstance(value, dict) and len(value) == 1:
+        ((form, body),) = value.items()
+        if form == "tensor" and isinstance(body, str) and body in tensors:
+            used.add(body)
+            return tensors[body]
+        if form == "tuple" and isinstance(body, list):
+            return tuple(_decode_value(v, tensors, used) for v in body)
+        if form == "dict" and isinstance(body, dict):
+            return {k: _decode_value(v, tensors, used) for k, v in body.items()}
+        if form == "dtype" and body in _DTYPES:
+            return _DTYPES[body]
+        if form == "device" and isinstance(body, str):
+            try:
+                return torch.device(body)
+            except RuntimeError:
+                pass
+        if form == "size" and isinstance(body, list) and all(type(d) is int for d in body):
+            return torch.Size(body)
+    text = json.dumps(value)
+    raise T2NErrorStorage(
+        f"an offload state holds {text[:80]!r}, which is no known encoded value (a missing "
+        "tensor entry, an unknown dtype or a malformed tuple, dict, device or size)"
+    )
 
 
-def decode_opaque(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]) -> torch.Tensor:
-    """Rebuild the opaque value described by a payload's tensors and metadata.
+def decode_offload_state(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str]
+) -> tuple[type[SupportsOffloadState], dict[str, Any]]:
+    """Rebuild the offload state a payload's tensors and metadata describe, and its class.
 
     Args:
-        tensors: the payload's tensors (e.g. from :func:`read_payload`).
+        tensors: the payload's tensors by entry name (e.g. from :func:`read_payload`).
         metadata: the payload's metadata, holding ``t2n.class`` and ``t2n.attributes``.
 
     Returns:
-        the value built by ``offload_state_class(tag).from_offload_state(tensors, attributes)``.
+        ``(cls, state)``: the registered class and the state, tagged under
+        ``OFFLOAD_STATE_KEY``, ready for ``cls.from_offload_state(state)``.
 
     Raises:
         T2NErrorStorage: the metadata lacks the class tag or the attributes, the attributes
-            are not a JSON object, the tag is unknown, or the class does not build a tensor.
+            are not a JSON object or hold unknown forms, the tag is unknown, or an entry is
+            both a top-level tensor and an attribute.
     """
     tag = metadata.get(CLASS_KEY)
-    encoded = metadata.get(ATTRIBUTES_KEY)
-    if tag is None or encoded is None:
+    document = metadata.get(ATTRIBUTES_KEY)
+    if tag is None or document is None:
         raise T2NErrorStorage(
             f"payload metadata lacks {CLASS_KEY!r} or {ATTRIBUTES_KEY!r} (found keys "
             f"{sorted(metadata)}); it does not describe an opaque tensor"
         )
     try:
-        attributes: Any = json.loads(encoded)
+        attributes: Any = json.loads(document)
     except (ValueError, RecursionError) as exc:
         raise T2NErrorStorage(
             f"the {ATTRIBUTES_KEY!r} of a {tag!r} payload are not valid JSON: {exc}"
@@ -98,7 +223,61 @@ def decode_opaque(tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, st
             f"the {ATTRIBUTES_KEY!r} of a {tag!r} payload must be a JSON object, "
             f"got {type(attributes).__name__}"
         )
-    value = offload_state_class(tag).from_offload_state(dict(tensors), attributes)
+    cls = offload_state_class(tag)
+    used: set[str] = set()
+    try:
+        state = {key: _decode_value(v, tensors, used) for key, v in attributes.items()}
+    except RecursionError as exc:
+        raise T2NErrorStorage(f"the attributes of a {tag!r} payload nest too deeply") from exc
+    for name, tensor in tensors.items():
+        if name in used:
+            continue
+        if name in state or name == OFFLOAD_STATE_KEY:
+            raise T2NErrorStorage(
+                f"entry {name!r} of a {tag!r} payload is also one of its attributes"
+            )
+        state[name] = tensor
+    state[OFFLOAD_STATE_KEY] = tag
+    return cls, state
+
+
+def is_opaque_payload(metadata: Mapping[str, str]) -> bool:
+    """Whether a payload's metadata describes an opaque value (written by :func:`encode_opaque`)."""
+    return CLASS_KEY in metadata
+
+
+def decode_opaque(
+    tensors: Mapping[str, torch.Tensor],
+    metadata: Mapping[str, str],
+    target_device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Rebuild the opaque value described by a payload's tensors and metadata.
+
+    Args:
+        tensors: the payload's tensors (e.g. from :func:`read_payload`).
+        metadata: the payload's metadata, holding ``t2n.class`` and ``t2n.attributes``.
+        target_device: passed to ``from_offload_state``: where to place the value (``None``:
+            where ``tensors`` are).
+
+    Returns:
+        the value built by ``cls.from_offload_state(state, target_device=...)``.
+
+    Raises:
+        T2NErrorStorage: as :func:`decode_offload_state`; or the class does not build a
+            tensor from the state, or fails with an error that is not a ``T2NError`` (an
+            assertion or a missing key in a class written for upstream torch-to-nnef).
+    """
+    cls, state = decode_offload_state(tensors, metadata)
+    tag = state[OFFLOAD_STATE_KEY]
+    try:
+        value = cls.from_offload_state(state, target_device=target_device)
+    except T2NError:
+        raise
+    except Exception as exc:
+        raise T2NErrorStorage(
+            f"{cls.__name__}.from_offload_state() could not rebuild a {tag!r} payload: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
     if not isinstance(value, torch.Tensor):
         raise T2NErrorStorage(
             f"{tag}.from_offload_state() built a {type(value).__name__}, not a tensor"
