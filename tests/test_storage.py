@@ -620,6 +620,7 @@ def test_public_api_is_exactly_exported() -> None:
             "awrite_payload",
             "encode_opaque",
             "decode_opaque",
+            "decode_offload_state",
             "is_opaque_payload",
             "payload_path",
         ]
