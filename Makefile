@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest demo bench stress docs clean
+.PHONY: install test lint typecheck pytest demo bench stress docs api-snapshot clean
 
 install: $(STAMP)
 
@@ -17,8 +17,8 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 lint: install
-	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks
-	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks
+	$(VENV)/bin/ruff check src tests benchmarks examples docs/hooks scripts
+	$(VENV)/bin/ruff format --check src tests benchmarks examples docs/hooks scripts
 
 typecheck: install
 	$(VENV)/bin/mypy
@@ -42,6 +42,13 @@ stress: install
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# Record upstream torch-to-nnef's tensor API (tests/data/upstream_tensor_api.json), which
+# tests/test_upstream_api.py compares this package against. UPSTREAM_PYTHON is a scratch
+# Python with upstream's wheel installed (pip install --no-deps), never this project's venv.
+api-snapshot:
+	@test -n "$(UPSTREAM_PYTHON)" || { echo "usage: make api-snapshot UPSTREAM_PYTHON=/path/to/scratch/bin/python"; exit 2; }
+	$(UPSTREAM_PYTHON) scripts/upstream_api_snapshot.py tests/data/upstream_tensor_api.json
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -278,7 +278,7 @@ def test_offload_state_classes_register_under_their_tag() -> None:
     class Defaulted(SupportsOffloadState):
         pass
 
-    assert Defaulted.OFFLOAD_STATE_TAG == f"{__name__}.{Defaulted.__qualname__}"
+    assert f"{__name__}.{Defaulted.__qualname__}" == Defaulted.OFFLOAD_STATE_TAG
     assert offload_state_class(Defaulted.OFFLOAD_STATE_TAG) is Defaulted
 
 

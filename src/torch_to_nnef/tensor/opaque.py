@@ -179,7 +179,7 @@ class OpaqueTensor(torch.Tensor):
     """Opaque values carry no autograd history (see ``utils.can_require_grad``)."""
 
     @staticmethod
-    def __new__(cls, elem: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # noqa: ARG004
+    def __new__(cls, elem: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Build a storage-less shell with the shape, dtype and device of ``elem``."""
         if not isinstance(elem, torch.Tensor):
             raise T2NErrorMisuse(
@@ -227,7 +227,11 @@ class OpaqueTensor(torch.Tensor):
         are expanded even then, since a trace may read them. Any other ``device`` (``None``,
         ``"cpu"``, ...) gives the expanded value, as :meth:`to_base_tensor` does.
         """
-        if device is not None and torch.device(device).type == "meta" and self.dtype.is_floating_point:
+        if (
+            device is not None
+            and torch.device(device).type == "meta"
+            and self.dtype.is_floating_point
+        ):
             return torch.empty(tuple(self.shape), dtype=self.dtype, device="meta")
         return self.to_base_tensor()
 

@@ -286,9 +286,10 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
             )
         except (T2NErrorMisuse, T2NErrorImpossibleQuantization) as exc:
             raise T2NErrorStorage(f"invalid {cls.__name__} offload state: {exc}") from exc
-        if target_device is not None:
-            rebuilt = rebuilt.to(device=target_device)
-        return rebuilt
+        if target_device is None:
+            return rebuilt
+        moved: _T = rebuilt.to(device=target_device)  # type: ignore[assignment]
+        return moved
 
     @classmethod
     def write_offload_state_in_file(
