@@ -240,7 +240,9 @@ def _materialize(
     Blocking (a CUDA copy is synchronised): call it from a worker thread in async code.
     """
     if binding.opaque:
-        value = storage.decode_opaque(binding.by_logical(host), binding.layout.metadata)
+        value = storage.decode_opaque(
+            binding.by_logical(host), binding.layout.metadata, target_device=device
+        )
         if value.device != device:
             value = value.to(device)
         return value
