@@ -212,20 +212,23 @@ class ModTensorUpdater:
         return module_name, local_name
 
     def check_same_dtype(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
-        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in dtype."""
+        """Raise :class:`T2NErrorInconsistentTensor` if ``tensor0`` and ``tensor1`` differ in
+        dtype."""
         _raise_mismatches(["dtype"], tensor0, tensor1)
 
     def check_same_device(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
-        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in device."""
+        """Raise :class:`T2NErrorInconsistentTensor` if ``tensor0`` and ``tensor1`` differ in
+        device."""
         _raise_mismatches(["device"], tensor0, tensor1)
 
     def check_same_shape(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
-        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in shape."""
+        """Raise :class:`T2NErrorInconsistentTensor` if ``tensor0`` and ``tensor1`` differ in
+        shape."""
         _raise_mismatches(["shape"], tensor0, tensor1)
 
     def check_consistency(self, tensor0: torch.Tensor, tensor1: torch.Tensor) -> None:
-        """Raise :class:`T2NErrorInconsistentTensor` if the tensors differ in device, dtype or
-        shape; the message lists every difference."""
+        """Raise :class:`T2NErrorInconsistentTensor` if ``tensor0`` and ``tensor1`` differ in
+        device, dtype or shape; the message lists every difference."""
         _raise_mismatches(_CHECKED, tensor0, tensor1)
 
     def maybe_parameterize(self, ref: torch.Tensor, new_tensor: torch.Tensor) -> torch.Tensor:

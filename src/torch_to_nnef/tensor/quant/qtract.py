@@ -300,7 +300,14 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
         inference_target: Any = None,
     ) -> Path:
         """Write the tract ``.dat`` file of the tensor ``state`` describes, without rebuilding
-        it; see :meth:`write_in_file` for the arguments and the rules.
+        it, and return its path; the rules are those of :meth:`write_in_file`.
+
+        Args:
+            state: an offload state of this class (from :meth:`to_offload_state`).
+            dirpath: the model folder (created if missing).
+            label: the variable label; ``/`` separates sub-folders.
+            inference_target: the tract version to write for (a version string or an object
+                with a ``version`` attribute); ``None``: the current layout.
 
         Raises:
             T2NErrorStorage: ``state`` is not a valid offload state of this class, or the file
