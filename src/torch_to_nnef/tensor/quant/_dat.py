@@ -226,6 +226,8 @@ def write_dat_file(path: Path, header: bytes, blocks: torch.Tensor) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         _publish(tmp, path, header, payload)
+    except T2NErrorStorage:
+        raise  # already names the file (it is an OSError too)
     except OSError as exc:
         raise T2NErrorStorage(f"cannot write {path}: {exc}") from exc
     finally:

@@ -147,6 +147,8 @@ async def aread_payload(
                     raise short_read(path, position, "tensor data")
                 done += count
                 position += count
+    except T2NErrorStorage:
+        raise  # already names the file and the rule (it is an OSError too)
     except OSError as exc:
         raise T2NErrorStorage(
             f"cannot read payload file '{path}': {os_error_message(exc)}"
