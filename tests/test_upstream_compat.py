@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 from safetensors import safe_open
@@ -481,3 +482,22 @@ def test_each_module_imports_first_in_a_fresh_interpreter(module: str) -> None:
         [sys.executable, "-c", f"import {module}"], capture_output=True, text=True, timeout=100
     )
     assert done.returncode == 0, done.stderr
+
+
+@pytest.mark.timeout(30)
+def test_a_storage_error_inside_an_async_read_is_reported_once(tmp_path: Path) -> None:
+    """T2NErrorStorage is an OSError: the read's OSError handler must not wrap it again."""
+    from torch_to_nnef.tensor import storage
+
+    path = tmp_path / "w.safetensors"
+    layout = storage.write_payload(path, {"w": torch.arange(1024.0)})
+    with path.open("r+b") as handle:
+        handle.truncate(layout.file_size - 16)
+
+    async def read() -> None:
+        await storage.aread_payload(layout)
+
+    with pytest.raises(OSError) as caught:
+        anyio.run(read)
+    assert isinstance(caught.value, T2NErrorStorage)
+    assert str(caught.value).count(str(path)) == 1, str(caught.value)
