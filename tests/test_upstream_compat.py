@@ -39,7 +39,7 @@ from torch_to_nnef.tensor.opaque import (
     resolve_offload_state,
     set_opaque_tensor_in_params_as_ref,
 )
-from torch_to_nnef.tensor.quant import Q40Layout, QScalePerGroupF16, QScheme
+from torch_to_nnef.tensor.quant import Q40Layout, QScalePerGroupF16, QScheme, QTensor
 from torch_to_nnef.tensor.quant.base import qscale_per_group_f16_min_max_calibration
 from torch_to_nnef.tensor.quant.qtract import (
     QTensorTractScaleOnly,
@@ -501,3 +501,68 @@ def test_a_storage_error_inside_an_async_read_is_reported_once(tmp_path: Path) -
         anyio.run(read)
     assert isinstance(caught.value, T2NErrorStorage)
     assert str(caught.value).count(str(path)) == 1, str(caught.value)
+
+
+class StatefulQTensor(QTensor, SupportsOffloadState):
+    """A QTensor subclass whose state holds its scheme object, as upstream's states do."""
+
+    OFFLOAD_STATE_TAG = "tests.upstream_compat.stateful_qtensor.v1"
+
+    def to_offload_state(self) -> dict[str, Any]:
+        return {
+            OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
+            "shape": tuple(self.shape),
+            "u8_blob": self.u8_blob,
+            "qscheme": self.qscheme,
+            "u8_compressors": list(self.u8_compressors),
+            "dequant_to_dtype": self.dequant_to_dtype,
+            "nnef_name": self.nnef_name,
+        }
+
+    @classmethod
+    def from_offload_state(
+        cls, state: dict[str, Any], target_device: Any = None
+    ) -> StatefulQTensor:
+        assert cls.is_offload_state(state)
+        placeholder = torch.zeros(state["shape"], dtype=state["dequant_to_dtype"])
+        value = cls(placeholder, state["qscheme"], dequant_to_dtype=state["dequant_to_dtype"])
+        value.u8_blob = state["u8_blob"]
+        value.nnef_name = state["nnef_name"]
+        return value
+
+
+def test_a_state_holding_its_scheme_object_round_trips(tmp_path: Path) -> None:
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(9))
+    scheme = qscale_per_group_f16_min_max_calibration(weight, n_bits=4, group_size=32)
+    value = StatefulQTensor(weight, scheme, dequant_to_dtype=torch.float32)
+    value.nnef_name = "block.w"
+
+    offloaded = OffloadedTensor.from_original_tensor(value, "block.w", offload_dir=tmp_path)
+    with safe_open(str(offloaded.offload_path), framework="pt") as payload:
+        assert sorted(payload.keys()) == ["qscheme.scale", "u8_blob"]
+        attributes = json.loads(payload.metadata()["t2n.attributes"])
+    assert attributes["qscheme"]["state"]["tag"] == QScalePerGroupF16.OFFLOAD_STATE_TAG
+
+    reloaded = offloaded.reload()
+    assert type(reloaded) is StatefulQTensor and reloaded.nnef_name == "block.w"
+    assert isinstance(reloaded.qscheme, QScalePerGroupF16)
+    assert torch.equal(reloaded.qscheme.scale, scheme.scale)
+    assert torch.equal(reloaded.decompress(), value.decompress())
+
+    # A forged nested scheme is refused as a storage error, never trusted.
+    from torch_to_nnef.tensor import storage
+
+    layout = storage.read_layout(offloaded.offload_path)
+    tensors = storage.read_payload(layout)
+    for forged, message in [
+        ({"group_size": 32, "n_bits": 9}, "n_bits must be an int from 1 to 8"),
+        ({"group_size": "32", "n_bits": 4}, "group_size must be a positive int"),
+    ]:
+        attributes["qscheme"]["state"]["value"].update(forged)
+        metadata = {**layout.metadata, "t2n.attributes": json.dumps(attributes)}
+        with pytest.raises(T2NErrorStorage, match=message):
+            storage.decode_opaque(tensors, metadata)
+    attributes["qscheme"]["state"]["tag"] = "no.such.scheme"
+    metadata = {**layout.metadata, "t2n.attributes": json.dumps(attributes)}
+    with pytest.raises(T2NErrorStorage, match=r"unknown offload class tag 'no\.such\.scheme'"):
+        storage.decode_opaque(tensors, metadata)

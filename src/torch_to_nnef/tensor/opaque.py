@@ -442,13 +442,15 @@ _OFFLOAD_STATE_CLASSES: dict[str, type[SupportsOffloadState]] = {}
 
 
 class SupportsOffloadState:
-    """Mixin by which an opaque tensor describes itself for storage, without pickle.
+    """Mixin by which an opaque tensor (or an object in its state) describes itself for
+    storage, without pickle.
 
     A subclass implements:
 
     - :meth:`to_offload_state`: a dict whose :data:`OFFLOAD_STATE_KEY` entry is the class's
       ``OFFLOAD_STATE_TAG`` and whose other values are tensors, ``None``, booleans, numbers,
-      strings, ``torch.dtype``, ``torch.device``, ``torch.Size``, or lists, tuples and
+      strings, ``torch.dtype``, ``torch.device``, ``torch.Size``, objects implementing
+      ``SupportsOffloadState`` themselves (a quantization scheme), or lists, tuples and
       str-keyed dicts of them;
     - :meth:`from_offload_state` (the inverse);
     - optionally :meth:`write_offload_state_in_file`, which writes an inference engine's file

@@ -22,8 +22,14 @@ from torch_to_nnef.exceptions import (
     T2NErrorImpossibleQuantization,
     T2NErrorMisuse,
     T2NErrorNotImplemented,
+    T2NErrorStorage,
 )
-from torch_to_nnef.tensor.opaque import OpaqueTensor, opaque_to_final_tensor
+from torch_to_nnef.tensor.opaque import (
+    OFFLOAD_STATE_KEY,
+    OpaqueTensor,
+    SupportsOffloadState,
+    opaque_to_final_tensor,
+)
 
 __all__ = [
     "QScalePerGroupF16",
@@ -109,7 +115,7 @@ class QScheme:
         return moved
 
 
-class QScalePerGroupF16(QScheme):
+class QScalePerGroupF16(QScheme, SupportsOffloadState):
     """Symmetric quantization with one float16 scale per group of ``group_size`` values.
 
     The tensor is read in row-major order and cut into consecutive groups. With
@@ -248,6 +254,47 @@ class QScalePerGroupF16(QScheme):
         """Return this scheme with its scales on ``new_device`` (this scheme is unchanged)."""
         moved: QScalePerGroupF16 = _move_tensor_attributes(self, _canonical_device(new_device))
         return moved
+
+    # -- offload state (a scheme nested in a tensor's state) ---------------------------------
+    OFFLOAD_STATE_TAG: ClassVar[str] = "torch_to_nnef.QScalePerGroupF16"
+
+    def to_offload_state(self) -> dict[str, Any]:
+        """Describe this scheme: its group size, bits and float16 scales.
+
+        An offload state of a quantized tensor may hold the scheme itself (as upstream
+        torch-to-nnef's states do): the storage layer stores it through this state.
+        """
+        return {
+            OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
+            "group_size": self.group_size,
+            "n_bits": self.n_bits,
+            "scale": self.scale,
+        }
+
+    @classmethod
+    def from_offload_state(
+        cls, state: dict[str, Any], target_device: torch.device | str | None = None
+    ) -> QScalePerGroupF16:
+        """Rebuild the scheme :meth:`to_offload_state` described, its scales on
+        ``target_device`` (``None``: where the state's scale is).
+
+        Args:
+            state: the offload state.
+            target_device: where the scales are placed.
+
+        Raises:
+            T2NErrorStorage: the state is not one of this class or its values are invalid.
+        """
+        if not cls.is_offload_state(state) or not isinstance(state.get("scale"), torch.Tensor):
+            raise T2NErrorStorage(
+                f"invalid {cls.__name__} offload state: expected a dict tagged "
+                f"{cls.OFFLOAD_STATE_TAG!r} holding a 'scale' tensor"
+            )
+        try:
+            scheme = cls(state.get("group_size"), state["scale"], state.get("n_bits"))  # type: ignore[arg-type]
+        except T2NErrorMisuse as exc:
+            raise T2NErrorStorage(f"invalid {cls.__name__} offload state: {exc}") from exc
+        return scheme if target_device is None else scheme.to_device(target_device)
 
     def __repr__(self) -> str:
         return (

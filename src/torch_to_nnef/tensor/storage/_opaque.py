@@ -10,6 +10,9 @@ metadata: the class tag under ``"t2n.class"`` and the other values under ``"t2n.
 - ``None``, booleans, numbers, strings and lists are JSON as they are; a tuple is
   ``{"tuple": [...]}``, a dict ``{"dict": {...}}``, a ``torch.dtype`` ``{"dtype": "float16"}``,
   a ``torch.device`` ``{"device": "cuda:0"}``, a ``torch.Size`` ``{"size": [...]}``.
+- An object that implements ``SupportsOffloadState`` itself (a quantization scheme) nests as
+  ``{"state": {"tag": ..., "value": {...}}}``, its own state encoded by the same rules; it is
+  rebuilt by its registered class.
 
 Decoding looks the class up by its tag and calls its ``from_offload_state``: no code is ever
 loaded from a file, an unknown tag or an unknown JSON form is an error.
@@ -38,8 +41,8 @@ CLASS_KEY = "t2n.class"
 ATTRIBUTES_KEY = "t2n.attributes"
 
 _SUPPORTED = (
-    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, and lists, "
-    "tuples and str-keyed dicts of them"
+    "tensors, None, bool, int, float, str, torch.dtype, torch.device, torch.Size, objects "
+    "implementing SupportsOffloadState, and lists, tuples and str-keyed dicts of them"
 )
 _DTYPES = {
     str(dtype).removeprefix("torch."): dtype
@@ -67,6 +70,9 @@ def _encode_value(value: Any, path: str, tensors: dict[str, torch.Tensor], kind:
         return items if isinstance(value, list) else {"tuple": items}
     if isinstance(value, dict):
         return {"dict": _encode_mapping(value, f"{path}.", tensors, kind)}
+    if isinstance(value, SupportsOffloadState):
+        tag, state = _state_of(value)
+        return {"state": {"tag": tag, "value": _encode_mapping(state, f"{path}.", tensors, kind)}}
     raise T2NErrorMisuse(
         f"{kind}.to_offload_state() holds a {type(value).__name__} at {path!r}, which cannot be "
         f"stored without pickle; an offload state holds {_SUPPORTED}"
@@ -106,6 +112,23 @@ def _encode_mapping(
     return encoded
 
 
+def _state_of(value: SupportsOffloadState) -> tuple[str, dict[str, Any]]:
+    """The tag and the state of ``value``, without the tag entry."""
+    kind = type(value).__name__
+    tag = type(value).OFFLOAD_STATE_TAG
+    state = value.to_offload_state()
+    if not isinstance(state, dict):
+        raise T2NErrorMisuse(
+            f"{kind}.to_offload_state() must return a dict, got {type(state).__name__}"
+        )
+    if state.get(OFFLOAD_STATE_KEY, tag) != tag:
+        raise T2NErrorMisuse(
+            f"{kind}.to_offload_state() is tagged {state[OFFLOAD_STATE_KEY]!r} but {kind} is "
+            f"registered as {tag!r}; put type(self).OFFLOAD_STATE_TAG under OFFLOAD_STATE_KEY"
+        )
+    return tag, {key: v for key, v in state.items() if key != OFFLOAD_STATE_KEY}
+
+
 def encode_opaque(value: SupportsOffloadState) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Describe ``value`` as the tensors and metadata of a payload file.
 
@@ -128,19 +151,8 @@ def encode_opaque(value: SupportsOffloadState) -> tuple[dict[str, torch.Tensor],
             "stored as an opaque payload"
         )
     kind = type(value).__name__
-    tag = type(value).OFFLOAD_STATE_TAG
-    state = value.to_offload_state()
-    if not isinstance(state, dict):
-        raise T2NErrorMisuse(
-            f"{kind}.to_offload_state() must return a dict, got {type(state).__name__}"
-        )
-    if state.get(OFFLOAD_STATE_KEY, tag) != tag:
-        raise T2NErrorMisuse(
-            f"{kind}.to_offload_state() is tagged {state[OFFLOAD_STATE_KEY]!r} but {kind} is "
-            f"registered as {tag!r}; put type(self).OFFLOAD_STATE_TAG under OFFLOAD_STATE_KEY"
-        )
+    tag, top = _state_of(value)
     tensors: dict[str, torch.Tensor] = {}
-    top = {key: v for key, v in state.items() if key != OFFLOAD_STATE_KEY}
     attributes: dict[str, Any] = {}
     for key, encoded in _encode_mapping(top, "", tensors, kind).items():
         if not (isinstance(encoded, dict) and encoded.get("tensor") == key):
@@ -180,6 +192,11 @@ def _decode_value(value: Any, tensors: Mapping[str, torch.Tensor], used: set[str
                 pass
         if form == "size" and isinstance(body, list) and all(type(d) is int for d in body):
             return torch.Size(body)
+        if form == "state" and isinstance(body, dict) and set(body) == {"tag", "value"}:
+            tag, nested = body["tag"], body["value"]
+            if isinstance(tag, str) and isinstance(nested, dict):
+                state = {k: _decode_value(v, tensors, used) for k, v in nested.items()}
+                return _rebuild(offload_state_class(tag), {**state, OFFLOAD_STATE_KEY: tag}, None)
     text = json.dumps(value)
     raise T2NErrorStorage(
         f"an offload state holds {text[:80]!r}, which is no known encoded value (a missing "
@@ -241,6 +258,19 @@ def decode_offload_state(
     return cls, state
 
 
+def _rebuild(cls: type[SupportsOffloadState], state: dict[str, Any], target_device: Any) -> Any:
+    """``cls.from_offload_state(state, target_device)``, any failure a ``T2NError``."""
+    try:
+        return cls.from_offload_state(state, target_device=target_device)
+    except T2NError:
+        raise
+    except Exception as exc:
+        raise T2NErrorStorage(
+            f"{cls.__name__}.from_offload_state() could not rebuild a "
+            f"{state[OFFLOAD_STATE_KEY]!r} payload: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
 def is_opaque_payload(metadata: Mapping[str, str]) -> bool:
     """Whether a payload's metadata describes an opaque value (written by :func:`encode_opaque`)."""
     return CLASS_KEY in metadata
@@ -269,15 +299,7 @@ def decode_opaque(
     """
     cls, state = decode_offload_state(tensors, metadata)
     tag = state[OFFLOAD_STATE_KEY]
-    try:
-        value = cls.from_offload_state(state, target_device=target_device)
-    except T2NError:
-        raise
-    except Exception as exc:
-        raise T2NErrorStorage(
-            f"{cls.__name__}.from_offload_state() could not rebuild a {tag!r} payload: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
+    value = _rebuild(cls, state, target_device)
     if not isinstance(value, torch.Tensor):
         raise T2NErrorStorage(
             f"{tag}.from_offload_state() built a {type(value).__name__}, not a tensor"
