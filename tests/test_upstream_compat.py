@@ -327,6 +327,7 @@ def test_find_opaque_ref_by_py_id(q_weight: QTensorTractScaleOnly) -> None:
     set_opaque_tensor_in_params_as_ref(model)
     ref = find_opaque_ref_by_py_id(model, id(q_weight))
     assert isinstance(ref, OpaqueTensorRef) and ref.opaque_tensor is q_weight
+    assert ref.nnef_name == "weight"  # named after its path, as upstream does
     with pytest.raises(RuntimeError, match="set_opaque_tensor_in_params_as_ref"):
         find_opaque_ref_by_py_id(model, id(model))
 

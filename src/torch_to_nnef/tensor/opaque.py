@@ -178,6 +178,10 @@ class OpaqueTensor(torch.Tensor):
     t2n_supports_grad: ClassVar[bool] = False
     """Opaque values carry no autograd history (see ``utils.can_require_grad``)."""
 
+    nnef_name: str | None
+    """The tensor's name in the model, once given (by ``set_opaque_tensor_in_params_as_ref``
+    or, for a ``QTensor``, at creation: ``None``)."""
+
     @staticmethod
     def __new__(cls, elem: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """Build a storage-less shell with the shape, dtype and device of ``elem``."""
@@ -404,10 +408,14 @@ def set_opaque_tensor_in_params_as_ref(model: torch.nn.Module) -> None:
     parameter as a call to ``t2n::opaque_tensor_expand``, and the traced module computes with
     the expanded values. Tied parameters (one tensor held by several modules) share one
     reference. Parameters that are not opaque, or are references already, are left as they are.
+
+    Each opaque tensor gets the ``nnef_name`` of its path (its first one when tied), which its
+    reference reports.
     """
     updater = ModTensorUpdater(model)
-    for _, tensor in list(updater.iter_tensors()):
+    for names, tensor in list(updater.iter_tensors()):
         if isinstance(tensor, OpaqueTensor):
+            tensor.nnef_name = names[0]
             meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
             updater.update_by_ref(tensor, OpaqueTensorRef(meta, tensor))
 
