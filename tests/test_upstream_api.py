@@ -28,9 +28,6 @@ SNAPSHOT = Path(__file__).parent / "data" / "upstream_tensor_api.json"
 # Names that only make sense inside upstream's NNEF exporter (its tracing, its IR, its
 # logging), each with the reason. They are not part of this package.
 EXPORTER_ONLY: dict[str, str] = {
-    "torch_to_nnef.tensor.opaque.IR_OPAQUE_NAME": "the exporter's IR op name (the op "
-    "registered here is t2n::opaque_tensor_expand, the same name, but not exported as a "
-    "constant)",
     "torch_to_nnef.tensor.opaque.NEW_OPAQUE_TRACING_STRATEGY": "switch between two tracing "
     "strategies of the exporter; this package has one",
     "torch_to_nnef.tensor.opaque.maybe_custom_op": "the exporter's wrapper choosing a tracing "
