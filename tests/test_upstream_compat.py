@@ -567,3 +567,78 @@ def test_a_state_holding_its_scheme_object_round_trips(tmp_path: Path) -> None:
     metadata = {**layout.metadata, "t2n.attributes": json.dumps(attributes)}
     with pytest.raises(T2NErrorStorage, match=r"unknown offload class tag 'no\.such\.scheme'"):
         storage.decode_opaque(tensors, metadata)
+
+
+# -- upstream's documented quantization walk, over offloaded weights -------------------------
+class TiedLM(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 64)
+        self.proj = nn.Linear(64, 64)
+        self.head = nn.Linear(64, 16, bias=False)
+        self.tied = nn.Linear(64, 16, bias=False)
+        self.tied.weight = self.head.weight  # shared by two Linear layers
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.proj(self.embed(ids))
+        out: torch.Tensor = self.head(x) + self.tied(x)
+        return out
+
+
+def quantize_linears_as_upstream_does(model: nn.Module) -> dict[int, torch.Tensor]:
+    """The walk upstream documents for writing a quantization: one updater, tied weights
+    quantized once, an offloaded weight replaced by an offloaded QTensor."""
+    done: dict[int, torch.Tensor] = {}
+    updater = ModTensorUpdater(model)
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not isinstance(module, nn.Linear) or id(module.weight) in done:
+                continue
+            holders = updater.id_to_modules[id(module.weight)]
+            if not all(isinstance(m, nn.Linear) for m in holders):
+                continue
+            original = module.weight
+            values = (
+                original.to_base_tensor() if isinstance(original, OffloadedTensor) else original
+            )
+            try:
+                q_weight: torch.Tensor = fp_to_tract_q4_0_with_min_max_calibration(values)
+            except T2NErrorImpossibleQuantization:
+                continue
+            q_weight.nnef_name = f"{name}.weight"
+            if isinstance(original, OffloadedTensor):
+                q_weight = OffloadedTensor.from_original_tensor(
+                    q_weight, f"{original._name}.q40", offload_dir=original.offload_dir
+                )
+            q_weight = updater.update_by_ref(module.weight, q_weight)
+            done[id(q_weight)] = q_weight
+    return done
+
+
+def test_upstream_quantization_walk_over_offloaded_tied_weights(tmp_path: Path) -> None:
+    from torch_to_nnef.tensor import offload_module
+
+    torch.manual_seed(0)
+    model = TiedLM()
+    ids = torch.tensor([[1, 5, 7, 2]])
+    expected = model(ids)
+    offload_module(model, tmp_path / "offload")
+
+    quantized = quantize_linears_as_upstream_does(model)
+    assert len(quantized) == 2  # proj, and head/tied once
+    assert model.head.weight is model.tied.weight
+    assert isinstance(model.head.weight, OffloadedTensor)
+    assert isinstance(model.head.weight.reload(), QTensorTractScaleOnly)
+    assert model.head.weight.reload().nnef_name == "head.weight"
+    assert not isinstance(model.embed.weight.reload(), QTensorTractScaleOnly)
+    assert updater_names(model) == {"embed.weight", "proj.weight", "proj.bias", "head.weight"}
+    with torch.no_grad():
+        got = model(ids)
+    torch.testing.assert_close(got, expected, rtol=0.2, atol=0.2)  # 4-bit weights
+
+    assert model.proj.weight.write_qtensor_in_file(tmp_path / "model", "proj.weight")
+    assert (tmp_path / "model" / "proj.weight.dat").stat().st_size == 128 + 64 * 2 * 18
+
+
+def updater_names(model: nn.Module) -> set[str]:
+    return {names[0] for names, _ in ModTensorUpdater(model).iter_tensors()}

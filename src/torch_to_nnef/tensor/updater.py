@@ -290,6 +290,23 @@ class ModTensorUpdater:
         }
 
     @property
+    def id_to_modules(self) -> dict[int, list[nn.Module]]:
+        """Every indexed tensor's ``id()`` mapped to the modules holding it (a snapshot).
+
+        Tied weights list every module they are shared by, e.g. to check that all of them are
+        of a kind a quantization supports.
+        """
+        return {
+            key: [slot.module for slot in entry.slots.values()]
+            for key, entry in self._entries.items()
+        }
+
+    @property
+    def name_to_id(self) -> dict[str, int]:
+        """Every indexed name mapped to the ``id()`` of the tensor it holds now (a snapshot)."""
+        return {name: id(entry.tensor) for entry in self._entries.values() for name in entry.names}
+
+    @property
     def name_to_parent_module(self) -> dict[str, nn.Module]:
         """Every indexed name mapped to the module holding the tensor (a snapshot)."""
         return {name: slot.module for name, slot in self._slots_by_name.items()}
