@@ -376,6 +376,7 @@ class ScaledCodes(OpaqueTensor, SupportsOffloadState):
         return value
 
 
+@pytest.mark.timeout(60)
 def test_an_upstream_style_subclass_round_trips_through_payload_files(tmp_path: Path) -> None:
     source = torch.randn(6, 10, generator=torch.Generator().manual_seed(1))
     value = ScaledCodes(source, parts=3)
