@@ -220,12 +220,26 @@ def test_arm_dequantizes_through_float16_and_x86_directly(weight: torch.Tensor) 
         assert torch.equal(q.decompress(), direct), other
 
 
-def test_host_machine_is_used_when_none_is_given(weight: torch.Tensor) -> None:
+@pytest.mark.parametrize(("host", "through_f16"), [("aarch64", True), ("x86_64", False)])
+def test_host_machine_is_used_when_none_is_given(
+    weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, host: str, through_f16: bool
+) -> None:
+    """With no ``specific_machine``, the value follows ``platform.machine()`` (patched to an
+    ARM and an x86 host).
+
+    Mutation caught: ``decompress`` using ``"x86_64"`` instead of the host's name failed the
+    ``aarch64`` case.
+    """
     q = fp_to_tract_q4_0_with_min_max_calibration(weight)
     assert q.specific_machine is None
-    host = q.clone()
-    host.specific_machine = platform.machine()
-    assert torch.equal(q.decompress(), host.decompress())
+    codes, scales = q.decompress_to_u8(), q.qscheme.scale.reshape(-1)
+    expected = (
+        reference_dequantize(codes, scales, torch.float16).float()
+        if through_f16
+        else reference_dequantize(codes, scales, torch.float32)
+    )
+    monkeypatch.setattr(platform, "machine", lambda: host)
+    assert torch.equal(q.decompress(), expected)
 
 
 def test_specific_machine_must_be_a_string() -> None:
