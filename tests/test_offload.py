@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
+from quant_reference import reference_q4_0_value
 from torch import nn
 
 from torch_to_nnef.exceptions import (
@@ -88,12 +89,15 @@ class TestOffloadedQTensorContract(OpaqueContract):
     def make_subject(self, tmp_path: Path) -> object:
         def make(dense: torch.Tensor) -> torch.Tensor:
             quantized = fp_to_tract_q4_0_with_min_max_calibration(dense)
+            quantized.specific_machine = "x86_64"
             return OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
 
         return make
 
     def reference(self, subject: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        return fp_to_tract_q4_0_with_min_max_calibration(dense).decompress()
+        """Q4_0 computed element by element, independently of the library (a planted
+        ``(code - 7) * scale`` dequantization fails this class)."""
+        return reference_q4_0_value(dense, through_f16=False)
 
 
 # ---------------------------------------------------------------------------------------------
