@@ -9,6 +9,8 @@ import json
 import os
 import pickle
 import struct
+import subprocess
+import sys
 import tempfile
 import tracemalloc
 from pathlib import Path
@@ -191,12 +193,43 @@ def test_fifo_is_rejected_without_blocking(tmp_path: Path) -> None:
         storage.read_layout(path)
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their mode")
-def test_unreadable_file(tmp_path: Path) -> None:  # pragma: no cover - CI runs as non-root
-    path = craft(tmp_path / "locked.safetensors", {}, b"")
-    path.chmod(0)
-    with pytest.raises(T2NErrorStorage, match="Permission denied"):
-        storage.read_layout(path)
+_READ_AS_NOBODY = """
+import os, sys
+from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor import storage
+if os.geteuid() == 0:  # root reads any file: become nobody once everything is imported
+    os.setgroups([])
+    os.setgid(65534)
+    os.setuid(65534)
+try:
+    storage.read_layout(sys.argv[1])
+except T2NErrorStorage as exc:
+    print("T2NErrorStorage:", exc)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_unreadable_file() -> None:
+    """A file without read permission raises T2NErrorStorage naming the path and the reason.
+
+    Run in a child process that drops root's privileges before reading (root reads any
+    file), so that the case runs on CI. Mutation caught: letting the ``OSError`` of
+    ``os.open`` escape unconverted failed this test (a raw ``PermissionError`` traceback
+    instead of the message).
+    """
+    with tempfile.TemporaryDirectory() as directory:  # under /tmp: others may traverse it
+        Path(directory).chmod(0o755)
+        path = craft(Path(directory) / "locked.safetensors", {}, b"")
+        path.chmod(0)
+        result = subprocess.run(
+            [sys.executable, "-c", _READ_AS_NOBODY, str(path)],
+            capture_output=True,
+            text=True,
+            timeout=50,
+        )
+    assert result.stdout.strip() == (
+        f"T2NErrorStorage: cannot open payload file '{path}': Permission denied"
+    ), result.stderr[-3000:]
 
 
 def test_symlink_to_a_payload_is_followed_for_reading(tmp_path: Path) -> None:
