@@ -62,7 +62,8 @@ def encode_opaque(value: SupportsOffloadState) -> tuple[dict[str, torch.Tensor],
 
 
 def is_opaque_payload(metadata: Mapping[str, str]) -> bool:
-    """Whether a payload's metadata describes an opaque value (written by :func:`encode_opaque`)."""
+    """Whether a payload's ``metadata`` describes an opaque value (written by
+    :func:`encode_opaque`)."""
     return CLASS_KEY in metadata
 
 
