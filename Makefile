@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest demo bench stress docs clean
+.PHONY: install test lint typecheck pytest demo bench stress docs docs-serve clean
 
 install: $(STAMP)
 
@@ -42,6 +42,10 @@ stress: install
 
 docs: install
 	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs build --strict --site-dir site
+
+# The site at http://127.0.0.1:8000, rebuilt on change (its search box needs a server).
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -392,7 +392,9 @@ def code_blocks(page: Path) -> list[CodeBlock]:
 
 
 def pages_with_code() -> list[Path]:
-    return sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
+    """README.md and the pages of the site (the API reference aside)."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
+    return [ROOT / "README.md", *pages]
 
 
 def test_fences_follow_the_convention() -> None:
@@ -450,7 +452,7 @@ def _script(page: Path) -> str:
 @pytest.mark.parametrize(
     "page",
     [p for p in pages_with_code() if any(b.runnable for b in code_blocks(p))],
-    ids=lambda p: str(p.relative_to(DOCS)),
+    ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_runnable_blocks_of_the_page_run(page: Path, tmp_path: Path) -> None:
     script = tmp_path / "page.py"
