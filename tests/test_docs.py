@@ -299,6 +299,13 @@ def test_strict_build_succeeds(tmp_path: Path) -> None:
     reference = (site / "api" / "residency" / "index.html").read_text(encoding="utf-8")
     assert 'id="torch_to_nnef.tensor.residency.TensorResidencyPool.acquire"' in reference
     assert ":class:`" not in reference and ":meth:`" not in reference
+    # Diagrams render offline: the page loads the bundled mermaid, which Material then uses
+    # instead of fetching one from a CDN (checked in headless Chromium without network).
+    architecture = (site / "architecture" / "index.html").read_text(encoding="utf-8")
+    assert '<div class="mermaid">' in architecture or 'class="mermaid"' in architecture
+    assert '<script src="../assets/javascripts/mermaid.min.js"' in architecture
+    bundled = (site / "assets" / "javascripts" / "mermaid.min.js").read_text(encoding="utf-8")
+    assert 'globalThis["mermaid"]' in bundled
 
 
 def _bench_hook(results: Path) -> ModuleType:
@@ -414,15 +421,18 @@ def test_fences_follow_the_convention() -> None:
 
 
 def test_code_blocks_fit_the_page() -> None:
-    """Lines of code blocks stay within 88 characters, the width of the page's content."""
+    """Lines of code blocks stay within 80 characters on the site's pages: what a code block
+    shows without scrolling (Material's content column, at any window width from 1220 pixels,
+    measured in a browser), and within 88 in README.md. Diagrams are not code."""
     long_lines = [
         f"{block.page.relative_to(ROOT)}:{block.line + number}"
         for page in pages_with_code()
         for block in code_blocks(page)
+        if block.info != "mermaid"
         for number, line in enumerate(block.code.splitlines(), start=1)
-        if len(line) > 88
+        if len(line) > (88 if page.name == "README.md" else 80)
     ]
-    assert not long_lines, f"code lines longer than 88 characters: {long_lines}"
+    assert not long_lines, f"code lines wider than the page: {long_lines}"
 
 
 def test_code_block_extraction() -> None:
