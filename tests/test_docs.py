@@ -39,6 +39,7 @@ PUBLIC_MODULES = [
     "torch_to_nnef.tensor.opaque",
     "torch_to_nnef.tensor.quant",
     "torch_to_nnef.tensor.residency",
+    "torch_to_nnef.tensor.sizing",
     "torch_to_nnef.tensor.storage",
     "torch_to_nnef.tensor.updater",
     "torch_to_nnef.tensor.utils",
