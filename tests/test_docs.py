@@ -174,11 +174,6 @@ def test_every_exported_constant_has_a_docstring() -> None:
 
 
 PENDING_ARGS_FIXES = {
-    "torch_to_nnef.tensor.TensorResidencyPool.resolve": "mis-indented device entry",
-    "torch_to_nnef.tensor.TensorResidencyPool.aresolve": "mis-indented device entry",
-    "torch_to_nnef.tensor.TensorResidencyPool.acquire": "mis-indented device entry",
-    "torch_to_nnef.tensor.TensorResidencyPool.prefetch": "mis-indented device entry",
-    "torch_to_nnef.tensor.TensorResidencyPool.pin": "mis-indented device entry",
     "torch_to_nnef.tensor.QTensorTractScaleOnly.from_offload_state": "no Args block",
 }
 """Known defects awaiting a fix in their module; each must still be a defect (checked)."""

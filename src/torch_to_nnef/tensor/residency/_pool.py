@@ -36,6 +36,7 @@ from torch_to_nnef.tensor.residency._requests import (
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Runtime
 from torch_to_nnef.tensor.residency._state import PoolStats
+from torch_to_nnef.tensor.sizing import parse_bytes
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -64,32 +65,36 @@ class TensorResidencyPool:
     operation has a synchronous face, usable from any thread, and an async twin.
 
     Args:
-        max_cached_bytes: soft limit on the bytes of the values kept for reuse. Values in use
-            (leased, or awaited by a request) come on top of it; pinned values count toward
-            it and may exceed it. ``None``: no limit.
+        max_cached_bytes: soft limit on the bytes of the values kept for reuse, as an int
+            or a size such as ``"1.5GB"`` or ``"512MiB"`` (see
+            :func:`~torch_to_nnef.tensor.sizing.parse_bytes`). Values in use (leased, or
+            awaited by a request) come on top of it; pinned values count toward it and may
+            exceed it. ``None``: no limit.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).
 
     Raises:
-        T2NErrorMisuse: a negative budget, ``max_workers < 1``, or a strategy that is not a
-            :class:`ResidencyStrategy`.
+        T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, or a strategy
+            that is not a :class:`ResidencyStrategy`.
 
     Attributes:
-        max_cached_bytes: the soft budget given at creation.
+        max_cached_bytes: the soft budget given at creation, in bytes.
         max_workers: the bound on concurrent disk jobs given at creation.
         strategy: the retention strategy given at creation.
     """
 
     def __init__(
         self,
-        max_cached_bytes: int | None = None,
+        max_cached_bytes: int | str | None = None,
         max_workers: int = 1,
         strategy: ResidencyStrategy = ResidencyStrategy.LRU,
         *,
         use_uvloop: bool | None = None,
     ) -> None:
+        if isinstance(max_cached_bytes, str):
+            max_cached_bytes = parse_bytes(max_cached_bytes)
         if max_cached_bytes is not None and (
             not isinstance(max_cached_bytes, int) or max_cached_bytes < 0
         ):
@@ -164,6 +169,13 @@ class TensorResidencyPool:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _check_source(source: Any) -> None:
+        if isinstance(source, torch.nn.Module):
+            raise T2NErrorMisuse(
+                "TensorResidencyPool manages OffloadedTensor values; got a module "
+                f"({type(source).__name__}): pass its offloaded tensors (for t in "
+                "module.parameters(): pool.prefetch(t)), or stream whole layers with "
+                "stream_modules(pool, [module])"
+            )
         if not isinstance(source, PoolSource):
             raise T2NErrorMisuse(
                 "TensorResidencyPool only manages OffloadedTensor values; "
@@ -265,7 +277,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
@@ -294,7 +306,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: as :meth:`resolve`, or the pool runs on no event loop (use
@@ -318,7 +330,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
             mode: ``"read"``, or ``"read_write"`` to have changes made to the value written back.
 
         Raises:
@@ -340,7 +352,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
@@ -361,7 +373,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: the strategy is FIXED, or as :meth:`prefetch`.

@@ -391,6 +391,7 @@ class Runtime:
                 operation.abandon()
                 raise
         if not self.running:
+            self.actor.check_open()  # a closed pool says so
             raise T2NErrorMisuse(
                 "the TensorResidencyPool is not running: use `async with pool:` in this loop, "
                 "or `with pool:` before awaiting it from another loop"
