@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
-from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
+from torch_to_nnef.tensor.offload._protocol import (
+    ACTIVE_RESIDENCY,
+    PoolSource,
+    loads_outside_scopes,
+)
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._handles import (
     TensorPrefetch,
@@ -110,6 +114,7 @@ class TensorResidencyPool:
             )
         self.max_cached_bytes = max_cached_bytes
         self.max_workers = max_workers
+        self._loads_outside_at_start = loads_outside_scopes()
         self.strategy = strategy
         self._actor = Actor(make_policy(strategy, max_cached_bytes))
         self._runtime = Runtime(self._actor, max_workers, use_uvloop)
@@ -507,6 +512,7 @@ class TensorResidencyPool:
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
             self._actor.finish_close()
+        self._warn_if_left_out()
         if private:
             runtime.stop_private()
 
@@ -519,8 +525,22 @@ class TensorResidencyPool:
             self.close()
             return
         await runtime.acall(self._close_request())
+        self._warn_if_left_out()
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()
+
+    def _warn_if_left_out(self) -> None:
+        """Warn, once closed, when the pool served nothing while offloaded tensors were loaded
+        outside any pool: the model ran outside ``pool.scope()``."""
+        stats = self._actor.stats()
+        unserved = loads_outside_scopes() - self._loads_outside_at_start
+        if stats.hits + stats.misses == 0 and unserved:
+            LOGGER.warning(
+                "TensorResidencyPool closed without serving any value, while %d offloaded "
+                "tensor load(s) ran outside any pool: run the model inside `with pool.scope():` "
+                "(or `stream_modules(pool, layers)`) so that the pool serves its weights",
+                unserved,
+            )
 
     def _close_request(self) -> Close:
         def release_streams() -> None:
