@@ -5,7 +5,7 @@ TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint typecheck pytest demo bench stress docs api-snapshot clean
+.PHONY: install test lint typecheck pytest demo bench stress docs docs-serve api-snapshot clean
 
 install: $(STAMP)
 
@@ -49,6 +49,10 @@ docs: install
 api-snapshot:
 	@test -n "$(UPSTREAM_PYTHON)" || { echo "usage: make api-snapshot UPSTREAM_PYTHON=/path/to/scratch/bin/python"; exit 2; }
 	$(UPSTREAM_PYTHON) scripts/upstream_api_snapshot.py tests/data/upstream_tensor_api.json
+
+# The site at http://127.0.0.1:8000, rebuilt on change (its search box needs a server).
+docs-serve: install
+	NO_MKDOCS_2_WARNING=1 $(VENV)/bin/mkdocs serve
 
 clean:
 	rm -rf $(VENV) build dist src/*.egg-info .pytest_cache .mypy_cache .ruff_cache

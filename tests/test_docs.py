@@ -39,6 +39,7 @@ PUBLIC_MODULES = [
     "torch_to_nnef.tensor.opaque",
     "torch_to_nnef.tensor.quant",
     "torch_to_nnef.tensor.residency",
+    "torch_to_nnef.tensor.sizing",
     "torch_to_nnef.tensor.storage",
     "torch_to_nnef.tensor.updater",
     "torch_to_nnef.tensor.utils",
@@ -89,8 +90,36 @@ def _documented_parameters(function: Any, skip_first: bool) -> list[str]:
     return names[1:] if skip_first else names
 
 
-def _mentions(docstring: str, name: str) -> bool:
-    return re.search(rf"(?<![\w.]){re.escape(name)}\b", docstring) is not None
+_ENTRY_SECTIONS = frozenset({"parameters", "other parameters", "attributes"})
+
+
+def documented_names(docstring: str | None) -> set[str]:
+    """The parameters a Google-style docstring documents, as the API reference renders them.
+
+    With an ``Args:`` (or ``Attributes:``) block: its entries, parsed by griffe as mkdocstrings
+    parses them, so that a mis-indented entry (which ends the block and renders as a stray
+    paragraph) does not count. Without one (a short docstring): the names it quotes as
+    ````name````.
+    """
+    import griffe
+
+    text = inspect.cleandoc(docstring or "")
+    sections = griffe.Docstring(text, lineno=1).parse(
+        "google", warn_unknown_params=False, warn_missing_types=False
+    )
+    blocks = [section for section in sections if section.kind.value in _ENTRY_SECTIONS]
+    if not blocks:
+        return set(re.findall(r"``(\w+)``", text))
+    return {entry.name for block in blocks for entry in block.value}
+
+
+def undocumented_parameters(function: Any, *docstrings: str | None, skip_first: bool) -> list[str]:
+    """Parameters of ``function`` (``*args``/``**kwargs`` aside) that ``docstrings`` (by
+    default the function's own) do not document (see :func:`documented_names`)."""
+    documented: set[str] = set()
+    for docstring in docstrings or (function.__doc__,):
+        documented |= documented_names(docstring)
+    return [p for p in _documented_parameters(function, skip_first) if p not in documented]
 
 
 def _constructor(cls: type) -> Any:
@@ -144,31 +173,60 @@ def test_every_exported_constant_has_a_docstring() -> None:
     assert not missing, f"constants without a docstring: {missing}"
 
 
-def test_every_parameter_is_documented() -> None:
-    """Each parameter of a public function, method or constructor is named in its docstring."""
-    undocumented = []
+PENDING_ARGS_FIXES: dict[str, str] = {}
+"""Known defects awaiting a fix in their module; each must still be a defect (checked)."""
+
+
+def _parameter_defects() -> dict[str, list[str]]:
+    """``{qualified name: undocumented parameters}`` over every public function and method."""
+    defects: dict[str, list[str]] = {}
     for qualified, value in _public_objects():
         if inspect.isfunction(value):
-            for name in _documented_parameters(value, skip_first=False):
-                if not _mentions(value.__doc__ or "", name):
-                    undocumented.append(f"{qualified}({name})")
+            defects[qualified] = undocumented_parameters(value, skip_first=False)
             continue
         if not inspect.isclass(value) or issubclass(value, (BaseException, enum.Enum, tuple)):
             continue
         class_doc = value.__dict__.get("__doc__") or ""
         constructor = _constructor(value)
         if constructor is not None and NOT_CONSTRUCTED_BY_USERS not in class_doc:
-            for name in _documented_parameters(constructor, skip_first=True):
-                if not _mentions(class_doc + (constructor.__doc__ or ""), name):
-                    undocumented.append(f"{qualified}({name})")
+            defects[qualified] = undocumented_parameters(
+                constructor, class_doc, constructor.__doc__, skip_first=True
+            )
         for method_name, raw, member in _own_members(value):
-            if isinstance(member, property):
-                continue
-            skip_first = not isinstance(raw, staticmethod)
-            for name in _documented_parameters(member, skip_first=skip_first):
-                if not _mentions(member.__doc__ or "", name):
-                    undocumented.append(f"{qualified}.{method_name}({name})")
-    assert not undocumented, f"parameters missing from their docstring: {undocumented}"
+            if not isinstance(member, property):
+                defects[f"{qualified}.{method_name}"] = undocumented_parameters(
+                    member, skip_first=not isinstance(raw, staticmethod)
+                )
+    return {name: missing for name, missing in defects.items() if missing}
+
+
+def test_every_parameter_is_documented() -> None:
+    """Each parameter of a public function, method or constructor is an entry of its ``Args:``
+    block (or, in a docstring without one, is quoted), as the API reference renders it."""
+    defects = _parameter_defects()
+    unexpected = {k: v for k, v in defects.items() if k not in PENDING_ARGS_FIXES}
+    assert not unexpected, f"parameters missing from their Args block: {unexpected}"
+    fixed = sorted(set(PENDING_ARGS_FIXES) - set(defects))
+    assert not fixed, f"fixed: remove them from PENDING_ARGS_FIXES: {fixed}"
+
+
+def test_the_parameter_check_catches_docstring_defects() -> None:
+    """The check above fails on a mis-indented, a missing and a misspelt entry, and on a
+    short docstring that never names its parameter; it passes a complete docstring."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        fixtures = importlib.import_module("fixtures.docstring_defects")
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+
+    def check(function: Any) -> list[str]:
+        return undocumented_parameters(function, skip_first=False)
+
+    assert check(fixtures.misindented) == ["device", "mode"]
+    assert check(fixtures.missing) == ["device"]
+    assert check(fixtures.misspelt) == ["device"]
+    assert check(fixtures.unnamed) == ["source"]
+    assert check(fixtures.short) == [] and check(fixtures.documented) == []
 
 
 def test_every_exported_name_is_listed_on_the_package_page() -> None:
@@ -235,6 +293,13 @@ def test_strict_build_succeeds(tmp_path: Path) -> None:
     reference = (site / "api" / "residency" / "index.html").read_text(encoding="utf-8")
     assert 'id="torch_to_nnef.tensor.residency.TensorResidencyPool.acquire"' in reference
     assert ":class:`" not in reference and ":meth:`" not in reference
+    # Diagrams render offline: the page loads the bundled mermaid, which Material then uses
+    # instead of fetching one from a CDN (checked in headless Chromium without network).
+    architecture = (site / "architecture" / "index.html").read_text(encoding="utf-8")
+    assert '<div class="mermaid">' in architecture or 'class="mermaid"' in architecture
+    assert '<script src="../assets/javascripts/mermaid.min.js"' in architecture
+    bundled = (site / "assets" / "javascripts" / "mermaid.min.js").read_text(encoding="utf-8")
+    assert 'globalThis["mermaid"]' in bundled
 
 
 def _bench_hook(results: Path) -> ModuleType:
@@ -328,7 +393,9 @@ def code_blocks(page: Path) -> list[CodeBlock]:
 
 
 def pages_with_code() -> list[Path]:
-    return sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
+    """README.md and the pages of the site (the API reference aside)."""
+    pages = sorted(p for p in DOCS.rglob("*.md") if "api" not in p.relative_to(DOCS).parts)
+    return [ROOT / "README.md", *pages]
 
 
 def test_fences_follow_the_convention() -> None:
@@ -348,15 +415,18 @@ def test_fences_follow_the_convention() -> None:
 
 
 def test_code_blocks_fit_the_page() -> None:
-    """Lines of code blocks stay within 88 characters, the width of the page's content."""
+    """Lines of code blocks stay within 80 characters on the site's pages: what a code block
+    shows without scrolling (Material's content column, at any window width from 1220 pixels,
+    measured in a browser), and within 88 in README.md. Diagrams are not code."""
     long_lines = [
         f"{block.page.relative_to(ROOT)}:{block.line + number}"
         for page in pages_with_code()
         for block in code_blocks(page)
+        if block.info != "mermaid"
         for number, line in enumerate(block.code.splitlines(), start=1)
-        if len(line) > 88
+        if len(line) > (88 if page.name == "README.md" else 80)
     ]
-    assert not long_lines, f"code lines longer than 88 characters: {long_lines}"
+    assert not long_lines, f"code lines wider than the page: {long_lines}"
 
 
 def test_code_block_extraction() -> None:
@@ -386,7 +456,7 @@ def _script(page: Path) -> str:
 @pytest.mark.parametrize(
     "page",
     [p for p in pages_with_code() if any(b.runnable for b in code_blocks(p))],
-    ids=lambda p: str(p.relative_to(DOCS)),
+    ids=lambda p: str(p.relative_to(ROOT)),
 )
 def test_runnable_blocks_of_the_page_run(page: Path, tmp_path: Path) -> None:
     script = tmp_path / "page.py"

@@ -109,6 +109,7 @@ def test_parameter_of_a_named_tensor_keeps_type_and_name() -> None:
     assert trainable.requires_grad and trainable.nnef_name == "w"
     (trainable * 2).sum().backward()
     assert trainable.grad is not None
+    torch.testing.assert_close(trainable.grad, torch.full((3, 4), 2.0))
 
 
 def test_repr_names_the_tensor() -> None:
@@ -167,8 +168,14 @@ def test_tied_weights_share_one_named_tensor_named_by_the_first_path() -> None:
 
 
 def test_naming_keeps_values_grad_flags_and_outputs() -> None:
+    """Naming changes no value, flag, output or gradient (compared with an unnamed copy).
+
+    Mutation caught: doubling the gradient through ``linear``/``embedding`` on named tensors
+    (``result + (result - result.detach())``: same values) failed this test.
+    """
     model = TinyLM()
     model.block[0].bias.requires_grad_(False)
+    reference = copy.deepcopy(model)  # unnamed: its gradients are the oracle
     ids = torch.tensor([[1, 2, 3, 4]])
     with torch.no_grad():
         expected = model(ids)
@@ -180,6 +187,15 @@ def test_naming_keeps_values_grad_flags_and_outputs() -> None:
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected)
     model(ids).sum().backward()
+    reference(ids).sum().backward()
+    for (name, named), (_, plain) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        if plain.grad is None:
+            assert named.grad is None, name
+        else:
+            assert named.grad is not None, name
+            torch.testing.assert_close(named.grad, plain.grad)
     assert model.embed.weight.grad is not None
 
 

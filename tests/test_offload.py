@@ -15,6 +15,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
+from quant_reference import reference_q4_0_value
 from torch import nn
 
 from torch_to_nnef.exceptions import (
@@ -88,12 +89,15 @@ class TestOffloadedQTensorContract(OpaqueContract):
     def make_subject(self, tmp_path: Path) -> object:
         def make(dense: torch.Tensor) -> torch.Tensor:
             quantized = fp_to_tract_q4_0_with_min_max_calibration(dense)
+            quantized.specific_machine = "x86_64"
             return OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
 
         return make
 
     def reference(self, subject: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        return fp_to_tract_q4_0_with_min_max_calibration(dense).decompress()
+        """Q4_0 computed element by element, independently of the library (a planted
+        ``(code - 7) * scale`` dequantization fails this class)."""
+        return reference_q4_0_value(dense, through_f16=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -403,6 +407,8 @@ def test_len_and_metadata_do_not_load(offloaded: OffloadedTensor) -> None:
 
 
 def test_repr_and_hash(offloaded: OffloadedTensor, tmp_path: Path) -> None:
+    """The repr names the tensor; the hash is by identity (mutation caught: hashing by name
+    and shape failed this test)."""
     text = repr(offloaded)
     assert offloaded.name == "layers.0.weight"
     for part in ("OffloadedTensor", "layers.0.weight", "(6, 8)", "torch.float32", "cpu"):
@@ -412,8 +418,13 @@ def test_repr_and_hash(offloaded: OffloadedTensor, tmp_path: Path) -> None:
     assert other.offload_path != offloaded.offload_path
     table = {offloaded: "a", other: "b"}
     assert table[offloaded] == "a" and table[other] == "b"
-    assert hash(offloaded) == hash(offloaded)
     assert len({offloaded, other, offloaded}) == 2
+    # By identity: two tensors with the same name and values hash apart, and a tensor's hash
+    # survives a change of its payload (a hash of the name, values or file would not).
+    assert hash(offloaded) != hash(other)
+    before = hash(offloaded)
+    offloaded.update_values(torch.ones(6, 8))
+    assert hash(offloaded) == before and table[offloaded] == "a"
 
 
 def test_deepcopy_keeps_models_offloaded(

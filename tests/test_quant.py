@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
+from quant_reference import reference_dequantize, reference_q4_0, reference_q4_0_value
 from torch import nn
 
 from torch_to_nnef.exceptions import (
@@ -35,52 +36,33 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA de
 
 
 class TestQTensorContract(OpaqueContract):
-    """The opaque-tensor contract, against the tensor's own dequantized value."""
+    """The opaque-tensor contract for tract's x86 dequantization, against Q4_0 computed element
+    by element (``quant_reference``), not against the tensor's own ``decompress()``.
+
+    Mutation caught: dequantizing ``(code - 7) * scale`` instead of ``(code - 8) * scale`` in
+    ``QScalePerGroupF16.dequantize`` failed this class and the two below.
+    """
+
+    machine = "x86_64"
+    through_f16 = False
 
     def make(self, dense: torch.Tensor) -> torch.Tensor:
-        return fp_to_tract_q4_0_with_min_max_calibration(dense)
+        q = fp_to_tract_q4_0_with_min_max_calibration(dense)
+        q.specific_machine = self.machine
+        return q
 
     def reference(self, subject: torch.Tensor, dense: torch.Tensor) -> torch.Tensor:
-        assert isinstance(subject, QTensorTractScaleOnly)
-        return subject.decompress()
+        return reference_q4_0_value(dense, through_f16=self.through_f16)
 
 
 class TestQTensorArmContract(TestQTensorContract):
     """The same contract with tract's ARM (float16) dequantization."""
 
-    def make(self, dense: torch.Tensor) -> torch.Tensor:
-        q = fp_to_tract_q4_0_with_min_max_calibration(dense)
-        q.specific_machine = "aarch64"
-        return q
+    machine = "aarch64"
+    through_f16 = True
 
 
 # -- independent references --------------------------------------------------------------------
-def reference_q4_0(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """GGML Q4_0 written element by element over groups: (codes, float16 scales)."""
-    rows = weight.detach().double().reshape(-1, 32).tolist()
-    codes, scales = [], []
-    for row in rows:
-        extreme = max(row, key=abs)
-        scale = torch.tensor(extreme / -8.0).half()
-        d = float(scale)
-        scales.append(d)
-        for value in row:
-            code = 8 if d == 0 else int(torch.floor(torch.tensor(value / d + 8.5)))
-            codes.append(min(max(code, 0), 15))
-    return (
-        torch.tensor(codes, dtype=torch.uint8).reshape(weight.shape),
-        torch.tensor(scales, dtype=torch.float16),
-    )
-
-
-def reference_dequantize(
-    codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype
-) -> torch.Tensor:
-    """(code - 8) * scale with every product rounded once to ``dtype``."""
-    per_value_scale = scales.double().repeat_interleave(32).reshape(codes.shape)
-    return ((codes.double() - 8.0) * per_value_scale).to(dtype)
-
-
 def exactly_representable(shape: tuple[int, ...], seed: int = 0) -> torch.Tensor:
     """A weight whose every group is (code - 8) * scale with code 0 present in each group."""
     gen = torch.Generator().manual_seed(seed)
@@ -220,12 +202,26 @@ def test_arm_dequantizes_through_float16_and_x86_directly(weight: torch.Tensor) 
         assert torch.equal(q.decompress(), direct), other
 
 
-def test_host_machine_is_used_when_none_is_given(weight: torch.Tensor) -> None:
+@pytest.mark.parametrize(("host", "through_f16"), [("aarch64", True), ("x86_64", False)])
+def test_host_machine_is_used_when_none_is_given(
+    weight: torch.Tensor, monkeypatch: pytest.MonkeyPatch, host: str, through_f16: bool
+) -> None:
+    """With no ``specific_machine``, the value follows ``platform.machine()`` (patched to an
+    ARM and an x86 host).
+
+    Mutation caught: ``decompress`` using ``"x86_64"`` instead of the host's name failed the
+    ``aarch64`` case.
+    """
     q = fp_to_tract_q4_0_with_min_max_calibration(weight)
     assert q.specific_machine is None
-    host = q.clone()
-    host.specific_machine = platform.machine()
-    assert torch.equal(q.decompress(), host.decompress())
+    codes, scales = q.decompress_to_u8(), q.qscheme.scale.reshape(-1)
+    expected = (
+        reference_dequantize(codes, scales, torch.float16).float()
+        if through_f16
+        else reference_dequantize(codes, scales, torch.float32)
+    )
+    monkeypatch.setattr(platform, "machine", lambda: host)
+    assert torch.equal(q.decompress(), expected)
 
 
 def test_specific_machine_must_be_a_string() -> None:

@@ -93,10 +93,17 @@ def test_forward_in_worker_threads_and_concurrent_requests(tmp_path: Path) -> No
 
 
 def test_leases_are_released_when_a_layer_raises(tmp_path: Path) -> None:
+    """The layer's own error reaches the caller, and its leases are released.
+
+    Mutation caught: the stream's pre-hook raising ``T2NErrorNotImplemented`` (a
+    ``RuntimeError`` too, which the former bare ``pytest.raises(RuntimeError)`` accepted)
+    failed this test.
+    """
     _, model = offloaded_blocks(tmp_path, count=3)
     with TensorResidencyPool() as pool, stream_modules(pool, model.blocks):
-        with pytest.raises(RuntimeError):
+        with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as raised:
             model(torch.randn(2, WIDTH + 1))
+        assert type(raised.value) is RuntimeError
         assert "leased: 0," in repr(pool)
 
 

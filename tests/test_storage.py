@@ -22,7 +22,12 @@ from safetensors import safe_open
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
-from torch_to_nnef.tensor.storage._buffers import advise_huge_pages, byte_view, tensor_pieces
+from torch_to_nnef.tensor.storage._buffers import (
+    STAGING_BYTES,
+    advise_huge_pages,
+    byte_view,
+    tensor_pieces,
+)
 from torch_to_nnef.tensor.storage._device import _copy_stream, _should_pin
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
 
@@ -143,9 +148,37 @@ def test_data_section_is_page_aligned_and_entries_aligned_to_itemsize(tmp_path: 
     assert json.loads(header)["__metadata__"] == {"k": "v" * 5000}
 
 
+PEAK_RSS_RESET = Path("/proc/self/clear_refs")
+
+
+def _peak_rss_growth(action: Any) -> int:
+    """Bytes by which the process's peak resident set grew while ``action()`` ran (Linux)."""
+
+    def peak() -> int:
+        status = Path("/proc/self/status").read_text(encoding="ascii")
+        return int(re.search(r"VmHWM:\s+(\d+) kB", status)[1]) * 1024  # type: ignore[index]
+
+    PEAK_RSS_RESET.write_text("5")  # the peak restarts from the current resident set
+    before = peak()
+    action()
+    return peak() - before
+
+
+@pytest.mark.skipif(
+    not os.access(PEAK_RSS_RESET, os.W_OK), reason="needs Linux's resettable peak RSS"
+)
 def test_large_non_contiguous_tensor_is_written_through_staging(tmp_path: Path) -> None:
-    big = torch.randn(1536, 4096).t()  # 24 MiB, more than one staging slab
-    layout = storage.write_payload(tmp_path / "big.safetensors", {"w": big})
+    """Writing a 48 MiB transposed tensor allocates one staging buffer, not a full copy.
+
+    Mutation caught: writing ``tensor.contiguous()`` (a 48 MiB copy) instead of streaming
+    through the staging buffer raised the peak resident set by 48 MiB and failed this test.
+    """
+    big = torch.randn(1536, 8192).t()  # 48 MiB, three staging slabs
+    grew = _peak_rss_growth(
+        lambda: storage.write_payload(tmp_path / "big.safetensors", {"w": big}, fsync=False)
+    )
+    assert grew <= STAGING_BYTES + (4 << 20), f"peak memory grew by {grew / 2**20:.1f} MiB"
+    layout = storage.read_layout(tmp_path / "big.safetensors")
     assert_same(storage.read_payload(layout)["w"], big)
 
 

@@ -174,16 +174,47 @@ async def test_async_write_replaces_a_planted_symlink(tmp_path: Path) -> None:
     assert victim.read_bytes() == b"keep" and not destination.is_symlink()
 
 
+class CountingExecutor(concurrent.futures.ThreadPoolExecutor):
+    """A thread pool that counts the calls it runs and the most it ran at once."""
+
+    def __init__(self, max_workers: int) -> None:
+        super().__init__(max_workers=max_workers)
+        self.calls = 0
+        self.running = 0
+        self.most_at_once = 0
+        self._lock = threading.Lock()
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        def counted() -> Any:
+            with self._lock:
+                self.calls += 1
+                self.running += 1
+                self.most_at_once = max(self.most_at_once, self.running)
+            try:
+                time.sleep(0.001)  # widen the window in which calls could overlap
+                return fn(*args, **kwargs)
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        return super().submit(counted)
+
+
 @pytest.mark.asyncio
 @pytest.mark.timeout(30)
 async def test_concurrent_reads_share_a_bounded_executor(tmp_path: Path) -> None:
+    """Eight concurrent reads run every file call in the executor given, two at a time at most.
+
+    Mutation caught: ``aread_payload`` ignoring its ``executor`` (running on the loop's
+    default one) failed this test: the counting executor ran no call.
+    """
     payloads = {
         i: storage.write_payload(
             tmp_path / f"p{i}.safetensors", {"w": torch.full((5000,), float(i))}
         )
         for i in range(8)
     }
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as executor:
+    with CountingExecutor(max_workers=2) as executor:
         results = await asyncio.gather(
             *(
                 storage.aread_payload(layout, executor=executor, chunk_bytes=4096)
@@ -192,6 +223,9 @@ async def test_concurrent_reads_share_a_bounded_executor(tmp_path: Path) -> None
         )
     for i, loaded in enumerate(results):
         assert torch.equal(loaded["w"], torch.full((5000,), float(i)))
+    # Per file: an open, five chunks of 4096 bytes (20000 bytes of data), a close.
+    assert executor.calls >= 8 * 7
+    assert executor.most_at_once == 2
 
 
 def test_async_round_trip_under_uvloop(tmp_path: Path) -> None:

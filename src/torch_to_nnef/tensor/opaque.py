@@ -427,6 +427,10 @@ def find_opaque_ref_by_py_id(module: torch.nn.Module, py_id: int) -> OpaqueTenso
     :class:`OpaqueTensorRef`; this finds it back from the Python id of the opaque tensor it
     stands for (tied parameters are the same reference).
 
+    Args:
+        module: the module whose parameters are searched.
+        py_id: ``id()`` of the opaque tensor the reference stands for.
+
     Raises:
         T2NErrorTorchJitTraceFailed: no parameter of ``module`` references that tensor.
     """

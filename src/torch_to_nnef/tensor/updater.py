@@ -207,6 +207,9 @@ class ModTensorUpdater:
 
         ``"encoder.0.weight"`` gives ``("encoder.0", "weight")``; ``"weight"`` gives
         ``("", "weight")``.
+
+        Args:
+            name: a parameter or buffer name, dotted from the root module.
         """
         module_name, _, local_name = name.rpartition(".")
         return module_name, local_name

@@ -8,6 +8,7 @@ manages any :class:`PoolSource`, and the tensor finds the pool serving its reloa
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Mapping
 from contextvars import ContextVar
 from types import TracebackType
@@ -15,7 +16,14 @@ from typing import Protocol
 
 import torch
 
-__all__ = ["ACTIVE_RESIDENCY", "PoolSource", "ScopePool", "active_tensor_residency"]
+__all__ = [
+    "ACTIVE_RESIDENCY",
+    "PoolSource",
+    "ScopePool",
+    "active_tensor_residency",
+    "count_load_outside_scopes",
+    "loads_outside_scopes",
+]
 
 
 class PoolSource:
@@ -105,6 +113,23 @@ ACTIVE_RESIDENCY: ContextVar[tuple[ScopePool, torch.device | None] | None] = Con
 A contextvar: it follows ``anyio.to_thread.run_sync`` workers (which copy the caller's
 context) and stays private to each asyncio task.
 """
+
+
+_loads_outside = 0
+_loads_outside_lock = threading.Lock()
+
+
+def count_load_outside_scopes() -> None:
+    """Record that an offloaded tensor was loaded with no pool serving it (any thread)."""
+    global _loads_outside
+    with _loads_outside_lock:
+        _loads_outside += 1
+
+
+def loads_outside_scopes() -> int:
+    """How many offloaded tensors were loaded with no pool serving them, in this process: a
+    pool that served nothing while this grew was left out of the model's forwards."""
+    return _loads_outside
 
 
 def active_tensor_residency() -> tuple[ScopePool, torch.device | None] | None:

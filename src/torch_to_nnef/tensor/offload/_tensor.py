@@ -26,7 +26,11 @@ from torch_to_nnef.exceptions import (
     T2NErrorStorage,
 )
 from torch_to_nnef.tensor import storage
-from torch_to_nnef.tensor.offload._protocol import PoolSource, active_tensor_residency
+from torch_to_nnef.tensor.offload._protocol import (
+    PoolSource,
+    active_tensor_residency,
+    count_load_outside_scopes,
+)
 from torch_to_nnef.tensor.opaque import (
     OpaqueTensor,
     SupportsOffloadState,
@@ -780,6 +784,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         if scope is not None:
             pool, scope_device = scope
             return pool._scope_resolve(self, wanted if wanted is not None else scope_device)
+        count_load_outside_scopes()
         return self._reload_unmanaged(wanted)
 
     def write_qtensor_in_file(

@@ -61,7 +61,8 @@ class Actor:
         self.spares = SpareBuffers()
         self._hits = self._misses = self._loads = self._bytes_read = 0
         self._evictions = self._write_backs = self._bytes_written = self._load_errors = 0
-        self._reused_buffers = 0
+        self._reused_buffers = self._wasted_prefetches = 0
+        self._stall_seconds = 0.0  # added by any thread, under the lock
         self._lock_hits = 0  # hits served without the actor, counted under the lock
         # Recency of those hits, replayed by the next transition (bounded: only the most
         # recent matter).
@@ -83,7 +84,14 @@ class Actor:
             bytes_written=self._bytes_written,
             load_errors=self._load_errors,
             reused_buffers=self._reused_buffers,
+            stall_seconds=self._stall_seconds,
+            wasted_prefetches=self._wasted_prefetches,
         )
+
+    def add_stall(self, seconds: float) -> None:
+        """Count ``seconds`` a request spent blocked on a load (any thread)."""
+        with self.lock:
+            self._stall_seconds += seconds
 
     def leased_count(self) -> int:
         return sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)
@@ -100,6 +108,9 @@ class Actor:
         with self.lock:
             self._lock_hits += 1
             self._touches.append(key)
+            slot = self.published.get(key)
+            if slot is not None:
+                slot.entry.used = True
 
     def touch(self, key: int) -> None:
         """Note a use of a published value that is no request (a prefetch; any thread)."""
@@ -117,6 +128,7 @@ class Actor:
                 self._changed.append(slot)
             self._lock_hits += 1
             self._touches.append(slot.entry.key)
+            slot.entry.used = True
         return True
 
     def end_lease(self, slot: Slot, read_write: bool) -> bool:
@@ -234,6 +246,7 @@ class Actor:
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
+        entry.used = True
         self.policy.access(entry.key)
         if entry.value is not None:
             self._hits += 1
@@ -268,6 +281,7 @@ class Actor:
         entry: Entry | None = ticket.entry
         if entry is None or self.entries.get(entry.key) is not entry:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
+        entry.used = True
         if ticket.first:
             self.policy.access(entry.key)
         if entry.value is not None and not (ticket.read_write and entry.write is not None):
@@ -535,6 +549,7 @@ class Actor:
         if value is not None:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
+            self._wasted_prefetches += not entry.used
             if entry.device.type == "cpu":
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:

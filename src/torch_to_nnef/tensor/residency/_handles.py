@@ -7,6 +7,7 @@ prefetch handle, scope ops); :func:`end_lease` the one place a lease ends.
 from __future__ import annotations
 
 import concurrent.futures
+import time
 from collections.abc import Generator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
@@ -180,7 +181,11 @@ class TensorResidencyLease:
         if begun is not None:
             self._begun = self._request = None
             try:
-                return self._take(begun.result())
+                started = time.perf_counter()
+                granted = begun.result()
+                if request is not None:  # a wait for its read ahead, if it ran late
+                    self._pool._runtime.count_stall(request, started)
+                return self._take(granted)
             except BaseException:
                 if request is not None:
                     self._pool._runtime.notify(request.abandon)

@@ -18,7 +18,11 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
-from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
+from torch_to_nnef.tensor.offload._protocol import (
+    ACTIVE_RESIDENCY,
+    PoolSource,
+    loads_outside_scopes,
+)
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._handles import (
     TensorPrefetch,
@@ -36,6 +40,7 @@ from torch_to_nnef.tensor.residency._requests import (
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Runtime
 from torch_to_nnef.tensor.residency._state import PoolStats
+from torch_to_nnef.tensor.sizing import parse_bytes
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -64,32 +69,36 @@ class TensorResidencyPool:
     operation has a synchronous face, usable from any thread, and an async twin.
 
     Args:
-        max_cached_bytes: soft limit on the bytes of the values kept for reuse. Values in use
-            (leased, or awaited by a request) come on top of it; pinned values count toward
-            it and may exceed it. ``None``: no limit.
+        max_cached_bytes: soft limit on the bytes of the values kept for reuse, as an int
+            or a size such as ``"1.5GB"`` or ``"512MiB"`` (see
+            :func:`~torch_to_nnef.tensor.sizing.parse_bytes`). Values in use (leased, or
+            awaited by a request) come on top of it; pinned values count toward it and may
+            exceed it. ``None``: no limit.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).
 
     Raises:
-        T2NErrorMisuse: a negative budget, ``max_workers < 1``, or a strategy that is not a
-            :class:`ResidencyStrategy`.
+        T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, or a strategy
+            that is not a :class:`ResidencyStrategy`.
 
     Attributes:
-        max_cached_bytes: the soft budget given at creation.
+        max_cached_bytes: the soft budget given at creation, in bytes.
         max_workers: the bound on concurrent disk jobs given at creation.
         strategy: the retention strategy given at creation.
     """
 
     def __init__(
         self,
-        max_cached_bytes: int | None = None,
+        max_cached_bytes: int | str | None = None,
         max_workers: int = 1,
         strategy: ResidencyStrategy = ResidencyStrategy.LRU,
         *,
         use_uvloop: bool | None = None,
     ) -> None:
+        if isinstance(max_cached_bytes, str):
+            max_cached_bytes = parse_bytes(max_cached_bytes)
         if max_cached_bytes is not None and (
             not isinstance(max_cached_bytes, int) or max_cached_bytes < 0
         ):
@@ -105,6 +114,7 @@ class TensorResidencyPool:
             )
         self.max_cached_bytes = max_cached_bytes
         self.max_workers = max_workers
+        self._loads_outside_at_start = loads_outside_scopes()
         self.strategy = strategy
         self._actor = Actor(make_policy(strategy, max_cached_bytes))
         self._runtime = Runtime(self._actor, max_workers, use_uvloop)
@@ -164,6 +174,13 @@ class TensorResidencyPool:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _check_source(source: Any) -> None:
+        if isinstance(source, torch.nn.Module):
+            raise T2NErrorMisuse(
+                "TensorResidencyPool manages OffloadedTensor values; got a module "
+                f"({type(source).__name__}): pass its offloaded tensors (for t in "
+                "module.parameters(): pool.prefetch(t)), or stream whole layers with "
+                "stream_modules(pool, [module])"
+            )
         if not isinstance(source, PoolSource):
             raise T2NErrorMisuse(
                 "TensorResidencyPool only manages OffloadedTensor values; "
@@ -265,7 +282,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
@@ -294,7 +311,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: as :meth:`resolve`, or the pool runs on no event loop (use
@@ -318,7 +335,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
             mode: ``"read"``, or ``"read_write"`` to have changes made to the value written back.
 
         Raises:
@@ -340,7 +357,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: ``source`` is not an OffloadedTensor, the pool is closed, or the
@@ -361,7 +378,7 @@ class TensorResidencyPool:
 
         Args:
             source: the offloaded tensor.
-        device: where the value is wanted (default: ``source``'s target device).
+            device: where the value is wanted (default: ``source``'s target device).
 
         Raises:
             T2NErrorMisuse: the strategy is FIXED, or as :meth:`prefetch`.
@@ -495,6 +512,7 @@ class TensorResidencyPool:
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
             self._actor.finish_close()
+        self._warn_if_left_out()
         if private:
             runtime.stop_private()
 
@@ -507,8 +525,22 @@ class TensorResidencyPool:
             self.close()
             return
         await runtime.acall(self._close_request())
+        self._warn_if_left_out()
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()
+
+    def _warn_if_left_out(self) -> None:
+        """Warn, once closed, when the pool served nothing while offloaded tensors were loaded
+        outside any pool: the model ran outside ``pool.scope()``."""
+        stats = self._actor.stats()
+        unserved = loads_outside_scopes() - self._loads_outside_at_start
+        if stats.hits + stats.misses == 0 and unserved:
+            LOGGER.warning(
+                "TensorResidencyPool closed without serving any value, while %d offloaded "
+                "tensor load(s) ran outside any pool: run the model inside `with pool.scope():` "
+                "(or `stream_modules(pool, layers)`) so that the pool serves its weights",
+                unserved,
+            )
 
     def _close_request(self) -> Close:
         def release_streams() -> None:

@@ -24,6 +24,7 @@ class Resolve(Operation):
     """Serve a value (a hit), or wait for its load and serve what it read."""
 
     inline = "resolve"
+    consumer = True
 
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device) -> None:
         super().__init__()
@@ -37,6 +38,8 @@ class Resolve(Operation):
 
 class Prefetch(Resolve):
     """Start (or join) a load, pinning the value with ``pin``; the loaded value."""
+
+    consumer = False
 
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device, pin: bool) -> None:
         super().__init__(actor, source, device)
@@ -52,6 +55,7 @@ class Acquire(Operation, Ticket):
     """Grant a lease: ``(value, slot)``. While it waits, its reservation keeps the value."""
 
     inline = "acquire"
+    consumer = True
 
     def __init__(
         self, actor: Actor, source: PoolSource, device: torch.device, read_write: bool

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -54,10 +55,12 @@ class Operation:
 
     twin: str | None = None
     inline: str = ""
+    consumer: bool = False  # a request for a value: its waits for loads are stall time
 
     def __init__(self) -> None:
         self.abandoned = False
         self.waited: Job | None = None  # the job the step returned last
+        self.loading = False  # it had to wait for a load
 
     def step(self) -> Any:
         """Advance (loop thread): return the result, or a :class:`Job` to wait for."""
@@ -323,6 +326,7 @@ class Runtime:
                 return
             if isinstance(result, Job):
                 operation.waited = result
+                operation.loading = operation.loading or result.kind == "load"
                 if not result.done:
                     if inline:
                         continue
@@ -359,16 +363,27 @@ class Runtime:
                     f"use `await pool.{operation.twin}()`"
                 )
             done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            started = time.perf_counter()
             self.drive(operation, done, inline=True)
+            self.count_stall(operation, started)
             return done.result()
         self.ensure_running()
+        started = time.perf_counter()
         done = self.start(operation)
         try:
-            return done.result()
+            result = done.result()
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it.
             self.notify(operation.abandon)
             raise
+        self.count_stall(operation, started)
+        return result
+
+    def count_stall(self, operation: Operation, started: float) -> None:
+        """Count the time since ``started`` as stall when ``operation`` is a request that had
+        to wait for a load (any thread)."""
+        if operation.consumer and operation.loading:
+            self.actor.add_stall(time.perf_counter() - started)
 
     def start(self, operation: Operation) -> concurrent.futures.Future[Any]:
         """Send ``operation`` to the loop without waiting (any thread); its completion."""
@@ -384,19 +399,26 @@ class Runtime:
         if self.on_loop_thread():
             assert self.loop is not None
             here: asyncio.Future[Any] = self.loop.create_future()
+            started = time.perf_counter()
             self.drive(operation, here)
             try:
-                return await here
+                result = await here
             except BaseException:
                 operation.abandon()
                 raise
+            self.count_stall(operation, started)
+            return result
         if not self.running:
+            self.actor.check_open()  # a closed pool says so
             raise T2NErrorMisuse(
                 "the TensorResidencyPool is not running: use `async with pool:` in this loop, "
                 "or `with pool:` before awaiting it from another loop"
             )
+        started = time.perf_counter()
         done = self.start(operation)
-        return await self.await_foreign(done, operation)
+        result = await self.await_foreign(done, operation)
+        self.count_stall(operation, started)
+        return result
 
     async def await_foreign(
         self, done: concurrent.futures.Future[Any], operation: Operation | None = None

@@ -36,6 +36,20 @@ class PoolStats(NamedTuple):
     """Loads that failed (missing or corrupt files)."""
     reused_buffers: int = 0
     """Loads that read into the host buffers of an evicted value instead of fresh memory."""
+    stall_seconds: float = 0.0
+    """Seconds that requests (``resolve``, ``acquire``, scope reloads) spent blocked on a value
+    being loaded. A value read ahead in time adds nothing; one read ahead too late adds what is
+    left of its read."""
+    wasted_prefetches: int = 0
+    """Values loaded without a request (``prefetch``, ``pin``) that left the pool before any
+    request used them: reads for nothing (a budget too small for the read-ahead window)."""
+
+    @property
+    def bytes_read_per_request(self) -> float:
+        """Bytes read from disk per request (``hits + misses``; 0.0 before the first): the
+        payload size when every request reads, less when the pool serves values again."""
+        requests = self.hits + self.misses
+        return self.bytes_read / requests if requests else 0.0
 
 
 def as_storage_error(error: BaseException) -> BaseException:
@@ -159,6 +173,7 @@ class Entry:
     evicting: bool = False
     version: object = None  # the source's payload version the value was read from
     stuck: bool = False  # its write-back failed: kept, unevictable, until a flush writes it
+    used: bool = False  # a request (not a prefetch) asked for the value since it was loaded
 
     @property
     def tracked(self) -> bool:

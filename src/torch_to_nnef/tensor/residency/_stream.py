@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -256,6 +257,27 @@ def stream_modules(
         a :class:`ModuleStream`; close it (or leave its ``with`` block) to remove the hooks.
 
     Raises:
-        T2NErrorMisuse: ``depth`` is not an int >= 0, or the pool is closed.
+        T2NErrorMisuse: ``modules`` is not an iterable of modules (a single layer, say),
+            ``depth`` is not an int >= 0, or the pool is closed.
     """
-    return ModuleStream(pool, list(modules), depth, device)
+    return ModuleStream(pool, _module_list(modules), depth, device)
+
+
+def _module_list(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
+    """``modules`` as a list, or an error that says how to pass the layers."""
+    listed: list[Any] | None = None
+    if not isinstance(modules, torch.nn.Module) or hasattr(type(modules), "__iter__"):
+        with contextlib.suppress(TypeError):  # not iterable
+            listed = list(modules)
+    if listed is None or not all(isinstance(m, torch.nn.Module) for m in listed):
+        got = type(modules).__name__
+        if listed is not None:
+            got = f"a {got} holding {sorted({type(m).__name__ for m in listed})}"
+        else:
+            got = f"a single {got}"
+        raise T2NErrorMisuse(
+            "stream_modules streams the layers of a model, in the order the forward runs "
+            f"them (list(model), model.layers); got {got}: to stream one module, pass "
+            "[module]"
+        )
+    return listed

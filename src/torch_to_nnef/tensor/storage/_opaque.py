@@ -272,7 +272,8 @@ def _rebuild(cls: type[SupportsOffloadState], state: dict[str, Any], target_devi
 
 
 def is_opaque_payload(metadata: Mapping[str, str]) -> bool:
-    """Whether a payload's metadata describes an opaque value (written by :func:`encode_opaque`)."""
+    """Whether a payload's ``metadata`` describes an opaque value (written by
+    :func:`encode_opaque`)."""
     return CLASS_KEY in metadata
 
 
