@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import concurrent.futures
 
+import torch
+
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._policy import FixedPolicy
@@ -94,3 +98,9 @@ def settle(pool: TensorResidencyPool) -> None:
     """Wait, from a thread other than the pool's loop thread, until no disk job runs."""
     if pool._runtime.running:
         pool._runtime.call(_Settle(pool._actor))
+
+
+def on_disk(tensor: OffloadedTensor) -> torch.Tensor:
+    """The values in the tensor's payload file, read without any pool's unsaved value."""
+    layout = storage.read_layout(tensor.offload_path)
+    return next(iter(storage.read_payload(layout).values()))

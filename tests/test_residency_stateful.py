@@ -13,7 +13,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from residency_checks import check_invariants, settle
+from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -123,7 +123,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.close()
         for i, t in enumerate(self.tensors):  # close wrote every dirty value back
             expected = self.model.memory[i] if i in self.model.order else self.model.disk[i]
-            assert float(t._reload_unmanaged()[0]) == expected
+            assert float(on_disk(t)[0]) == expected
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def settle(self) -> None:
@@ -221,7 +221,7 @@ class PoolMachine(RuleBasedStateMachine):
             model.write_backs,
         )
         for i, t in enumerate(self.tensors):
-            assert float(t._reload_unmanaged()[0]) == model.disk[i]
+            assert float(on_disk(t)[0]) == model.disk[i]
 
 
 class FixedPoolMachine(PoolMachine):

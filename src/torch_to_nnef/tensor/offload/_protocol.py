@@ -39,9 +39,13 @@ class PoolSource:
       announced write-backs first, so every read sees the latest written value.
     - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
       the same :attr:`storage_key` may reuse, or ``None``.
+    - ``_note_unsaved(owner, value)``: a pool changed the value (a ``read_write`` lease
+      ended); it is the latest write of the tensor until written back or superseded, and
+      reads outside the pool see it.
     - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
-      until it ends, by ``_write_back(value)`` (write ``value``, blocking, on a worker; the
-      announcement ends whatever happens) or by ``_end_write()`` when it never started.
+      until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
+      superseded it, blocking, on a worker; returns the payload version written or ``None``;
+      the announcement ends whatever happens) or by ``_end_write()`` when it never started.
     """
 
     __slots__ = ()
@@ -74,13 +78,16 @@ class PoolSource:
     def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
 
+    def _note_unsaved(self, owner: object, value: torch.Tensor) -> None:
+        raise NotImplementedError
+
     def _announce_write(self) -> None:
         raise NotImplementedError
 
     def _end_write(self) -> None:
         raise NotImplementedError
 
-    def _write_back(self, value: torch.Tensor) -> None:
+    def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
         raise NotImplementedError
 
 

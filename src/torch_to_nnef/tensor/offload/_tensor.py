@@ -423,6 +423,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _target_device: torch.device
     _pending: threading.Condition
     _pending_writes: int
+    _unsaved: tuple[object, object, torch.Tensor] | None
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -557,6 +558,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._target_device = device
         self._pending = threading.Condition(threading.Lock())
         self._pending_writes = 0
+        self._unsaved = None
         return self
 
     # -- constructors ------------------------------------------------------------------------
@@ -836,6 +838,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         target = self.device if device is None else _canonical_device(device)
         self._wait_announced_writes()
+        unsaved = self._latest_unsaved()
+        if unsaved is not None and type(unsaved) is torch.Tensor:
+            return unsaved.to(target, copy=True)  # never an alias of the pool's value
         attempt = 0
         while True:
             binding = self._binding
@@ -859,15 +864,38 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 while self._pending_writes:
                     self._pending.wait()
 
+    def _latest_unsaved(self) -> torch.Tensor | None:
+        """The value a pool changed and has not written yet, when it is the latest write."""
+        unsaved = self._unsaved
+        return None if unsaved is None else unsaved[2]
+
+    def _note_unsaved(self, owner: object, value: torch.Tensor) -> None:
+        """A pool changed the value (a ``read_write`` lease ended): it is now the latest
+        write of the tensor. Reads outside that pool see it; an older unsaved value of
+        another pool is superseded (its write-back will not happen)."""
+        with self._pending:
+            self._unsaved = (owner, object(), value)
+
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: reads wait for it from now on."""
         with self._pending:
             self._pending_writes += 1
 
-    def _write_back(self, value: torch.Tensor) -> None:
-        """Write an announced value (blocking); the announcement ends whatever happens."""
+    def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
+        """Write a pool's announced value (blocking) unless a later write superseded it.
+
+        Returns the payload version written, or ``None`` when the value was superseded (a
+        direct write, or another pool's change, came after it in program order). The
+        announcement ends whatever happens.
+        """
         try:
-            self.update_values(value)
+            with self._write_lock:
+                unsaved = self._unsaved
+                if unsaved is None or unsaved[0] is not owner:
+                    return None
+                token = unsaved[1]
+                self._write_encoded(self._check_update(value, True, True), None, keep=token)
+                return self._binding
         finally:
             self._end_write()
 
@@ -963,21 +991,32 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """Write ``encoded`` to the tensor's own file and switch to it (blocking).
 
         The shell takes the new shape and dtype (and ``device`` when given) in the same step.
+        A value a pool changed and has not written yet is superseded: this write is later.
         """
         with self._write_lock:
-            binding = self._binding
-            if binding.owned is not None:
-                path, owned = binding.owned.path, binding.owned
-            else:
-                path, owned = self._copy_on_write_path()
-            layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
+            self._write_encoded(encoded, device, keep=None)
+
+    def _write_encoded(
+        self, encoded: _Encoded, device: torch.device | None, keep: object | None
+    ) -> None:
+        """The write itself, under the write lock. Ends the unsaved value registered with
+        token ``keep`` (the one written), or any unsaved value when ``keep`` is ``None``."""
+        binding = self._binding
+        if binding.owned is not None:
+            path, owned = binding.owned.path, binding.owned
+        else:
+            path, owned = self._copy_on_write_path()
+        layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
+        with self._pending:
             self._binding = (
                 _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)
                 if encoded.opaque
                 else _bind_plain(layout, owned)
             )
-            self.offloaded_tensor_type = encoded.value_type
-            self._reshell(encoded.shape, encoded.dtype, device or self.device)
+            if keep is None or (self._unsaved is not None and self._unsaved[1] is keep):
+                self._unsaved = None
+        self.offloaded_tensor_type = encoded.value_type
+        self._reshell(encoded.shape, encoded.dtype, device or self.device)
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:

@@ -142,13 +142,15 @@ class Actor:
             slot.leases -= 1
             slot.dirty = slot.dirty or read_write
             self._touches.append(slot.entry.key)
-            if slot.leases:
-                return False
-            if not slot.changed:
+            last = not slot.leases
+            if last and not slot.changed:
                 slot.changed = True
                 self._changed.append(slot)
-            if not slot.tracked:
-                return False
+            tracked = slot.tracked
+        if read_write:  # the latest write of the tensor, from now on, for every reader
+            slot.entry.source._note_unsaved(self, slot.value)
+        if not last or not tracked:
+            return False
         entry = slot.entry
         if not entry.retained:
             return True  # a value the policy did not retain leaves with its last holder
@@ -232,9 +234,8 @@ class Actor:
         if entry.held or entry.write is not None or not self._close_slot(entry):
             return False  # holders keep the value they have; it is refreshed once released
         if entry.dirty:
-            LOGGER.warning(
-                "%r was rewritten directly while the pool held unsaved changes; the direct write "
-                "wins and the pool's changes are dropped",
+            LOGGER.debug(
+                "%r was written after the pool's unsaved change: that later write stands",
                 entry.source.name,
             )
             entry.dirty = False
@@ -563,7 +564,9 @@ class Actor:
         source = entry.source
         source._announce_write()  # reads of the tensor wait for this write from now on
         try:
-            job = self._job("write", source._write_back, (value,), partial(self._on_written, entry))
+            job = self._job(
+                "write", source._write_back, (value, self), partial(self._on_written, entry)
+            )
         except BaseException:
             source._end_write()
             raise
@@ -600,12 +603,14 @@ class Actor:
                 self._reopen(entry)
             job.finish(None, error)
             return
-        self._write_backs += 1
-        self._bytes_written += entry.nbytes
-        entry.version = entry.source.payload_version  # the file now holds the pool's value
-        if slot is not None:
-            with self.lock:
-                slot.version = entry.version
+        version = job.future.result()
+        if version is not None:  # else a later write superseded the value: nothing written
+            self._write_backs += 1
+            self._bytes_written += entry.nbytes
+            entry.version = version  # the file holds the pool's value (or a later write)
+            if slot is not None:
+                with self.lock:
+                    slot.version = version
         job.finish(None, None)
         if entry.evicting and current:
             with self.lock:
