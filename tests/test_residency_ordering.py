@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -12,6 +13,7 @@ import pytest
 import torch
 from residency_checks import on_disk
 
+from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
 
@@ -96,6 +98,42 @@ def test_a_reload_outside_the_pool_sees_its_dirty_value(tmp_path: Path) -> None:
         t.mul_(2.0)  # an in-place op outside any scope starts from the pool's value
         assert torch.equal(pool.resolve(t), torch.full((NUMEL,), 8.0))
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 8.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. close() while a read_write acquire waits for its load
+# ---------------------------------------------------------------------------------------------
+def test_close_never_strands_a_waiting_read_write_acquire(tmp_path: Path) -> None:
+    t = _tensor(tmp_path, numel=BIG)
+    pool = TensorResidencyPool()
+    pool.__enter__()
+    errors: list[BaseException] = []
+
+    def writer() -> None:
+        try:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(9.0)
+        except BaseException as error:  # the close may win: the acquire is refused then
+            errors.append(error)
+
+    for _ in range(20):
+        thread = threading.Thread(target=writer)
+        thread.start()
+        while pool.stats().misses == 0 and thread.is_alive():
+            time.sleep(0.0005)
+        with contextlib.suppress(T2NErrorMisuse):  # refused while the acquire waits
+            pool.close()
+        thread.join(30)
+        assert not thread.is_alive()
+        if pool.closed:
+            break
+        pool.close()
+        break
+    assert pool.closed
+    if not errors:
+        assert torch.equal(on_disk(t), torch.full((BIG,), 9.0)), "a granted change was lost"
+    else:
+        assert isinstance(errors[0], T2NErrorMisuse)
 
 
 # ---------------------------------------------------------------------------------------------

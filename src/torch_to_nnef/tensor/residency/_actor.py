@@ -679,7 +679,9 @@ class Actor:
         self.check_open()
         with self.lock:
             leased = [
-                e.source.name for e in self.entries.values() if e.slot is not None and e.slot.leases
+                e.source.name
+                for e in self.entries.values()
+                if (e.slot is not None and e.slot.leases) or e.waiters
             ]
             if not leased:
                 self.closing = True
@@ -689,7 +691,8 @@ class Actor:
         if leased:
             raise T2NErrorMisuse(
                 f"cannot close the TensorResidencyPool while {len(leased)} value(s) are leased "
-                f"({', '.join(map(repr, leased[:5]))}): exit their `acquire` blocks first"
+                f"or awaited by an acquire ({', '.join(map(repr, leased[:5]))}): exit their "
+                "`acquire` blocks first"
             )
 
     def abort_close(self) -> None:
