@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import _thread
 import asyncio
 import contextlib
 import threading
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from residency_checks import on_disk
+from residency_checks import check_invariants, on_disk
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -156,3 +157,104 @@ async def test_a_direct_write_right_after_a_write_back_commits_is_served(tmp_pat
         await asyncio.to_thread(flushing.join, 30)
         assert torch.equal(await pool.aresolve(t), torch.full((BIG,), 7.0))
     assert torch.equal(on_disk(t), torch.full((BIG,), 7.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 8. Timeouts from another event loop
+# ---------------------------------------------------------------------------------------------
+def test_a_timeout_from_another_loop_leaves_the_pool_serving(tmp_path: Path) -> None:
+    big = _tensor(tmp_path, "big", numel=BIG)
+    small = _tensor(tmp_path, "small")
+    with TensorResidencyPool() as pool:
+
+        async def impatient() -> None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(pool.aresolve(big), 0.0001)
+            handle = pool.prefetch(big) if not pool.is_resident(big) else None
+            if handle is not None:
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(handle, 0.0001)
+                assert torch.equal(await handle, torch.zeros(BIG))
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.0001):
+                    async with pool.acquire(big):
+                        await asyncio.sleep(1)
+
+        asyncio.run(impatient())
+        assert torch.equal(pool.resolve(small), torch.zeros(NUMEL))
+        assert torch.equal(pool.prefetch(big).wait(), torch.zeros(BIG))
+        check_invariants(pool)
+    assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# 9. Blocking calls from another thread while `async with pool` exits
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_calls_from_a_thread_during_the_async_exit_end(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    outcomes: list[str] = []
+    async with TensorResidencyPool() as pool:
+        await pool.aresolve(t)
+
+        def hammer() -> None:
+            for _ in range(100_000):
+                try:
+                    pool.flush()
+                    pool.evict(t)
+                except T2NErrorMisuse as error:
+                    outcomes.append(str(error))
+                    return
+
+        thread = threading.Thread(target=hammer)
+        thread.start()
+        await asyncio.sleep(0.01)
+    await asyncio.to_thread(thread.join, 30)
+    assert not thread.is_alive(), "a call from another thread never ended"
+    assert outcomes, "the pool closed and no call said so"
+    assert "closed" in outcomes[0] or "not running" in outcomes[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# 12. Ctrl-C during a blocking acquire
+# ---------------------------------------------------------------------------------------------
+def _interrupt(stop: threading.Event, delay: float) -> None:
+    if not stop.wait(delay):
+        _thread.interrupt_main()
+
+
+def _checkpoint() -> None:
+    """Run some bytecode: a pending (simulated) interrupt is raised here at the latest."""
+    sum(range(10))
+
+
+def _checkpoint_quietly() -> None:
+    with contextlib.suppress(KeyboardInterrupt):
+        _checkpoint()
+
+
+def test_an_interrupt_during_a_blocking_acquire_leaks_no_lease(tmp_path: Path) -> None:
+    ts = [_tensor(tmp_path, f"t{i}", numel=1 << 16) for i in range(8)]
+    with TensorResidencyPool(max_cached_bytes=0) as pool:
+        interrupted = 0
+        for round_index in range(60):
+            stop = threading.Event()
+            thread = threading.Thread(target=_interrupt, args=(stop, 0.0001 * (round_index % 10)))
+            try:  # an interrupt may land anywhere in the round, even once the acquires ended
+                thread.start()
+                try:
+                    for t in ts:
+                        with pool.acquire(t):
+                            pass
+                finally:
+                    stop.set()
+                    thread.join()
+                time.sleep(0.002)
+                _checkpoint()
+            except KeyboardInterrupt:
+                interrupted += 1
+                _checkpoint_quietly()
+        assert interrupted > 0, "no interrupt landed: the test proves nothing"
+        check_invariants(pool)
+        assert "leased: 0," in repr(pool)
+    assert pool.closed
