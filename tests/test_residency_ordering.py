@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import _thread
 import asyncio
+import concurrent.futures
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Callable
@@ -13,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from residency_checks import check_invariants, on_disk
+from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -257,4 +260,56 @@ def test_an_interrupt_during_a_blocking_acquire_leaks_no_lease(tmp_path: Path) -
         assert interrupted > 0, "no interrupt landed: the test proves nothing"
         check_invariants(pool)
         assert "leased: 0," in repr(pool)
+    assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# 13. stream_modules with forwards that stop early, from worker threads
+# ---------------------------------------------------------------------------------------------
+def _offloaded_layers(directory: Path, count: int) -> nn.ModuleList:
+    layers = nn.ModuleList(nn.Linear(16, 16, bias=False) for _ in range(count))
+    for index, layer in enumerate(layers):
+        layer.weight = nn.Parameter(
+            OffloadedTensor.from_original_tensor(
+                layer.weight.detach(), f"l{index}", offload_dir=directory
+            ),
+            requires_grad=False,
+        )
+    return layers
+
+
+def _forward_until(layers: nn.ModuleList, stop_at: int) -> None:
+    x = torch.randn(2, 16)
+    for index, layer in enumerate(layers):
+        if index == stop_at:
+            return  # a forward that ends early (an early exit, a shorter input)
+        x = layer(x)
+
+
+def test_forwards_that_stop_early_in_ended_threads_leave_no_lease(tmp_path: Path) -> None:
+    layers = _offloaded_layers(tmp_path, 12)
+    pool = TensorResidencyPool(max_cached_bytes=2 * 16 * 16 * 4)
+    with pool, stream_modules(pool, list(layers), depth=2):
+        threads = [
+            threading.Thread(target=_forward_until, args=(layers, stop)) for stop in (3, 5, 7, 9)
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        gc.collect()
+        assert "leased: 0," in repr(pool)
+    assert pool.closed
+
+
+def test_forwards_that_stop_early_in_live_threads_let_the_pool_close(tmp_path: Path) -> None:
+    layers = _offloaded_layers(tmp_path, 12)
+    pool = TensorResidencyPool(max_cached_bytes=2 * 16 * 16 * 4)
+    with pool, concurrent.futures.ThreadPoolExecutor(2) as workers:
+        stream = stream_modules(pool, list(layers), depth=2)
+        for stop in (3, 5, 7, 9, 4, 6):
+            workers.submit(_forward_until, layers, stop).result(timeout=30)
+        # The threads live on; their last forwards began leases for modules never run.
+        pool.close()  # nothing the user holds: the pool closes
+        stream.close()
     assert pool.closed

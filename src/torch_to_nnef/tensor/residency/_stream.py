@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
+import weakref
 from collections.abc import Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
@@ -28,6 +29,26 @@ def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
         if isinstance(tensor, PoolSource):
             found.setdefault(id(tensor), cast("OffloadedTensor", tensor))
     return list(found.values())
+
+
+class _ThreadState:
+    """What one thread's forwards hold through a stream (the stream keeps it only weakly:
+    when the thread ends, its begun leases are dropped)."""
+
+    __slots__ = ("__weakref__", "begun", "held", "last")
+
+    def __init__(self) -> None:
+        self.held: dict[int, list[Any]] = {}
+        self.begun: dict[int, list[TensorResidencyLease]] = {}
+        self.last = -1  # the module this thread entered last
+
+
+def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[int]) -> None:
+    """Drop the begun leases of the modules not in ``keep``."""
+    kept = set(keep)
+    for index in [i for i in begun if i not in kept]:
+        for lease in begun.pop(index):
+            lease._cancel()
 
 
 class ModuleStream:
@@ -67,7 +88,8 @@ class ModuleStream:
         self.groups = [_offloaded_tensors(m) for m in modules]
         self._local = threading.local()
         self._lock = threading.Lock()
-        self._begun_everywhere: list[dict[int, list[TensorResidencyLease]]] = []
+        # The state of each thread that ran a forward, while the thread lives.
+        self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         # Leases begun past the last module on the next forward's first modules, taken by the
         # thread that runs it (any thread).
         self._next_forward: dict[int, list[TensorResidencyLease]] = {}
@@ -81,15 +103,18 @@ class ModuleStream:
             )
 
     # -- hooks -------------------------------------------------------------------------------
-    def _state(self) -> tuple[dict[int, list[Any]], dict[int, list[TensorResidencyLease]]]:
-        """This thread's held leases (a stack per module) and begun leases (by module)."""
-        local = self._local
-        if not hasattr(local, "held"):
-            local.held = {}
-            local.begun = {}
+    def _state(self) -> _ThreadState:
+        """This thread's held leases (a stack per module) and begun leases (by module).
+
+        When the thread ends, the leases it began and never entered are dropped.
+        """
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is None:
+            state = self._local.state = _ThreadState()
             with self._lock:
-                self._begun_everywhere.append(local.begun)
-        return local.held, local.begun
+                self._threads.add(state)
+            weakref.finalize(state, _cancel_begun, state.begun, ())
+        return state
 
     def _begin(self, index: int, begun: dict[int, list[TensorResidencyLease]]) -> None:
         """Start leasing module ``index``'s tensors, so they are loaded and held in time."""
@@ -137,7 +162,13 @@ class ModuleStream:
     def _pre_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
             pool = self.pool
-            held, begun = self._state()
+            state = self._state()
+            held, begun = state.held, state.begun
+            if index <= state.last and not any(held.values()):
+                # A new forward in this thread: the last one stopped before its end (an early
+                # exit); drop what it began for modules this one does not start with.
+                _cancel_begun(begun, keep=range(index, index + self.depth + 1))
+            state.last = index
             token = None
             if ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
                 device = None if self.device is None else torch.device(self.device)
@@ -169,7 +200,8 @@ class ModuleStream:
 
     def _post_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            held, begun = self._state()
+            state = self._state()
+            held, begun = state.held, state.begun
             if sys.exc_info()[1] is not None:
                 # The forward is failing: drop what was begun for modules that will not run.
                 for leases in begun.values():
@@ -192,24 +224,26 @@ class ModuleStream:
         """Remove the hooks and drop leases begun for modules that did not run (idempotent)."""
         with self._lock:
             handles, self._handles = self._handles, []
-            begun_everywhere, self._begun_everywhere = self._begun_everywhere, []
+            threads = list(self._threads)
+            self._threads = weakref.WeakSet()
         for handle in handles:
             handle.remove()
-        for begun in begun_everywhere:
-            for leases in begun.values():
-                for lease in leases:
-                    lease._cancel()
-            begun.clear()
+        for state in threads:
+            _cancel_begun(state.begun, keep=())
         self._release_next_forward()
         self.pool._streams.discard(self)
 
     def _release_next_forward(self) -> None:
-        """Drop the leases begun for the next forward (the pool does before it closes)."""
+        """Drop the leases begun for forwards not running now: the next forward's first
+        modules, and those an early-stopped forward began (the pool does before it closes)."""
         with self._lock:
             next_forward, self._next_forward = self._next_forward, {}
+            idle = [state for state in self._threads if not any(state.held.values())]
         for leases in next_forward.values():
             for lease in leases:
                 lease._cancel()
+        for state in idle:
+            _cancel_begun(state.begun, keep=())
 
     def __enter__(self) -> ModuleStream:
         return self
