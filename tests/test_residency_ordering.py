@@ -313,3 +313,41 @@ def test_forwards_that_stop_early_in_live_threads_let_the_pool_close(tmp_path: P
         pool.close()  # nothing the user holds: the pool closes
         stream.close()
     assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. An in-place op in a coroutine while that tensor's write-back runs
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_an_in_place_op_on_the_loop_waits_for_the_write_back(tmp_path: Path) -> None:
+    t = _tensor(tmp_path, "t", numel=BIG)
+    other = _tensor(tmp_path, "other", numel=BIG)
+    async with TensorResidencyPool(max_cached_bytes=BIG * 4) as pool:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)
+        await pool.aresolve(other)  # pushes t out: its write-back runs
+        with pool.scope():
+            t.add_(1.0)  # on the pool's loop thread: waits for the write-back, then leases
+        await pool.aflush()
+    assert torch.equal(on_disk(t), torch.full((BIG,), 2.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 11. aflush on a pool that no loop serves any more
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_aflush_writes_when_no_loop_serves_the_pool(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    pool = TensorResidencyPool()
+    kept = pool.acquire(t)
+    with pytest.raises(T2NErrorMisuse, match="leased"):
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(6.0)
+            await kept.__aenter__()  # a lease held past the block: its exit cannot close
+    await kept.__aexit__(None, None, None)
+    assert not pool.closed  # open, with a dirty value, and no loop serves it
+    await pool.aflush()  # served again, from a private loop thread
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+    pool.close()
+    assert pool.closed
