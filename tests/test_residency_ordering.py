@@ -351,3 +351,34 @@ async def test_aflush_writes_when_no_loop_serves_the_pool(tmp_path: Path) -> Non
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
     pool.close()
     assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# 14. Pools dropped without close()
+# ---------------------------------------------------------------------------------------------
+def _loop_threads() -> int:
+    return sum(1 for t in threading.enumerate() if t.name.startswith("t2n-residency"))
+
+
+def test_pools_dropped_without_close_stop_their_threads(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    before = _loop_threads()
+    for _ in range(10):
+        pool = TensorResidencyPool(max_workers=2)
+        pool.resolve(t)
+        del pool
+    gc.collect()
+    deadline = time.monotonic() + 30
+    while _loop_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert _loop_threads() == before
+
+
+def test_a_dropped_pool_with_unsaved_changes_warns(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    pool = TensorResidencyPool()
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(1.0)
+    with pytest.warns(ResourceWarning, match="unsaved changes"):
+        del pool
+        gc.collect()

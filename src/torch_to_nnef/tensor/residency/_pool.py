@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import warnings
 import weakref
 from collections.abc import Generator, Iterable
 from types import TracebackType
@@ -118,6 +119,8 @@ class TensorResidencyPool:
         self.strategy = strategy
         self._actor = Actor(make_policy(strategy, max_cached_bytes))
         self._runtime = Runtime(self._actor, max_workers, use_uvloop)
+        # A pool dropped without close() stops its loop thread and workers when collected.
+        weakref.finalize(self, _collected, self._runtime)
         # Module streams over this pool: they hold the next forward's first modules, which
         # closing releases first.
         self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
@@ -573,6 +576,21 @@ class TensorResidencyPool:
             yield self
         finally:
             ACTIVE_RESIDENCY.reset(token)
+
+
+def _collected(runtime: Runtime) -> None:
+    """A pool was garbage collected: stop what runs for it, saying so if changes are lost."""
+    actor = runtime.actor
+    if actor.closed or not runtime.private:
+        return
+    if actor.dirty_entries():
+        warnings.warn(
+            "a TensorResidencyPool with unsaved changes was garbage collected without close(); "
+            "its changes are never written to disk: close the pool (or use `with pool:`)",
+            ResourceWarning,
+            stacklevel=1,
+        )
+    runtime.stop_private(wait=False)  # gc may run anywhere, a worker thread included
 
 
 def _mib(nbytes: int) -> str:

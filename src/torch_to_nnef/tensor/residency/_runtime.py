@@ -222,8 +222,9 @@ class Runtime:
         thread.start()
         ready.wait()
 
-    def stop_private(self) -> None:
-        """Stop the private loop thread and wait for it (from any other thread)."""
+    def stop_private(self, wait: bool = True) -> None:
+        """Stop the private loop thread (it stops its workers), waiting for it with ``wait``
+        unless called on it."""
         thread = self._thread
         if thread is None:
             return
@@ -231,7 +232,7 @@ class Runtime:
             loop = self.loop
             if loop is not None:
                 loop.call_soon_threadsafe(loop.stop)
-        if thread is not threading.current_thread():
+        if wait and thread is not threading.current_thread():
             thread.join(30.0)
         self._thread = None
 
