@@ -7,8 +7,11 @@ import asyncio
 import concurrent.futures
 import contextlib
 import gc
+import os
+import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -382,3 +385,48 @@ def test_a_dropped_pool_with_unsaved_changes_warns(tmp_path: Path) -> None:
     with pytest.warns(ResourceWarning, match="unsaved changes"):
         del pool
         gc.collect()
+
+
+# ---------------------------------------------------------------------------------------------
+# 10. A fork after the pool started
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
+    with TensorResidencyPool() as pool:
+        pool.resolve(ts[0])
+        read, write = os.pipe()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+            child = os.fork()
+        if child == 0:  # the child: report what each call did, never hang, leave at once
+            os.close(read)
+            outcomes = []
+            for call in (
+                lambda: pool.resolve(ts[1]),
+                lambda: pool.acquire(ts[1]).__enter__(),
+                pool.close,
+            ):
+                try:
+                    call()
+                    outcomes.append("returned")
+                except T2NErrorMisuse as error:
+                    outcomes.append("forked" if "forked" in str(error) else str(error))
+                except BaseException as error:
+                    outcomes.append(repr(error))
+            os.write(write, ",".join(outcomes).encode())
+            os._exit(0)
+        os.close(write)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            done, _ = os.waitpid(child, os.WNOHANG)
+            if done:
+                break
+            time.sleep(0.01)
+        else:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+            pytest.fail("the forked child hung")
+        with os.fdopen(read) as pipe:
+            assert pipe.read() == "forked,forked,forked"
+        assert torch.equal(pool.resolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on

@@ -142,6 +142,7 @@ class Runtime:
         # Notifications sent without waiting (under _lock), and how many ran (loop thread).
         self._sent = 0
         self._ran = 0
+        self._pid = os.getpid()  # the process whose threads serve the pool
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -157,7 +158,15 @@ class Runtime:
     def on_loop_thread(self) -> bool:
         return self.thread_id == threading.get_ident()
 
+    def _check_process(self) -> None:
+        if os.getpid() != self._pid:
+            raise T2NErrorMisuse(
+                "this TensorResidencyPool was started in the parent of this forked process: its "
+                "loop thread and workers do not exist here; create a new pool in the child"
+            )
+
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._pid = os.getpid()
         self._workers = concurrent.futures.ThreadPoolExecutor(
             self._max_workers, thread_name_prefix="t2n-residency-io"
         )
@@ -187,6 +196,7 @@ class Runtime:
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
         if self.loop is not None:
+            self._check_process()
             return
         with self._start_lock:  # two threads' first calls start one loop
             if self.loop is not None:
@@ -238,6 +248,7 @@ class Runtime:
 
     def post(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` on the loop thread, after what was posted before."""
+        self._check_process()
         with self._lock:
             loop = self.loop
             if loop is None:
