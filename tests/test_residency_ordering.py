@@ -6,6 +6,7 @@ import _thread
 import asyncio
 import concurrent.futures
 import contextlib
+import copy
 import gc
 import os
 import signal
@@ -430,3 +431,19 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
         with os.fdopen(read) as pipe:
             assert pipe.read() == "forked,forked,forked"
         assert torch.equal(pool.resolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. copy.deepcopy inside a scope
+# ---------------------------------------------------------------------------------------------
+def test_deepcopy_in_a_scope_copies_the_latest_value(tmp_path: Path) -> None:
+    model = nn.Linear(4, 4, bias=False)
+    model.weight = nn.Parameter(
+        OffloadedTensor.from_original_tensor(torch.zeros(4, 4), "w", offload_dir=tmp_path),
+        requires_grad=False,
+    )
+    with TensorResidencyPool() as pool, pool.scope():
+        model.weight.add_(1.0)  # a change the pool holds
+        duplicate = copy.deepcopy(model)
+        assert torch.equal(duplicate.weight.reload(), torch.ones(4, 4))
+        assert torch.equal(model.weight.clone(), torch.ones(4, 4))
