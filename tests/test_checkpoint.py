@@ -327,7 +327,7 @@ def test_a_whole_model_dtype_mismatch_is_one_line_and_dtype_casts(
     expected = state["proj.weight"].float()
     assert torch.equal(cast.proj.weight.reload(), expected)
     assert len(list(offload_dir.iterdir())) == 8
-    with pytest.raises(T2NErrorMisuse, match="dtype must be a torch.dtype"):
+    with pytest.raises(T2NErrorMisuse, match=r"dtype must be a torch\.dtype"):
         load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt", dtype="bf16")  # type: ignore[arg-type]
 
 
