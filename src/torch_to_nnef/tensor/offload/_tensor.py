@@ -1199,7 +1199,6 @@ def _check_value_type(
         )
 
 
-
 _HF_NAMES = frozenset(
     {
         "AUTO_DEVICE_MAP_KEY",
