@@ -31,7 +31,7 @@ test: lint typecheck docs pytest
 # The main job: generate with a transformers model bigger than its memory budget
 # (flags: DEMO_ARGS=...).
 demo: install
-	$(PY) examples/demo.py $(DEMO_ARGS)
+	$(PY) benchmarks/demo.py $(DEMO_ARGS)
 
 # Every benchmark, results in benchmarks/results/ (JSON, summary.md, timeline.png).
 bench: install

@@ -27,7 +27,13 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
-__all__ = ["SAFETENSORS_INDEX_NAME", "load_offloaded_checkpoint", "offload_module"]
+__all__ = [
+    "SAFETENSORS_INDEX_NAME",
+    "CheckpointDescription",
+    "describe_checkpoint",
+    "load_offloaded_checkpoint",
+    "offload_module",
+]
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 """Name of the index of a sharded checkpoint (``{"weight_map": {key: shard file}}``)."""
@@ -244,6 +250,56 @@ def load_offloaded_checkpoint(
         offloaded = plan.offloaded(binding, device=device, offload_dir=offload_dir)
         plan.updater.update_by_ref(binding.tensor, offloaded, enforce_tensor_consistency=False)
     return model
+
+
+@dataclass(frozen=True)
+class CheckpointDescription:
+    """What a checkpoint holds, from its headers (see :func:`describe_checkpoint`).
+
+    Attributes:
+        source: the file or index found.
+        kind: ``"safetensors"`` (read in place) or ``"pickle"`` (``torch.save``).
+        tensors: how many tensors it holds.
+        nbytes: their total size in bytes.
+        by_dtype: tensor count and bytes per dtype name.
+        largest: the key and size in bytes of its largest tensor (``("", 0)`` when empty).
+    """
+
+    source: Path
+    kind: str
+    tensors: int
+    nbytes: int
+    by_dtype: Mapping[str, tuple[int, int]]
+    largest: tuple[str, int]
+
+
+def describe_checkpoint(checkpoint: str | os.PathLike[str]) -> CheckpointDescription:
+    """Describe a checkpoint (file, index or directory), reading only its headers.
+
+    A pickle checkpoint is read with ``torch.load(weights_only=True, mmap=True)``.
+
+    Raises:
+        T2NErrorCheckpoint: see :func:`load_offloaded_checkpoint`.
+        T2NErrorStorage: a file is not a valid safetensors file.
+    """
+    found = open_checkpoint(Path(checkpoint), allow_pickle=True)
+    by_dtype: dict[str, tuple[int, int]] = {}
+    largest = ("", 0)
+    for key in found:
+        shape, dtype = found.describe(key)
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        count, total = by_dtype.get(str(dtype), (0, 0))
+        by_dtype[str(dtype)] = (count + 1, total + nbytes)
+        if nbytes > largest[1]:
+            largest = (key, nbytes)
+    return CheckpointDescription(
+        found.source,
+        "pickle" if found.loaded else "safetensors",
+        sum(count for count, _ in by_dtype.values()),
+        sum(total for _, total in by_dtype.values()),
+        by_dtype,
+        largest,
+    )
 
 
 def check_arguments(function: str, model: object, checkpoint: object, dtype: object) -> None:
