@@ -119,6 +119,11 @@ def _rss() -> int:
 
 
 def _peak_rss() -> int:
+    """The process's peak RSS (``VmHWM``: unlike ``ru_maxrss``, not inherited across exec)."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 

@@ -27,6 +27,7 @@ BENCHMARKS = (
     "bulk_prefetch",
     "overlap",
     "memory",
+    "hf",
     "gpu",
 )
 
