@@ -302,6 +302,34 @@ def test_a_pickle_checkpoint_is_refused_with_the_conversion(dense: Net, tmp_path
         assert "t2n_load_checkpoint_and_dispatch" in message
 
 
+def test_a_safetensors_header_length_that_looks_like_pickle_is_read_in_place(
+    dense: Net, tmp_path: Path
+) -> None:
+    # The first byte of the length is 0x80 (pickle's PROTO opcode), the second 0x02.
+    state = state_without_ties(dense)
+    header: dict[str, object] = {}
+    offset = 0
+    for key, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        header[key] = {
+            "dtype": "F32",
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    length = 0x280
+    assert len(raw) <= length
+    path = tmp_path / "model.safetensors"
+    with path.open("wb") as file:
+        file.write(length.to_bytes(8, "little") + raw.ljust(length, b" "))
+        for value in state.values():
+            file.write(value.contiguous().numpy().tobytes())
+    model = load_offloaded_checkpoint(meta_model(), path)
+    assert not model.proj.weight.owns_payload
+    assert torch.equal(output(model), output(dense))
+
+
 def test_a_whole_model_dtype_mismatch_is_one_line_and_dtype_casts(
     dense: Net, tmp_path: Path
 ) -> None:

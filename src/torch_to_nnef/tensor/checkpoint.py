@@ -536,17 +536,24 @@ def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
 
 
 def _is_pickle(path: Path) -> bool:
-    """Whether ``path`` starts like a ``torch.save`` file (a zip archive or a raw pickle)."""
+    """Whether ``path`` starts like a ``torch.save`` file (a zip archive or a raw pickle).
+
+    A safetensors file starts with its header's length (8 bytes) and the header's ``{``; its
+    first byte may be that of a pickle, so it is recognised first.
+    """
     try:
         with path.open("rb") as file:
-            head = file.read(4)
+            head = file.read(9)
     except OSError:
         return False  # storage.read_layout reports it
-    return head.startswith((_ZIP_MAGIC, _PICKLE_MAGIC))
+    if head[8:9] == b"{":
+        return False
+    return head.startswith(_ZIP_MAGIC) or (head[:1] == _PICKLE_MAGIC and head[1:2] in _PROTOCOLS)
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
-_PICKLE_MAGIC = b"\x80"
+_PICKLE_MAGIC = b"\x80"  # PROTO opcode, then the protocol number
+_PROTOCOLS = {bytes([number]) for number in range(2, 6)}
 
 
 def _load_pickle(path: Path, allow: bool) -> dict[str, torch.Tensor]:
