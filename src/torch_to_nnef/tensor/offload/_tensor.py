@@ -1199,25 +1199,11 @@ def _check_value_type(
         )
 
 
-_HF_NAMES = frozenset(
-    {
-        "AUTO_DEVICE_MAP_KEY",
-        "ON_DISK_DEVICE_MAP_KEY",
-        "ctx_maybe_load_from_disk_as_offloaded",
-        "load_state_dict",
-        "maybe_extract_target_device",
-        "maybe_load_offload_tensor",
-        "safe_load_file",
-        "set_module_tensor_to_device",
-        "t2n_load_checkpoint_and_dispatch",
-    }
-)
-
-
 def __getattr__(name: str) -> Any:
     """Upstream torch-to-nnef's loading helpers, from :mod:`torch_to_nnef.tensor.hf` on demand."""
-    if name not in _HF_NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    from torch_to_nnef.tensor import hf  # imported on use: hf imports this module
+    if not name.startswith("_"):  # never import hf for the probes of the import machinery
+        from torch_to_nnef.tensor import hf  # imported on use: hf imports this module
 
-    return getattr(hf, name)
+        if name in hf.__all__:
+            return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
