@@ -192,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print()
     print(main_table(results))
+    print()
     reference = results[0]["tokens"]
     different = [r["mode"] for r in results if r["tokens"] != reference]
     print(

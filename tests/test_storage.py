@@ -647,6 +647,8 @@ def test_public_api_is_exactly_exported() -> None:
             "read_layout",
             "read_payload",
             "aread_payload",
+            "map_payload",
+            "advise_payload",
             "allocate",
             "to_device",
             "write_payload",

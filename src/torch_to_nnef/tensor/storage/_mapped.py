@@ -122,6 +122,10 @@ def advise_payload(layout: PayloadLayout, *, names: Iterable[str] | None = None)
     Returns at once; a later read or mapping of the entries finds them cached. Does nothing
     where the platform has no ``posix_fadvise``.
 
+    Args:
+        layout: the file's layout, from ``read_layout`` or ``write_payload``.
+        names: the entries to read ahead (all when ``None``).
+
     Raises:
         T2NErrorStorage: the file is missing or unreadable, or lacks a requested entry.
     """
