@@ -649,6 +649,8 @@ def test_public_api_is_exactly_exported() -> None:
             "aread_payload",
             "map_payload",
             "advise_payload",
+            "load_payload",
+            "MAPPED_READS",
             "allocate",
             "to_device",
             "write_payload",

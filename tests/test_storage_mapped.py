@@ -92,3 +92,16 @@ def test_advise_starts_readahead_and_returns(
     layout, tensors = payload
     storage.advise_payload(layout, names=["a", "empty"])
     assert torch.equal(storage.read_payload(layout, names=["a"])["a"], tensors["a"])
+
+
+@pytest.mark.parametrize("mapped", [True, False, None])
+def test_load_payload_maps_or_reads(
+    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]], mapped: bool | None
+) -> None:
+    layout, tensors = payload
+    out = {"a": torch.empty(30, 100)}
+    loaded = storage.load_payload(layout, names=["a"], out=out, mapped=mapped)
+    assert torch.equal(loaded["a"], tensors["a"])
+    maps = storage.MAPPED_READS if mapped is None else mapped
+    assert (loaded["a"] is out["a"]) is not maps
+    assert (mapped_regions(layout.path) == 1) is maps

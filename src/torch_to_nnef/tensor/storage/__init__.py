@@ -9,7 +9,8 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   (fresh ones, or the caller's with ``out=``); :func:`allocate` makes such buffers, pinned for
   CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
 - :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
-  copy on write); :func:`advise_payload` starts the kernel's readahead of entries.
+  copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
+  :func:`load_payload` maps or reads, by default as :data:`MAPPED_READS` says.
 - :func:`write_payload` / :func:`awrite_payload` write files atomically.
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
@@ -33,7 +34,9 @@ from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
+from torch_to_nnef.tensor.storage._mapped import MAPPED_READS as MAPPED_READS
 from torch_to_nnef.tensor.storage._mapped import advise_payload as advise_payload
+from torch_to_nnef.tensor.storage._mapped import load_payload as load_payload
 from torch_to_nnef.tensor.storage._mapped import map_payload as map_payload
 from torch_to_nnef.tensor.storage._opaque import decode_offload_state as decode_offload_state
 from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
@@ -53,6 +56,8 @@ __all__ = [
     "aread_payload",
     "map_payload",
     "advise_payload",
+    "load_payload",
+    "MAPPED_READS",
     "allocate",
     "to_device",
     # writing
