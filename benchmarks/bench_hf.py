@@ -2,7 +2,8 @@
 
 For a Llama-style model (untied) and a Qwen2-style model (tied embeddings, attention biases),
 about 1 GB of float32 weights each (random, built once into the cache), 12 tokens of greedy
-decoding with a budget of a quarter of the model, each mode in a fresh process (see
+decoding with a budget of a quarter of the model, each mode in a fresh process, two rounds
+alternating the modes (the median s/token, the highest peak RSS) (see
 ``_hf_job.py``): dense, accelerate's disk offload, our pool (``pool``: skeleton +
 ``t2n_load_checkpoint_and_dispatch``; ``pool-upstream``: ``from_pretrained`` inside
 ``ctx_maybe_load_from_disk_as_offloaded``), on a warm page cache and on a cold one (the
@@ -21,6 +22,7 @@ few MB, 3 tokens, warm only (a smoke test; its figures mean nothing).
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -51,6 +53,9 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="a tiny model (smoke test)")
     parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
     parser.add_argument("--tokens", type=int, default=12, help="tokens per run (default 12)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds of every mode (default 2)"
+    )
     parser.add_argument("--cache", type=Path, default=job.DEFAULT_CACHE, help="model cache")
     return parser.parse_args(argv)
 
@@ -63,7 +68,10 @@ def leased_at_once(spec: job.ModelSpec) -> int:
     return head + max(layer, 4 * h)  # the head and the last layer, or embedding and first layer
 
 
-def measure(spec: job.ModelSpec, path: Path, tokens: int, quick: bool) -> list[dict[str, Any]]:
+def measure(
+    spec: job.ModelSpec, path: Path, tokens: int, quick: bool, rounds: int
+) -> list[dict[str, Any]]:
+    """Every mode, ``rounds`` times alternating; per mode the median s/token, the worst RSS."""
     budget = spec.weight_bytes // 4
     runs: list[tuple[str, bool]] = [
         ("dense", False),
@@ -73,16 +81,29 @@ def measure(spec: job.ModelSpec, path: Path, tokens: int, quick: bool) -> list[d
     ]
     if not quick:
         runs += [("accelerate", True), ("pool", True)]
+    measured: dict[tuple[str, bool], list[dict[str, Any]]] = {run: [] for run in runs}
+    for round_ in range(1 if quick else rounds):
+        for mode, cold in runs:
+            print(f"  round {round_ + 1}: {mode}{' (cold)' if cold else ''}", flush=True)
+            if quick:  # in this process: a fresh interpreter per mode costs more than the runs
+                result = job.run_mode(mode, path, budget=budget, tokens=tokens, cold=cold)
+            else:
+                result = job.run_in_subprocess(
+                    mode, path, budget=budget, tokens=tokens, cold=cold, progress=False
+                )
+            measured[(mode, cold)].append(result)
     results = []
-    for mode, cold in runs:
-        print(f"  {mode}{' (cold)' if cold else ''}", flush=True)
-        if quick:  # in this process: a fresh interpreter per mode costs more than the runs
-            result = job.run_mode(mode, path, budget=budget, tokens=tokens, cold=cold)
-        else:
-            result = job.run_in_subprocess(
-                mode, path, budget=budget, tokens=tokens, cold=cold, progress=False
-            )
-        results.append(result)
+    for samples in measured.values():
+        combined = dict(samples[0])
+        combined["s_per_token"] = statistics.median(r["s_per_token"] for r in samples)
+        combined["s_per_token_rounds"] = [r["s_per_token"] for r in samples]
+        combined["peak_rss_growth"] = max(r["peak_rss_growth"] for r in samples)
+        combined["tokens"] = (
+            samples[0]["tokens"]
+            if all(r["tokens"] == samples[0]["tokens"] for r in samples)
+            else []
+        )
+        results.append(combined)
     return results
 
 
@@ -171,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         if not arguments.quick:
             bandwidth = job.disk_read_bandwidth(path)
         print(f"{label}: {spec.weight_bytes / 1e9:.2f} GB, {path}", flush=True)
-        runs = measure(spec, path, tokens, arguments.quick)
+        runs = measure(spec, path, tokens, arguments.quick, arguments.rounds)
         results[label] = runs
         rows, lines = rows_for(label, spec, runs, bandwidth or float("inf"))
         summary += rows
@@ -181,7 +202,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": detail,
     }
     document = {
-        "config": {"tokens": tokens, "budget": "a quarter of the model", "quick": arguments.quick},
+        "config": {
+            "tokens": tokens,
+            "rounds": 1 if arguments.quick else arguments.rounds,
+            "budget": "a quarter of the model",
+            "quick": arguments.quick,
+        },
         "disk_read_bandwidth": bandwidth,
         "results": results,
         "summary": summary,
