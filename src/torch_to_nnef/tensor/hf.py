@@ -262,7 +262,8 @@ def t2n_load_checkpoint_and_dispatch(
     safetensors entry in place (nothing copied); others are read into memory on their device.
     Non-persistent buffers (a rotary embedding's ``inv_freq``) are left as they are.
 
-    Everything is checked before anything is bound: on error the model is unchanged.
+    Everything is checked before any tensor is bound: on error the model keeps its tensors
+    (its weights may have been tied).
 
     Args:
         model: the skeleton.
