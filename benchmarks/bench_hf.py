@@ -31,8 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _hf_job as job
-from _common import format_table, write_results
-from _report import Row, print_summary, summary_row
+from _report import Row, publish, summary_row
 
 MB = 1e6
 MIB = 1 << 20
@@ -214,11 +213,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "details": details,
         "wall_seconds": time.perf_counter() - started,
     }
-    output = write_results("hf", document, arguments.output)
-    print(format_table(details["headers"], details["rows"]))
-    print()
-    print_summary(summary)
-    print(f"wrote {output} in {document['wall_seconds']:.1f} s")
+    publish("hf", document, arguments.output)
     return document
 
 

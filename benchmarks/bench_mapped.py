@@ -28,9 +28,8 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch
-from _common import format_table, write_results
 from _hf_job import drop_page_cache
-from _report import print_summary, summary_row
+from _report import publish, summary_row
 
 from torch_to_nnef.tensor import storage
 
@@ -124,11 +123,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "details": details,
         "wall_seconds": time.perf_counter() - started,
     }
-    output = write_results("mapped", document, arguments.output)
-    print(format_table(details["headers"], details["rows"]))
-    print()
-    print_summary(summary)
-    print(f"wrote {output} in {document['wall_seconds']:.1f} s")
+    publish("mapped", document, arguments.output)
     return document
 
 
