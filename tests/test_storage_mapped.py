@@ -10,7 +10,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 
 
@@ -102,6 +102,23 @@ def test_load_payload_maps_or_reads(
     out = {"a": torch.empty(30, 100)}
     loaded = storage.load_payload(layout, names=["a"], out=out, mapped=mapped)
     assert torch.equal(loaded["a"], tensors["a"])
-    maps = storage.MAPPED_READS if mapped is None else mapped
+    maps = storage.mapped_reads() if mapped is None else mapped
     assert (loaded["a"] is out["a"]) is not maps
     assert (mapped_regions(layout.path) == 1) is maps
+
+
+def test_the_switch_of_mapped_loads(
+    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
+) -> None:
+    layout, _ = payload
+    previous = storage.set_mapped_reads(False)
+    try:
+        assert storage.mapped_reads() is False
+        out = {"a": torch.empty(30, 100)}
+        assert storage.load_payload(layout, names=["a"], out=out)["a"] is out["a"]
+        assert storage.set_mapped_reads(True) is False
+        assert storage.load_payload(layout, names=["a"], out=out)["a"] is not out["a"]
+        with pytest.raises(T2NErrorMisuse, match="takes a bool"):
+            storage.set_mapped_reads("yes")  # type: ignore[arg-type]
+    finally:
+        storage.set_mapped_reads(previous)

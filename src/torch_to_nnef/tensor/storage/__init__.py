@@ -10,7 +10,7 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
 - :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
   copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
-  :func:`load_payload` maps or reads, by default as :data:`MAPPED_READS` says.
+  :func:`load_payload` maps or reads, as :func:`set_mapped_reads` chose.
 - :func:`write_payload` / :func:`awrite_payload` write files atomically.
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
@@ -34,10 +34,11 @@ from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
-from torch_to_nnef.tensor.storage._mapped import MAPPED_READS as MAPPED_READS
 from torch_to_nnef.tensor.storage._mapped import advise_payload as advise_payload
 from torch_to_nnef.tensor.storage._mapped import load_payload as load_payload
 from torch_to_nnef.tensor.storage._mapped import map_payload as map_payload
+from torch_to_nnef.tensor.storage._mapped import mapped_reads as mapped_reads
+from torch_to_nnef.tensor.storage._mapped import set_mapped_reads as set_mapped_reads
 from torch_to_nnef.tensor.storage._opaque import decode_offload_state as decode_offload_state
 from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
 from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
@@ -57,7 +58,8 @@ __all__ = [
     "map_payload",
     "advise_payload",
     "load_payload",
-    "MAPPED_READS",
+    "mapped_reads",
+    "set_mapped_reads",
     "allocate",
     "to_device",
     # writing

@@ -24,7 +24,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.storage._buffers import select_entries
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
@@ -34,15 +34,42 @@ from torch_to_nnef.tensor.storage._io import (
     read_payload,
 )
 
-__all__ = ["MAPPED_READS", "advise_payload", "load_payload", "map_payload"]
+__all__ = [
+    "advise_payload",
+    "load_payload",
+    "map_payload",
+    "mapped_reads",
+    "set_mapped_reads",
+]
 
-MAPPED_READS = hasattr(mmap, "MAP_PRIVATE")
-"""Whether :func:`load_payload` maps entries by default (on platforms with private mappings).
+_MAPPED_READS = [hasattr(mmap, "MAP_PRIVATE")]  # one switch for the process
 
-Measured by ``benchmarks/bench_mapped.py``: on a warm page cache a mapped read takes a third to
-two thirds of the time of a read into a reused buffer (the copy out of the page cache is gone);
-on a cold one both wait for the disk and measure the same within noise.
-"""
+
+def mapped_reads() -> bool:
+    """Whether :func:`load_payload` maps entries when not told (the switch of CPU loads).
+
+    On by default where private mappings exist. Measured by ``benchmarks/bench_mapped.py``:
+    on a warm page cache a mapped read takes a third to two thirds of the time of a read into
+    a reused buffer (the copy out of the page cache is gone); on a cold one both wait for the
+    disk and measure the same within noise.
+    """
+    return _MAPPED_READS[0]
+
+
+def set_mapped_reads(enabled: bool) -> bool:
+    """Turn mapped loads on or off for the process; return the previous setting.
+
+    Raises:
+        T2NErrorMisuse: ``enabled`` is not a bool, or mapping is asked where the platform
+            has no private mappings.
+    """
+    if not isinstance(enabled, bool):
+        raise T2NErrorMisuse(f"set_mapped_reads takes a bool, got {enabled!r}")
+    if enabled and not hasattr(mmap, "MAP_PRIVATE"):
+        raise T2NErrorMisuse("this platform has no private mappings; reads cannot be mapped")
+    previous, _MAPPED_READS[0] = _MAPPED_READS[0], enabled
+    return previous
+
 
 _MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 _PAGE = mmap.ALLOCATIONGRANULARITY
@@ -166,13 +193,13 @@ def load_payload(
         layout: the file's layout.
         names: the entries (all when ``None``).
         out: buffers to read into when reading (ignored when mapping).
-        mapped: map (:func:`map_payload`) or read (``read_payload``); ``None``:
-            :data:`MAPPED_READS`.
+        mapped: map (:func:`map_payload`) or read (``read_payload``); ``None``: as
+            :func:`mapped_reads` says.
 
     Raises:
         T2NErrorStorage: see :func:`map_payload` and ``read_payload``.
         T2NErrorMisuse: a buffer of ``out`` does not match its entry (when reading).
     """
-    if MAPPED_READS if mapped is None else mapped:
+    if mapped_reads() if mapped is None else mapped:
         return map_payload(layout, names=names)
     return read_payload(layout, out=out, names=names)
