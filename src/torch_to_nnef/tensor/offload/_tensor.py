@@ -1197,13 +1197,3 @@ def _check_value_type(
             f"{name!r} holds a {value_type.__name__} value but offloaded_tensor_type is "
             f"{announced.__name__}; pass the type of the value"
         )
-
-
-def __getattr__(name: str) -> Any:
-    """Upstream torch-to-nnef's loading helpers, from :mod:`torch_to_nnef.tensor.hf` on demand."""
-    if not name.startswith("_"):  # never import hf for the probes of the import machinery
-        from torch_to_nnef.tensor import hf  # imported on use: hf imports this module
-
-        if name in hf.__all__:
-            return getattr(hf, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
