@@ -278,6 +278,9 @@ def describe_checkpoint(checkpoint: str | os.PathLike[str]) -> CheckpointDescrip
 
     A pickle checkpoint is read with ``torch.load(weights_only=True, mmap=True)``.
 
+    Args:
+        checkpoint: a checkpoint file, a sharded checkpoint's index, or a directory holding one.
+
     Raises:
         T2NErrorCheckpoint: see :func:`load_offloaded_checkpoint`.
         T2NErrorStorage: a file is not a valid safetensors file.
