@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==$(TORCH_VERSION)"
-	$(PY) -m pip install -q -e ".[test,bench,demo,docs]"
+	$(PY) -m pip install -q -e ".[test,bench,demo,docs,hf]"
 	touch $(STAMP)
 
 lint: install
@@ -28,9 +28,10 @@ pytest: install
 
 test: lint typecheck docs pytest
 
-# The main job: stream a synthetic model bigger than its memory budget (flags: DEMO_ARGS=...).
+# The main job: generate with a transformers model bigger than its memory budget
+# (flags: DEMO_ARGS=...).
 demo: install
-	$(VENV)/bin/t2n-residency demo $(DEMO_ARGS)
+	$(PY) benchmarks/demo.py $(DEMO_ARGS)
 
 # Every benchmark, results in benchmarks/results/ (JSON, summary.md, timeline.png).
 bench: install

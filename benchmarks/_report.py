@@ -11,9 +11,10 @@ import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
-from _common import format_table
+from _common import format_table, write_results
 
 Row = dict[str, Any]
 
@@ -75,3 +76,14 @@ def per_call_us(run: Callable[[], object], calls: int, repeat: int) -> tuple[flo
             samples.append((time.perf_counter() - start) / calls * 1e6)
     samples.sort()
     return samples[len(samples) // 2], samples[0]
+
+
+def publish(name: str, document: dict[str, Any], output: Path | None) -> Path:
+    """Write a benchmark's document, then print its detail table and summary rows."""
+    path = write_results(name, document, output)
+    details = document["details"]
+    print(format_table(details["headers"], details["rows"]))
+    print()
+    print_summary(document["summary"])
+    print(f"wrote {path} in {document['wall_seconds']:.1f} s")
+    return path

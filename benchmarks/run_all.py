@@ -106,6 +106,23 @@ BENCHMARKS = (
         about="24 x 2048 x 2048 float32 (384 MiB), budget 96 MiB, fresh subprocesses.",
     ),
     Benchmark(
+        "mapped",
+        "Mapped reads against reads into reused buffers (CPU)",
+        "bench_mapped.py",
+        timeout_s=300,
+        about="16 float32 matrices of 32 MiB read then used once per token, warm page cache and "
+        "cold (pages evicted before every token); median ms per token.",
+    ),
+    Benchmark(
+        "hf",
+        "Generation with transformers models bigger than the budget",
+        "bench_hf.py",
+        timeout_s=1200,
+        about="Llama-style and Qwen2-style (tied embeddings, attention biases) models of about "
+        "1 GB float32, 12 greedy tokens, budget a quarter of the model; dense, accelerate's disk "
+        "offload and the pool, warm and cold page cache, each in a fresh process.",
+    ),
+    Benchmark(
         "gpu",
         "GPU check (cuda:0)",
         "gpu_check.py",

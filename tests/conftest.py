@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 import pytest
 
@@ -23,3 +23,13 @@ def pytest_asyncio_loop_factories(
     if uvloop is not None and "residency" in item.nodeid:
         factories["uvloop"] = uvloop.new_event_loop
     return factories
+
+
+@pytest.fixture
+def buffered_reads() -> Iterator[None]:
+    """CPU loads read into buffers (reused by the pool) instead of mapping the file."""
+    from torch_to_nnef.tensor import storage
+
+    previous = storage.set_mapped_reads(False)
+    yield
+    storage.set_mapped_reads(previous)

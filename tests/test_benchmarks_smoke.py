@@ -27,6 +27,8 @@ BENCHMARKS = (
     "bulk_prefetch",
     "overlap",
     "memory",
+    "mapped",
+    "hf",
     "gpu",
 )
 
@@ -152,6 +154,30 @@ def test_memory_results(results: Path) -> None:
     for result in document["results"]:
         assert result["peak_rss_bytes"] > 0
         assert result["loads"] >= document["config"]["layers"]
+
+
+@pytest.mark.timeout(300)
+def test_mapped_results(results: Path) -> None:
+    document = load(results, "mapped")
+    check_summary_rows(document)
+    for cache in ("warm", "cold"):
+        timing = document["seconds_per_token"][cache]
+        assert set(timing) == {"compute only", "buffered read", "mapped read"}
+        assert all(seconds > 0 for seconds in timing.values())
+
+
+@pytest.mark.timeout(300)
+def test_hf_results(results: Path) -> None:
+    document = load(results, "hf")
+    check_summary_rows(document)
+    assert set(document["results"]) == {"Llama-style", "Qwen2-style"}
+    for runs in document["results"].values():
+        assert [r["mode"] for r in runs] == ["dense", "accelerate", "pool", "pool-upstream"]
+        assert all(r["tokens"] == runs[0]["tokens"] for r in runs)
+        assert all(r["s_per_token"] > 0 for r in runs)
+    figures = [row["figure"] for row in document["summary"]]
+    assert "Llama-style, warm: pool tokens/s over accelerate's" in figures
+    assert "Qwen2-style: tokens of every mode" in figures
 
 
 @pytest.mark.timeout(300)

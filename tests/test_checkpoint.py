@@ -99,8 +99,11 @@ def write_index(directory: Path, weight_map: dict[str, str]) -> Path:
 
 
 def meta_model() -> Net:
+    """``Net`` with its weights on the meta device; its non-persistent buffer stays real."""
     with torch.device("meta"):
-        return Net()
+        model = Net()
+    model.scratch = torch.zeros(2)
+    return model
 
 
 def digests(directory: Path) -> dict[str, str]:
@@ -177,7 +180,7 @@ def test_sharded_checkpoint_matches_the_dense_model(dense: Net, tmp_path: Path) 
     assert model.embed.weight._name == "embed.weight"
     assert not model.embed.weight.owns_payload
     assert isinstance(model.scale, OffloadedTensor)
-    assert model.scratch.is_meta  # non-persistent buffer absent from the checkpoint
+    assert torch.equal(model.scratch, torch.zeros(2))  # non-persistent: left as it was
     assert torch.equal(output(model), output(dense))
     del model
     gc.collect()
@@ -197,9 +200,7 @@ def test_checkpoint_by_index_path_and_target_device(dense: Net, tmp_path: Path) 
     index = write_sharded(state_without_ties(dense), tmp_path / "ckpt", shards=3)
     model = load_offloaded_checkpoint(meta_model(), index, device="cuda:0")
     assert all(p.device == torch.device("cuda:0") for p in model.parameters())
-    for tensor in model.parameters():
-        tensor.to("cpu")  # (model.to() would fail on the meta non-persistent buffer)
-    model.scale.to("cpu")
+    model.to("cpu")
     assert torch.equal(output(model), output(dense))
 
 
@@ -242,13 +243,120 @@ def test_mismatches_are_all_listed_and_the_model_is_unchanged(dense: Net, tmp_pa
 
 def test_non_strict_binding_of_the_common_keys(dense: Net, tmp_path: Path) -> None:
     state = state_without_ties(dense)
-    del state["conv.bias"]
     state["extra.weight"] = torch.zeros(3)
     write_sharded(state, tmp_path / "ckpt")
     model = load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt", strict=False)
-    assert model.conv.bias.is_meta
     assert isinstance(model.conv.weight, OffloadedTensor)
     assert torch.equal(model.conv.weight.reload(), dense.conv.weight.detach())
+
+
+def test_no_tensor_stays_on_the_meta_device_silently(dense: Net, tmp_path: Path) -> None:
+    state = state_without_ties(dense)
+    del state["conv.bias"]
+    write_sharded(state, tmp_path / "ckpt")
+    model = meta_model()
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(model, tmp_path / "ckpt", strict=False)
+    message = str(caught.value)
+    assert "1 tensor(s) would stay on the meta device" in message
+    assert "'conv.bias' (absent from the checkpoint)" in message
+    assert all(t.is_meta for t in model.parameters())  # nothing was bound
+
+    # An untied head: the checkpoint holds its value under the embedding's name only.
+    untied = meta_model()
+    untied.head.weight = nn.Parameter(torch.empty(VOCAB, WIDTH, device="meta"))
+    write_sharded(state_without_ties(dense), tmp_path / "full")
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(untied, tmp_path / "full", strict=False)
+    message = str(caught.value)
+    assert "'head.weight' (likely a weight tied to 'embed.weight'" in message
+    assert "tie weights before binding" in message
+
+    # A non-persistent buffer built on the meta device holds no value any checkpoint gives.
+    with torch.device("meta"):
+        all_meta = Net()
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(all_meta, tmp_path / "full")
+    message = str(caught.value)
+    assert "'scratch' (non-persistent buffer, never saved in checkpoints)" in message
+    assert "accelerate.init_empty_weights()" in message
+
+
+def test_swapped_arguments_are_named(tmp_path: Path) -> None:
+    with pytest.raises(T2NErrorMisuse, match=r"checkpoint first and the model second"):
+        load_offloaded_checkpoint(tmp_path, meta_model())  # type: ignore[arg-type]
+    with pytest.raises(T2NErrorMisuse, match=r"binds an nn.Module, got str"):
+        load_offloaded_checkpoint("model", tmp_path)  # type: ignore[type-var]
+    with pytest.raises(T2NErrorMisuse, match=r"checkpoint as a path"):
+        load_offloaded_checkpoint(meta_model(), 3)  # type: ignore[arg-type]
+
+
+def test_a_pickle_checkpoint_is_refused_with_the_conversion(dense: Net, tmp_path: Path) -> None:
+    torch.save(state_without_ties(dense), tmp_path / "pytorch_model.bin")
+    for given in (tmp_path / "pytorch_model.bin", tmp_path):
+        with pytest.raises(T2NErrorCheckpoint) as caught:
+            load_offloaded_checkpoint(meta_model(), given)
+        message = str(caught.value)
+        assert "is a pickle checkpoint (torch.save), not safetensors" in message
+        assert "st.save_file(" in message and "weights_only=True" in message
+        assert "t2n_load_checkpoint_and_dispatch" in message
+
+
+def test_a_safetensors_header_length_that_looks_like_pickle_is_read_in_place(
+    dense: Net, tmp_path: Path
+) -> None:
+    # The first byte of the length is 0x80 (pickle's PROTO opcode), the second 0x02.
+    state = state_without_ties(dense)
+    header: dict[str, object] = {}
+    offset = 0
+    for key, value in state.items():
+        nbytes = value.numel() * value.element_size()
+        header[key] = {
+            "dtype": "F32",
+            "shape": list(value.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    raw = json.dumps(header).encode()
+    length = 0x280
+    assert len(raw) <= length
+    path = tmp_path / "model.safetensors"
+    with path.open("wb") as file:
+        file.write(length.to_bytes(8, "little") + raw.ljust(length, b" "))
+        for value in state.values():
+            file.write(value.contiguous().numpy().tobytes())
+    model = load_offloaded_checkpoint(meta_model(), path)
+    assert not model.proj.weight.owns_payload
+    assert torch.equal(output(model), output(dense))
+
+
+def test_a_whole_model_dtype_mismatch_is_one_line_and_dtype_casts(
+    dense: Net, tmp_path: Path
+) -> None:
+    state = {key: value.to(torch.bfloat16) for key, value in state_without_ties(dense).items()}
+    write_sharded(state, tmp_path / "ckpt")
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt")
+    message = str(caught.value)
+    assert "all 8 tensors: checkpoint dtype torch.bfloat16, model dtype torch.float32" in message
+    assert "'proj.weight'" not in message
+    assert "pass dtype=torch.bfloat16" in message
+
+    # In the checkpoint's dtype: read in place.
+    in_place = load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt", dtype=torch.bfloat16)
+    assert in_place.proj.weight.dtype == torch.bfloat16
+    assert not in_place.proj.weight.owns_payload
+    # Cast on load: the model's dtype, each value written once.
+    offload_dir = tmp_path / "offload"
+    cast = load_offloaded_checkpoint(
+        meta_model(), tmp_path / "ckpt", dtype=torch.float32, offload_dir=offload_dir
+    )
+    assert cast.proj.weight.dtype == torch.float32 and cast.proj.weight.owns_payload
+    expected = state["proj.weight"].float()
+    assert torch.equal(cast.proj.weight.reload(), expected)
+    assert len(list(offload_dir.iterdir())) == 8
+    with pytest.raises(T2NErrorMisuse, match=r"dtype must be a torch\.dtype"):
+        load_offloaded_checkpoint(meta_model(), tmp_path / "ckpt", dtype="bf16")  # type: ignore[arg-type]
 
 
 def test_missing_tied_key_names_all_its_names(dense: Net, tmp_path: Path) -> None:

@@ -13,6 +13,13 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 
 # Lines (regular expressions) each example prints once its own checks have passed.
 EXPECTED = {
+    "hf_generate.py": [
+        r"^saved a [\d.]+ MB model in \d+ safetensors shards$",
+        r"^bound the skeleton to the shards in place: nothing copied$",
+        r"^generated 6 tokens with a [\d.]+ MB budget: [\d.]+ s/token",
+        r"^served 3 concurrent requests from async code through one pool$",
+        r"^every output equals the dense model's: OK$",
+    ],
     "async_serving.py": [
         r"^served 8 concurrent requests twice \(leases, then pool\.scope\)",
         r"^pool: \d+ loads for 192 tensor accesses",

@@ -674,6 +674,7 @@ def test_storage_key_and_payload_nbytes(
     assert q.payload_nbytes == 16 * 2 + 256
 
 
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_loads_read_into_given_buffers(
     offloaded: OffloadedTensor, weight: torch.Tensor, checkpoint: Path, tmp_path: Path
 ) -> None:
@@ -705,6 +706,7 @@ def test_an_opaque_payload_has_no_reusable_host_buffers(
     assert offloaded._host_buffers(value) is None
 
 
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_host_buffers_only_for_whole_cpu_buffers(offloaded: OffloadedTensor) -> None:
     value = offloaded._reload_unmanaged()
     assert offloaded._host_buffers(value) == {"tensor": value}

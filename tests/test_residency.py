@@ -620,6 +620,7 @@ print("ok", flush=True)
 # Buffer reuse
 # ---------------------------------------------------------------------------------------------
 @pytest.mark.asyncio
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 async def test_evicted_buffers_are_reused_but_never_while_referenced(tmp_path: Path) -> None:
     ts = make_tensors(tmp_path, 12, numel=4096)
     async with TensorResidencyPool(max_cached_bytes=2 * 4096 * 4) as pool:
@@ -736,6 +737,7 @@ async def test_a_failed_close_at_async_exit_keeps_dirty_values(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("via", ["acquire", "resolve", "stream"])
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_foreign_requests_leave_no_reference_cycles(tmp_path: Path, via: str) -> None:
     """Evicted values die with their last reference, so their buffers are reused at once."""
     import gc
@@ -808,6 +810,7 @@ def test_a_burst_of_requests_from_a_thread_is_served_in_order(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_a_lease_ended_without_waiting_frees_its_room_before_the_next_load(
     tmp_path: Path,
 ) -> None:

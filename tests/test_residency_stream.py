@@ -127,6 +127,7 @@ def test_strategies_on_the_streaming_workload(tmp_path: Path, strategy: Residenc
 
 
 @pytest.mark.parametrize("budget_layers", [0, 2])
+@pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_streaming_reads_each_layer_once_per_forward(tmp_path: Path, budget_layers: int) -> None:
     """Past the last module, the stream leases the next forward's first module: it is read
     while the last one computes, and held until the next forward runs it, whatever the

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
 from typing import Any, TypeVar
 
@@ -27,13 +27,23 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
-__all__ = ["SAFETENSORS_INDEX_NAME", "load_offloaded_checkpoint", "offload_module"]
+__all__ = [
+    "SAFETENSORS_INDEX_NAME",
+    "CheckpointDescription",
+    "describe_checkpoint",
+    "load_offloaded_checkpoint",
+    "offload_module",
+]
 
 SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 """Name of the index of a sharded checkpoint (``{"weight_map": {key: shard file}}``)."""
 
 SAFETENSORS_SINGLE_NAME = "model.safetensors"
 """Name of a single-file checkpoint inside a checkpoint directory."""
+
+PICKLE_NAME = "pytorch_model.bin"
+PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
+"""Names of pickle checkpoints (``torch.save``), read only where pickle is allowed."""
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -92,25 +102,93 @@ def offload_module(
 # load_offloaded_checkpoint
 # ---------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
-class _Checkpoint:
-    """The tensors of a checkpoint: which file holds each key, and each file's layout."""
+class Checkpoint:
+    """The tensors of a checkpoint: where each key lives, and the layout of each file.
+
+    Keys of ``.safetensors`` files are read in place through their layouts; keys of pickle
+    checkpoints (``pytorch_model.bin``, opened only where allowed) were read with
+    ``torch.load(weights_only=True)`` and are held in ``loaded``.
+    """
 
     source: Path
-    files: Mapping[str, Path]  # key -> file
+    files: Mapping[str, Path]  # safetensors key -> file
     layouts: Mapping[Path, storage.PayloadLayout]
+    loaded: Mapping[str, torch.Tensor] = field(default_factory=dict)
 
-    def spec(self, key: str) -> storage.EntrySpec:
-        return self.layouts[self.files[key]].entries[key]
+    def __contains__(self, key: object) -> bool:
+        return key in self.files or key in self.loaded
+
+    def __iter__(self) -> Iterator[str]:
+        """Every key, safetensors keys first."""
+        yield from self.files
+        yield from (key for key in self.loaded if key not in self.files)
+
+    def describe(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
+        """The shape and dtype of ``key``."""
+        if key in self.files:
+            spec = self.layouts[self.files[key]].entries[key]
+            return spec.shape, spec.dtype
+        value = self.loaded[key]
+        return tuple(value.shape), value.dtype
 
     def layout(self, key: str) -> storage.PayloadLayout:
         return self.layouts[self.files[key]]
 
 
 @dataclass(frozen=True)
-class _PlannedBinding:
+class PlannedBinding:
+    """One distinct model tensor (all its names) and the checkpoint key that gives its value."""
+
     tensor: torch.Tensor
     names: tuple[str, ...]
     key: str
+    dtype: torch.dtype  # the dtype the model gets (the checkpoint's, unless cast on load)
+
+
+@dataclass(frozen=True)
+class BindingPlan:
+    """What binding a model to a checkpoint will do, checked before anything is bound."""
+
+    checkpoint: Checkpoint
+    updater: ModTensorUpdater
+    bindings: list[PlannedBinding]
+    unexpected: list[str]
+
+    def offloaded(
+        self,
+        binding: PlannedBinding,
+        *,
+        device: torch.device | str | int,
+        offload_dir: str | os.PathLike[str] | None,
+    ) -> OffloadedTensor:
+        """The offloaded tensor for ``binding``: the checkpoint entry read in place.
+
+        An entry cast on load (``dtype`` differs) or read from a pickle checkpoint has no
+        in-place form: its value is written once into a payload file of ``offload_dir``.
+        """
+        found, key = self.checkpoint, binding.key
+        if key in found.files:
+            offloaded = OffloadedTensor.from_safetensors(
+                found.layout(key),
+                key,
+                offload_dir=offload_dir,
+                device=device,
+                name=binding.names[0],
+            )
+            if offloaded.dtype != binding.dtype:
+                offloaded.to(binding.dtype)
+            return offloaded
+        value = found.loaded[key].to(binding.dtype)
+        return OffloadedTensor.from_original_tensor(value, binding.names[0], offload_dir).to(device)
+
+    def resident(self, binding: PlannedBinding, device: torch.device | str | int) -> torch.Tensor:
+        """The value of ``binding`` read into memory on ``device``."""
+        found, key = self.checkpoint, binding.key
+        if key in found.files:
+            value = storage.read_payload(found.layout(key), names=[key])[key]
+        else:
+            value = found.loaded[key]
+        return value.to(device=device, dtype=binding.dtype)
 
 
 def load_offloaded_checkpoint(
@@ -120,6 +198,7 @@ def load_offloaded_checkpoint(
     device: torch.device | str | int = "cpu",
     strict: bool = True,
     offload_dir: str | os.PathLike[str] | None = None,
+    dtype: torch.dtype | None = None,
 ) -> _M:
     """Bind every parameter and buffer of ``model`` to a tensor of a safetensors checkpoint.
 
@@ -131,7 +210,10 @@ def load_offloaded_checkpoint(
     the checkpoint holds. Non-persistent buffers (absent from state dicts) are bound when the
     checkpoint holds them and left untouched otherwise.
 
-    Everything is checked before anything is bound: on error the model is unchanged.
+    No tensor is left on the meta device silently: one that the checkpoint does not give
+    a value (an untied weight, a non-persistent buffer built on the meta device) is refused,
+    even with ``strict=False``. Everything is checked before anything is bound: on error the
+    model is unchanged.
 
     Args:
         model: the module to bind.
@@ -143,54 +225,275 @@ def load_offloaded_checkpoint(
             model does not have (as ``nn.Module.load_state_dict``). Shape and dtype mismatches
             are refused in any case.
         offload_dir: where copies on write go; ``None`` for a private temporary directory.
+        dtype: the dtype of the bound floating-point tensors; ``None``: the model's, which
+            must then be the checkpoint's. An entry stored in another dtype is cast on load:
+            its cast value is written once into ``offload_dir`` (an entry is read in place
+            only in its own dtype). Integer and boolean entries keep their dtype.
 
     Returns:
         ``model`` itself.
 
     Raises:
-        T2NErrorCheckpoint: the checkpoint cannot be found or its index is invalid (not JSON,
-            no ``weight_map``, a shard path outside the checkpoint directory, a key absent
-            from its shard), or it does not fit the model: the message lists every missing
-            key, unexpected key and shape or dtype mismatch at once.
+        T2NErrorMisuse: the arguments are not a module and a checkpoint path (swapped, for
+            instance).
+        T2NErrorCheckpoint: the checkpoint cannot be found, is a pickle checkpoint
+            (``pytorch_model.bin``: the message says how to convert it), or its index is
+            invalid (not JSON, no ``weight_map``, a shard path outside the checkpoint
+            directory, a key absent from its shard); or it does not fit the model: the
+            message lists every missing key, unexpected key, shape mismatch and tensor left
+            on the meta device at once, and summarises dtype mismatches.
         T2NErrorStorage: a checkpoint file is not a valid safetensors file.
     """
-    found = _open_checkpoint(Path(checkpoint))
+    check_arguments("load_offloaded_checkpoint", model, checkpoint, dtype)
+    plan = plan_binding(model, open_checkpoint(Path(checkpoint)), strict=strict, dtype=dtype)
+    for binding in plan.bindings:
+        offloaded = plan.offloaded(binding, device=device, offload_dir=offload_dir)
+        plan.updater.update_by_ref(binding.tensor, offloaded, enforce_tensor_consistency=False)
+    return model
+
+
+@dataclass(frozen=True)
+class CheckpointDescription:
+    """What a checkpoint holds, from its headers (see :func:`describe_checkpoint`).
+
+    Attributes:
+        source: the file or index found.
+        kind: ``"safetensors"`` (read in place) or ``"pickle"`` (``torch.save``).
+        tensors: how many tensors it holds.
+        nbytes: their total size in bytes.
+        by_dtype: tensor count and bytes per dtype name.
+        largest: the key and size in bytes of its largest tensor (``("", 0)`` when empty).
+    """
+
+    source: Path
+    kind: str
+    tensors: int
+    nbytes: int
+    by_dtype: Mapping[str, tuple[int, int]]
+    largest: tuple[str, int]
+
+
+def describe_checkpoint(checkpoint: str | os.PathLike[str]) -> CheckpointDescription:
+    """Describe a checkpoint (file, index or directory), reading only its headers.
+
+    A pickle checkpoint is read with ``torch.load(weights_only=True, mmap=True)``.
+
+    Args:
+        checkpoint: a checkpoint file, a sharded checkpoint's index, or a directory holding one.
+
+    Raises:
+        T2NErrorCheckpoint: see :func:`load_offloaded_checkpoint`.
+        T2NErrorStorage: a file is not a valid safetensors file.
+    """
+    found = open_checkpoint(Path(checkpoint), allow_pickle=True)
+    by_dtype: dict[str, tuple[int, int]] = {}
+    largest = ("", 0)
+    for key in found:
+        shape, dtype = found.describe(key)
+        nbytes = int(torch.Size(shape).numel()) * dtype.itemsize
+        count, total = by_dtype.get(str(dtype), (0, 0))
+        by_dtype[str(dtype)] = (count + 1, total + nbytes)
+        if nbytes > largest[1]:
+            largest = (key, nbytes)
+    return CheckpointDescription(
+        found.source,
+        "pickle" if found.loaded else "safetensors",
+        sum(count for count, _ in by_dtype.values()),
+        sum(total for _, total in by_dtype.values()),
+        by_dtype,
+        largest,
+    )
+
+
+def check_arguments(function: str, model: object, checkpoint: object, dtype: object) -> None:
+    """Refuse arguments that are not ``(module, path, dtype or None)``, naming the fix."""
+    if not isinstance(model, nn.Module):
+        if isinstance(checkpoint, nn.Module):
+            raise T2NErrorMisuse(
+                f"{function}() got the checkpoint first and the model second; call "
+                f"{function}(model, checkpoint, ...)"
+            )
+        raise T2NErrorMisuse(
+            f"{function}() binds an nn.Module, got {type(model).__name__}; call "
+            f"{function}(model, checkpoint, ...)"
+        )
+    if not isinstance(checkpoint, (str, os.PathLike)):
+        raise T2NErrorMisuse(
+            f"{function}() takes the checkpoint as a path (file, index or directory), got "
+            f"{type(checkpoint).__name__}"
+        )
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise T2NErrorMisuse(
+            f"dtype must be a torch.dtype or None, got {dtype!r}; e.g. dtype=torch.bfloat16"
+        )
+
+
+def plan_binding(
+    model: nn.Module,
+    found: Checkpoint,
+    *,
+    strict: bool,
+    dtype: torch.dtype | None,
+    ignored: Callable[[str], bool] = lambda key: False,
+) -> BindingPlan:
+    """Match the tensors of ``model`` with the keys of ``found``; raise on any misfit.
+
+    ``ignored`` tells the checkpoint keys that are not unexpected when the model lacks them.
+
+    Raises:
+        T2NErrorCheckpoint: see :func:`load_offloaded_checkpoint`.
+    """
     updater = ModTensorUpdater(model, add_buffers=True)
     transient = _non_persistent_buffer_names(model)
-    bindings: list[_PlannedBinding] = []
-    missing: list[str] = []
-    mismatched: list[str] = []
+    report = _Misfits()
+    bindings: list[PlannedBinding] = []
     known: set[str] = set()
+    unbound: list[tuple[tuple[str, ...], torch.Tensor]] = []
     for names, tensor in updater.iter_tensors():
         known.update(names)
-        key = next((name for name in names if name in found.files), None)
+        key = next((name for name in names if name in found), None)
         if key is None:
             if not all(name in transient for name in names):
-                missing.append(_tied_names(names))
+                report.missing.append(_tied_names(names))
+            unbound.append((names, tensor))
             continue
-        spec = found.spec(key)
-        if spec.shape != tuple(tensor.shape) or spec.dtype != tensor.dtype:
-            mismatched.append(
-                f"{key!r}: checkpoint shape {spec.shape} dtype {spec.dtype}, model shape "
+        shape, stored = found.describe(key)
+        wanted = _bound_dtype(stored, tensor.dtype, dtype)
+        if shape != tuple(tensor.shape):
+            report.shapes.append(
+                f"{key!r}: checkpoint shape {shape} dtype {stored}, model shape "
                 f"{tuple(tensor.shape)} dtype {tensor.dtype}"
             )
-            continue
-        bindings.append(_PlannedBinding(tensor, names, key))
-    unexpected = sorted(key for key in found.files if key not in known)
-    if mismatched or (strict and (missing or unexpected)):
-        raise T2NErrorCheckpoint(
-            _mismatch_message(found.source, missing, unexpected, mismatched, strict=strict)
-        )
+        elif wanted is None:
+            report.dtypes.setdefault((stored, tensor.dtype), []).append(key)
+        else:
+            bindings.append(PlannedBinding(tensor, names, key, wanted))
+    report.compared = len(bindings) + len(report.shapes) + report.dtype_count
+    report.on_meta = _left_on_meta(unbound, bindings, transient)
+    unexpected = sorted(key for key in found if key not in known and not ignored(key))
+    if report.failed(strict, unexpected):
+        raise T2NErrorCheckpoint(report.message(found.source, unexpected, strict=strict))
+    return BindingPlan(found, updater, bindings, unexpected)
+
+
+def _bound_dtype(
+    stored: torch.dtype, model: torch.dtype, requested: torch.dtype | None
+) -> torch.dtype | None:
+    """The dtype a tensor is bound with; ``None`` when the dtypes do not fit."""
+    if requested is None or not (stored.is_floating_point and requested.is_floating_point):
+        return stored if stored == model else None
+    return requested
+
+
+def _left_on_meta(
+    unbound: list[tuple[tuple[str, ...], torch.Tensor]],
+    bindings: list[PlannedBinding],
+    transient: set[str],
+) -> list[str]:
+    """Describe each unbound meta tensor, with the likely cause."""
+    by_shape: dict[tuple[tuple[int, ...], torch.dtype], str] = {}
     for binding in bindings:
-        offloaded = OffloadedTensor.from_safetensors(
-            found.layout(binding.key),
-            binding.key,
-            offload_dir=offload_dir,
-            device=device,
-            name=binding.names[0],
+        by_shape.setdefault((tuple(binding.tensor.shape), binding.tensor.dtype), binding.key)
+    described = []
+    for names, tensor in unbound:
+        if not tensor.is_meta:
+            continue
+        # Tied weights are matrices (embeddings and heads); vectors of equal size are common.
+        twin = by_shape.get((tuple(tensor.shape), tensor.dtype)) if tensor.dim() >= 2 else None
+        if all(name in transient for name in names):
+            cause = _TRANSIENT
+        elif twin is not None:
+            cause = f"{_TIED} {twin!r}, whose value the checkpoint holds"
+        else:
+            cause = _ABSENT
+        described.append(f"{_tied_names(names)} ({cause})")
+    return described
+
+
+_TRANSIENT = "non-persistent buffer, never saved in checkpoints"
+_TIED = "likely a weight tied to"
+_ABSENT = "absent from the checkpoint"
+
+
+@dataclass
+class _Misfits:
+    """Everything that keeps a checkpoint from fitting a model, for one message."""
+
+    missing: list[str] = field(default_factory=list)
+    shapes: list[str] = field(default_factory=list)
+    dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = field(default_factory=dict)
+    on_meta: list[str] = field(default_factory=list)
+    compared: int = 0
+
+    @property
+    def dtype_count(self) -> int:
+        return sum(len(keys) for keys in self.dtypes.values())
+
+    def failed(self, strict: bool, unexpected: list[str]) -> bool:
+        return bool(
+            self.shapes or self.dtypes or self.on_meta or (strict and (self.missing or unexpected))
         )
-        updater.update_by_ref(binding.tensor, offloaded, enforce_tensor_consistency=False)
-    return model
+
+    def message(self, source: Path, unexpected: list[str], *, strict: bool) -> str:
+        parts = [f"checkpoint '{source}' does not fit the model:"]
+        hints = []
+        if self.shapes:
+            parts.append(f"{len(self.shapes)} shape mismatch(es): {_listed(self.shapes)}.")
+            hints.append("build the model with the checkpoint's configuration")
+        if self.dtypes:
+            groups = [self._dtype_group(pair, keys) for pair, keys in self.dtypes.items()]
+            parts.append(f"dtype mismatch: {'; '.join(groups)}.")
+            stored = next(iter(self.dtypes))[0]
+            hints.append(
+                f"pass dtype={stored} to bind the tensors in the checkpoint's dtype (read in "
+                "place), or dtype=<the model's dtype> to cast them on load (each cast tensor "
+                "is written once to offload_dir)"
+            )
+        if strict and self.missing:
+            parts.append(f"{len(self.missing)} missing key(s): {_listed(self.missing)}.")
+        if strict and unexpected:
+            listed = _listed([repr(key) for key in unexpected])
+            parts.append(f"{len(unexpected)} unexpected key(s): {listed}.")
+        if strict and (self.missing or unexpected):
+            hints.append("pass strict=False to bind the keys both have")
+        if self.on_meta:
+            parts.append(
+                f"{len(self.on_meta)} tensor(s) would stay on the meta device, holding no "
+                f"values (a forward would fail or compute garbage): {_listed(self.on_meta)}."
+            )
+            if any(_TIED in item for item in self.on_meta):
+                hints.append(
+                    "tie weights before binding (model.tie_weights() for transformers models, "
+                    "or assign the same nn.Parameter to both modules)"
+                )
+            if any(_TRANSIENT in item for item in self.on_meta):
+                hints.append(
+                    "build the model with accelerate.init_empty_weights(), which keeps buffers "
+                    "real, rather than torch.device('meta'), or give those buffers real values "
+                    "before binding"
+                )
+            if any(_ABSENT in item for item in self.on_meta):
+                hints.append("check that the checkpoint belongs to this model")
+        return " ".join(parts) + " To fix: " + "; ".join(hints) + "."
+
+    def _dtype_group(self, pair: tuple[torch.dtype, torch.dtype], keys: list[str]) -> str:
+        stored, model = pair
+        if len(keys) == 1:
+            who = repr(keys[0])
+        elif len(keys) == self.compared:
+            who = f"all {len(keys)} tensors"
+        else:
+            who = f"{len(keys)} of {self.compared} tensors ({_listed([repr(k) for k in keys], 3)})"
+        return f"{who}: checkpoint dtype {stored}, model dtype {model}"
+
+
+_LISTED = 12
+
+
+def _listed(items: list[str], limit: int = _LISTED) -> str:
+    """``items`` joined, the first ``limit`` of them and how many more."""
+    shown = ", ".join(items[:limit])
+    return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
 
 
 def _tied_names(names: tuple[str, ...]) -> str:
@@ -207,37 +510,20 @@ def _non_persistent_buffer_names(model: nn.Module) -> set[str]:
     return names
 
 
-def _mismatch_message(
-    source: Path,
-    missing: list[str],
-    unexpected: list[str],
-    mismatched: list[str],
-    *,
-    strict: bool,
-) -> str:
-    parts = [f"checkpoint '{source}' does not fit the model:"]
-    if mismatched:
-        parts.append(f"{len(mismatched)} shape/dtype mismatch(es): {'; '.join(mismatched)}.")
-    if strict and missing:
-        parts.append(f"{len(missing)} missing key(s): {', '.join(missing)}.")
-    if strict and unexpected:
-        listed = ", ".join(repr(key) for key in unexpected)
-        parts.append(f"{len(unexpected)} unexpected key(s): {listed}.")
-    hint = "Build the model with the checkpoint's configuration and dtype"
-    if strict and (missing or unexpected):
-        hint += ", or pass strict=False to bind the keys both have"
-    return " ".join(parts) + f" {hint}."
+def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
+    """Find the checkpoint files and read their layouts.
 
-
-def _open_checkpoint(path: Path) -> _Checkpoint:
-    """Find the checkpoint files and read their layouts."""
+    Args:
+        path: a checkpoint file, an index, or a directory holding one of them.
+        allow_pickle: read pickle checkpoints (``pytorch_model.bin``) with
+            ``torch.load(weights_only=True)``; refuse them otherwise.
+    """
     if path.is_dir():
-        index = path / SAFETENSORS_INDEX_NAME
-        if index.is_file():
-            return _open_index(index)
-        single = path / SAFETENSORS_SINGLE_NAME
-        if single.is_file():
-            return _open_single(single)
+        names = (SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, PICKLE_INDEX_NAME, PICKLE_NAME)
+        for name in names:
+            candidate = path / name
+            if candidate.is_file():
+                return open_checkpoint(candidate, allow_pickle=allow_pickle)
         raise T2NErrorCheckpoint(
             f"checkpoint directory '{path}' holds neither {SAFETENSORS_INDEX_NAME} nor "
             f"{SAFETENSORS_SINGLE_NAME}; pass the .safetensors file or the index itself"
@@ -245,16 +531,68 @@ def _open_checkpoint(path: Path) -> _Checkpoint:
     if not path.exists():
         raise T2NErrorCheckpoint(f"checkpoint '{path}' does not exist")
     if path.name.endswith(".json"):
-        return _open_index(path)
-    return _open_single(path)
-
-
-def _open_single(path: Path) -> _Checkpoint:
+        return _open_index(path, allow_pickle)
+    if _is_pickle(path):
+        return Checkpoint(path, {}, {}, _load_pickle(path, allow_pickle))
     layout = storage.read_layout(path)
-    return _Checkpoint(path, {key: layout.path for key in layout.entries}, {layout.path: layout})
+    return Checkpoint(path, {key: layout.path for key in layout.entries}, {layout.path: layout})
 
 
-def _open_index(index: Path) -> _Checkpoint:
+def _is_pickle(path: Path) -> bool:
+    """Whether ``path`` starts like a ``torch.save`` file (a zip archive or a raw pickle).
+
+    A safetensors file starts with its header's length (8 bytes) and the header's ``{``; its
+    first byte may be that of a pickle, so it is recognised first.
+    """
+    try:
+        with path.open("rb") as file:
+            head = file.read(9)
+    except OSError:
+        return False  # storage.read_layout reports it
+    if head[8:9] == b"{":
+        return False
+    return head.startswith(_ZIP_MAGIC) or (head[:1] == _PICKLE_MAGIC and head[1:2] in _PROTOCOLS)
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
+_PICKLE_MAGIC = b"\x80"  # PROTO opcode, then the protocol number
+_PROTOCOLS = {bytes([number]) for number in range(2, 6)}
+
+
+def _load_pickle(path: Path, allow: bool) -> dict[str, torch.Tensor]:
+    """The tensors of the pickle checkpoint ``path``, read without running its code."""
+    if not allow:
+        destination = path.with_name(path.name.split(".")[0] + ".safetensors")
+        raise T2NErrorCheckpoint(
+            f"'{path}' is a pickle checkpoint (torch.save), not safetensors: it cannot be "
+            'read in place. Convert it once: python -c "import torch, safetensors.torch as st; '
+            f"st.save_file({{k: v.contiguous().clone() for k, v in torch.load('{path}', "
+            f"weights_only=True).items()}}, '{destination}')\"; or load it with "
+            "torch_to_nnef.tensor.hf.t2n_load_checkpoint_and_dispatch(model, checkpoint, "
+            "'t2n_offload_disk', offload_dir), which reads it with torch.load(weights_only=True) "
+            "and writes each tensor once into offload_dir"
+        )
+    try:
+        with path.open("rb") as file:
+            zipped = file.read(4) == _ZIP_MAGIC
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
+    except Exception as exc:  # unpickling refused or failed: the file is not plain tensors
+        raise T2NErrorCheckpoint(
+            f"pickle checkpoint '{path}' cannot be read with torch.load(weights_only=True): "
+            f"{exc}; only files of plain tensors are read (no code runs), convert it to "
+            "safetensors where it was made"
+        ) from exc
+    if not isinstance(state, dict) or not all(
+        isinstance(key, str) and isinstance(value, torch.Tensor) for key, value in state.items()
+    ):
+        raise T2NErrorCheckpoint(
+            f"pickle checkpoint '{path}' does not hold a state dict (str -> tensor) but a "
+            f"{type(state).__name__}; save model.state_dict()"
+        )
+    return state
+
+
+def _open_index(index: Path, allow_pickle: bool) -> Checkpoint:
     weight_map = _read_weight_map(index)
     directory = index.parent.resolve()
     files: dict[str, Path] = {}
@@ -271,15 +609,26 @@ def _open_index(index: Path) -> _Checkpoint:
             f"index '{index}' maps keys to files outside its directory '{directory}' ({listed}); "
             "shard names must be relative paths inside the checkpoint directory"
         )
-    layouts = {path: storage.read_layout(path) for path in sorted(set(files.values()))}
-    absent = sorted(key for key, path in files.items() if key not in layouts[path].entries)
+    layouts: dict[Path, storage.PayloadLayout] = {}
+    loaded: dict[str, torch.Tensor] = {}
+    held: dict[Path, Collection[str]] = {}
+    for path in sorted(set(files.values())):
+        if _is_pickle(path):
+            tensors = _load_pickle(path, allow_pickle)
+            loaded.update(tensors)
+            held[path] = tensors.keys()
+        else:
+            layouts[path] = storage.read_layout(path)
+            held[path] = layouts[path].entries.keys()
+    absent = sorted(key for key, path in files.items() if key not in held[path])
     if absent:
         listed = ", ".join(f"{key!r} (in '{files[key].name}')" for key in absent)
         raise T2NErrorCheckpoint(
             f"index '{index}' lists keys that their shard does not hold: {listed}; the index "
             "and the shards do not belong together"
         )
-    return _Checkpoint(index, files, layouts)
+    in_place = {key: path for key, path in files.items() if path in layouts}
+    return Checkpoint(index, in_place, layouts, loaded)
 
 
 def _read_weight_map(index: Path) -> dict[str, str]:

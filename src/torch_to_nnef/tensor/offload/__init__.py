@@ -26,6 +26,18 @@ The contract a residency pool relies on, ``PoolSource``, lives in ``_protocol.py
 the tensor and the pool.
 """
 
+from typing import Any
+
 from torch_to_nnef.tensor.offload._tensor import OffloadedTensor
 
 __all__ = ["OffloadedTensor"]
+
+
+def __getattr__(name: str) -> Any:
+    """Upstream torch-to-nnef's loading helpers, from :mod:`torch_to_nnef.tensor.hf` on demand."""
+    if not name.startswith("_"):  # never import hf for the probes of the import machinery
+        from torch_to_nnef.tensor import hf  # imported on use: hf imports this package
+
+        if name in hf.__all__:
+            return getattr(hf, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

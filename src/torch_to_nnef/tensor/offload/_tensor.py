@@ -834,7 +834,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         Args:
             device: where the value is delivered (default: the target device).
             out: host buffers to read into, by logical entry name (as in :attr:`storage_key`);
-                new ones are allocated when ``None``.
+                when ``None``, a plain value for the CPU maps the file (see
+                ``storage.set_mapped_reads``), other values get new buffers.
         """
         target = self.device if device is None else _canonical_device(device)
         self._wait_announced_writes()
@@ -845,10 +846,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         while True:
             binding = self._binding
             try:
-                host = storage.read_payload(
+                targets = _read_targets(binding, out, target)
+                host = storage.load_payload(  # plain CPU values: mapped, unless switched off
                     binding.layout,
-                    out=_read_targets(binding, out, target),
+                    out=targets,
                     names=binding.file_names,
+                    mapped=None if targets is None and not binding.opaque else False,
                 )
             except T2NErrorStorage:
                 attempt += 1
@@ -920,12 +923,15 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         For a plain payload loaded on the CPU, the value is its own host buffer: it is
         returned as ``{"tensor": value}`` when it is a whole, dense CPU tensor of the
         payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
-        the host buffer), or an opaque value, whose decoding may keep views of the read
-        buffers or transform them, so that no buffer can be safely handed out. The caller may
+        the host buffer), an opaque value, whose decoding may keep views of the read buffers
+        or transform them, so that no buffer can be safely handed out, or a value mapping the
+        file (``storage.mapped_reads()``: loads map, they reuse no buffer). The caller may
         reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else
         references them.
         """
         binding = self._binding
+        if storage.mapped_reads():  # loads map the file: there is no buffer to reuse
+            return None
         if binding.opaque or not _is_whole_host_buffer(value, binding.spec(_PLAIN_ENTRY)):
             return None
         return {_PLAIN_ENTRY: value}

@@ -41,6 +41,7 @@ from torch_to_nnef.tensor.residency._requests import (
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Runtime
 from torch_to_nnef.tensor.residency._state import PoolStats
+from torch_to_nnef.tensor.residency._trace import ReadAhead
 from torch_to_nnef.tensor.sizing import parse_bytes
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ class TensorResidencyPool:
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).
+        read_ahead: inside :meth:`scope`, learn the order in which forwards touch offloaded
+            tensors and read ahead along it (see ``residency/_trace.py``): the window in
+            bytes, ``"auto"`` (half the budget; 256 MiB without one), or ``None`` (off).
 
     Raises:
         T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, or a strategy
@@ -88,6 +92,8 @@ class TensorResidencyPool:
         max_cached_bytes: the soft budget given at creation, in bytes.
         max_workers: the bound on concurrent disk jobs given at creation.
         strategy: the retention strategy given at creation.
+        read_ahead: the trace-driven read-ahead (its ``stats()`` count the accesses read
+            ahead and those loaded on demand), or ``None``.
     """
 
     def __init__(
@@ -97,6 +103,7 @@ class TensorResidencyPool:
         strategy: ResidencyStrategy = ResidencyStrategy.LRU,
         *,
         use_uvloop: bool | None = None,
+        read_ahead: int | Literal["auto"] | None = None,
     ) -> None:
         if isinstance(max_cached_bytes, str):
             max_cached_bytes = parse_bytes(max_cached_bytes)
@@ -124,6 +131,7 @@ class TensorResidencyPool:
         # Module streams over this pool: they hold the next forward's first modules, which
         # closing releases first.
         self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
+        self.read_ahead = _read_ahead(self, read_ahead)
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -301,7 +309,12 @@ class TensorResidencyPool:
 
     def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:
         """The value of ``source`` for a read inside :meth:`scope` (what tensors call)."""
-        return self.resolve(source, device)  # type: ignore[arg-type]
+        held = None if self.read_ahead is None else self.read_ahead.touched(source, device)
+        try:
+            return self.resolve(source, device)  # type: ignore[arg-type]
+        finally:
+            if held is not None:
+                held._cancel()
 
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> TensorResidencyLease:
         """A ``read_write`` lease for an in-place op inside :meth:`scope` (what tensors call)."""
@@ -549,6 +562,8 @@ class TensorResidencyPool:
         def release_streams() -> None:
             for stream in list(self._streams):
                 stream._release_next_forward()
+            if self.read_ahead is not None:
+                self.read_ahead.release()
 
         return Close(self._actor, release_streams)
 
@@ -591,6 +606,19 @@ def _collected(runtime: Runtime) -> None:
             stacklevel=1,
         )
     runtime.stop_private(wait=False)  # gc may run anywhere, a worker thread included
+
+
+def _read_ahead(pool: TensorResidencyPool, window: int | str | None) -> ReadAhead | None:
+    if window is None:
+        return None
+    if window == "auto":
+        budget = pool.max_cached_bytes
+        return ReadAhead(pool, 256 << 20 if budget is None else budget // 2)
+    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+        raise T2NErrorMisuse(
+            f"read_ahead must be None, 'auto' or a number of bytes >= 0, got {window!r}"
+        )
+    return ReadAhead(pool, window)
 
 
 def _mib(nbytes: int) -> str:

@@ -8,6 +8,9 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
 - :func:`read_payload` / :func:`aread_payload` read entries straight into tensor buffers
   (fresh ones, or the caller's with ``out=``); :func:`allocate` makes such buffers, pinned for
   CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
+- :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
+  copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
+  :func:`load_payload` maps or reads, as :func:`set_mapped_reads` chose.
 - :func:`write_payload` / :func:`awrite_payload` write files atomically.
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
@@ -31,6 +34,11 @@ from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
+from torch_to_nnef.tensor.storage._mapped import advise_payload as advise_payload
+from torch_to_nnef.tensor.storage._mapped import load_payload as load_payload
+from torch_to_nnef.tensor.storage._mapped import map_payload as map_payload
+from torch_to_nnef.tensor.storage._mapped import mapped_reads as mapped_reads
+from torch_to_nnef.tensor.storage._mapped import set_mapped_reads as set_mapped_reads
 from torch_to_nnef.tensor.storage._opaque import decode_offload_state as decode_offload_state
 from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
 from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
@@ -47,6 +55,11 @@ __all__ = [
     "read_layout",
     "read_payload",
     "aread_payload",
+    "map_payload",
+    "advise_payload",
+    "load_payload",
+    "mapped_reads",
+    "set_mapped_reads",
     "allocate",
     "to_device",
     # writing

@@ -1,0 +1,221 @@
+"""Greedy generation with transformers models bigger than the budget: dense, accelerate, ours.
+
+For a Llama-style model (untied) and a Qwen2-style model (tied embeddings, attention biases),
+about 1 GB of float32 weights each (random, built once into the cache), 12 tokens of greedy
+decoding with a budget of a quarter of the model, each mode in a fresh process, two rounds
+alternating the modes (the median s/token, the highest peak RSS) (see
+``_hf_job.py``): dense, accelerate's disk offload, our pool (``pool``: skeleton +
+``t2n_load_checkpoint_and_dispatch``; ``pool-upstream``: ``from_pretrained`` inside
+``ctx_maybe_load_from_disk_as_offloaded``), on a warm page cache and on a cold one (the
+checkpoint's pages evicted before every token). The disk's raw sequential read bandwidth is
+measured in the same run, for the cold physical bound.
+
+Targets: our pool >= 2x accelerate's tokens per second warm, >= 1.5x cold; within 1.3x of the
+physical bound (warm: the dense model's s/token; cold: max(bytes read per token / disk
+bandwidth, dense s/token)); the dense model's tokens in every mode; peak RSS growth <= budget
++ the two largest streamed modules (leased at once) + 64 MiB.
+
+Run: ``python benchmarks/bench_hf.py [--quick] [--output PATH]``. ``--quick``: a model of a
+few MB, 3 tokens, warm only (a smoke test; its figures mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _hf_job as job
+from _report import Row, publish, summary_row
+
+MB = 1e6
+MIB = 1 << 20
+SPECS = {
+    "Llama-style": job.ModelSpec(family="llama", tied=False),
+    "Qwen2-style": job.ModelSpec(family="qwen2", tied=True),
+}
+QUICK_SPECS = {
+    "Llama-style": job.TINY,
+    "Qwen2-style": job.ModelSpec(
+        family="qwen2", hidden=64, intermediate=160, layers=4, heads=4, vocab=512, tied=True
+    ),
+}
+
+
+def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny model (smoke test)")
+    parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
+    parser.add_argument("--tokens", type=int, default=12, help="tokens per run (default 12)")
+    parser.add_argument(
+        "--rounds", type=int, default=2, help="alternating rounds of every mode (default 2)"
+    )
+    parser.add_argument("--cache", type=Path, default=job.DEFAULT_CACHE, help="model cache")
+    return parser.parse_args(argv)
+
+
+def leased_at_once(spec: job.ModelSpec) -> int:
+    """Bytes of the two largest consecutive streamed modules (one computes, one is read)."""
+    h, i, v = spec.hidden, spec.intermediate, spec.vocab
+    layer = 4 * (4 * h * h + 3 * h * i)
+    head = 4 * v * h
+    return head + max(layer, 4 * h)  # the head and the last layer, or embedding and first layer
+
+
+def measure(
+    spec: job.ModelSpec, path: Path, tokens: int, quick: bool, rounds: int
+) -> list[dict[str, Any]]:
+    """Every mode, ``rounds`` times alternating; per mode the median s/token, the worst RSS."""
+    budget = spec.weight_bytes // 4
+    runs: list[tuple[str, bool]] = [
+        ("dense", False),
+        ("accelerate", False),
+        ("pool", False),
+        ("pool-upstream", False),
+    ]
+    if not quick:
+        runs += [("accelerate", True), ("pool", True)]
+    measured: dict[tuple[str, bool], list[dict[str, Any]]] = {run: [] for run in runs}
+    for round_ in range(1 if quick else rounds):
+        for mode, cold in runs:
+            print(f"  round {round_ + 1}: {mode}{' (cold)' if cold else ''}", flush=True)
+            if quick:  # in this process: a fresh interpreter per mode costs more than the runs
+                result = job.run_mode(mode, path, budget=budget, tokens=tokens, cold=cold)
+            else:
+                result = job.run_in_subprocess(
+                    mode, path, budget=budget, tokens=tokens, cold=cold, progress=False
+                )
+            measured[(mode, cold)].append(result)
+    results = []
+    for samples in measured.values():
+        combined = dict(samples[0])
+        combined["s_per_token"] = statistics.median(r["s_per_token"] for r in samples)
+        combined["s_per_token_rounds"] = [r["s_per_token"] for r in samples]
+        combined["peak_rss_growth"] = max(r["peak_rss_growth"] for r in samples)
+        combined["tokens"] = (
+            samples[0]["tokens"]
+            if all(r["tokens"] == samples[0]["tokens"] for r in samples)
+            else []
+        )
+        results.append(combined)
+    return results
+
+
+def rows_for(
+    label: str, spec: job.ModelSpec, results: list[dict[str, Any]], bandwidth: float
+) -> tuple[list[Row], list[list[str]]]:
+    by = {(r["mode"], r["cold"]): r for r in results}
+    dense, budget = by[("dense", False)], spec.weight_bytes // 4
+    summary: list[Row] = []
+    detail: list[list[str]] = []
+    for result in results:
+        detail.append(
+            [
+                f"{label} {result['mode']}",
+                "cold" if result["cold"] else "warm",
+                f"{result['s_per_token']:.3f}",
+                f"{result['bytes_read_per_token'] / MB:.0f}",
+                f"{result['peak_rss_growth'] / MIB:.0f}",
+                "yes" if result["tokens"] == dense["tokens"] else "NO",
+            ]
+        )
+    for cold, target in ((False, 2.0), (True, 1.5)):
+        ours, accelerate = by.get(("pool", cold)), by.get(("accelerate", cold))
+        if ours is None or accelerate is None:
+            continue
+        cache = "cold" if cold else "warm"
+        speed = accelerate["s_per_token"] / ours["s_per_token"]
+        summary.append(
+            summary_row(
+                f"{label}, {cache}: pool tokens/s over accelerate's",
+                f"{speed:.2f}x ({ours['s_per_token']:.3f} s/token)",
+                f"accelerate {accelerate['s_per_token']:.3f} s/token",
+                f">= {target}x",
+                speed >= target,
+            )
+        )
+        bound = dense["s_per_token"]
+        if cold:
+            bound = max(ours["bytes_read_per_token"] / bandwidth, bound)
+        summary.append(
+            summary_row(
+                f"{label}, {cache}: pool s/token over the physical bound",
+                f"{ours['s_per_token'] / bound:.2f}x",
+                f"bound {bound:.3f} s/token"
+                + (f" (disk {bandwidth / 1e9:.2f} GB/s)" if cold else " (dense)"),
+                "<= 1.3x",
+                ours["s_per_token"] <= 1.3 * bound,
+            )
+        )
+    same = all(r["tokens"] == dense["tokens"] for r in results)
+    summary.append(
+        summary_row(
+            f"{label}: tokens of every mode",
+            "identical" if same else "DIFFER",
+            "dense",
+            "identical",
+            same,
+        )
+    )
+    pool = by[("pool", False)]
+    allowance = budget + leased_at_once(spec) + 64 * MIB
+    summary.append(
+        summary_row(
+            f"{label}: peak RSS growth of the pool (warm)",
+            f"{pool['peak_rss_growth'] / MIB:.0f} MiB",
+            f"budget {budget / MIB:.0f} MiB, accelerate "
+            f"{by[('accelerate', False)]['peak_rss_growth'] / MIB:.0f} MiB",
+            f"<= {allowance / MIB:.0f} MiB (budget + leased + 64 MiB)",
+            pool["peak_rss_growth"] <= allowance,
+        )
+    )
+    return summary, detail
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    arguments = parse_arguments(argv)
+    started = time.perf_counter()
+    specs = QUICK_SPECS if arguments.quick else SPECS
+    tokens = 3 if arguments.quick else arguments.tokens
+    summary: list[Row] = []
+    detail: list[list[str]] = []
+    results: dict[str, Any] = {}
+    bandwidth = 0.0
+    for label, spec in specs.items():
+        path = job.checkpoint(spec, arguments.cache)
+        if not arguments.quick:
+            bandwidth = job.disk_read_bandwidth(path)
+        print(f"{label}: {spec.weight_bytes / 1e9:.2f} GB, {path}", flush=True)
+        runs = measure(spec, path, tokens, arguments.quick, arguments.rounds)
+        results[label] = runs
+        rows, lines = rows_for(label, spec, runs, bandwidth or float("inf"))
+        summary += rows
+        detail += lines
+    details = {
+        "headers": ["model, mode", "cache", "s/token", "MB read/token", "peak RSS MiB", "tokens"],
+        "rows": detail,
+    }
+    document = {
+        "config": {
+            "tokens": tokens,
+            "rounds": 1 if arguments.quick else arguments.rounds,
+            "budget": "a quarter of the model",
+            "quick": arguments.quick,
+        },
+        "disk_read_bandwidth": bandwidth,
+        "results": results,
+        "summary": summary,
+        "details": details,
+        "wall_seconds": time.perf_counter() - started,
+    }
+    publish("hf", document, arguments.output)
+    return document
+
+
+if __name__ == "__main__":
+    main()

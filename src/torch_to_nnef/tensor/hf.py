@@ -1,0 +1,482 @@
+"""Loading Hugging Face checkpoints as offloaded tensors, under upstream torch-to-nnef's names.
+
+Code written for upstream torch-to-nnef loads transformers models with these functions
+(also reachable as ``torch_to_nnef.tensor.offload.<name>``):
+
+- :func:`t2n_load_checkpoint_and_dispatch` binds a model skeleton (built under
+  ``accelerate.init_empty_weights()``) to a checkpoint, placing each module by a device map:
+  :data:`ON_DISK_DEVICE_MAP_KEY` (every tensor offloaded), :data:`AUTO_DEVICE_MAP_KEY`
+  (accelerate's map for the memory available) or a dict of module names to devices.
+- :func:`ctx_maybe_load_from_disk_as_offloaded` makes ``from_pretrained`` (and
+  ``safetensors.torch.load_file``) yield offloaded tensors.
+- :func:`safe_load_file`, :func:`load_state_dict`, :func:`set_module_tensor_to_device` and
+  :func:`maybe_load_offload_tensor` are the building blocks.
+
+Safetensors checkpoints are read in place: no tensor is copied, the checkpoint is never
+modified. Pickle checkpoints (``pytorch_model.bin``) are read only with
+``torch.load(weights_only=True)``, which runs no code. transformers and accelerate are imported
+only when a function needs them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorNotImplemented
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.checkpoint import (
+    BindingPlan,
+    check_arguments,
+    open_checkpoint,
+    plan_binding,
+)
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.updater import ModTensorUpdater
+
+__all__ = [
+    "AUTO_DEVICE_MAP_KEY",
+    "ON_DISK_DEVICE_MAP_KEY",
+    "ctx_maybe_load_from_disk_as_offloaded",
+    "load_state_dict",
+    "maybe_extract_target_device",
+    "maybe_load_offload_tensor",
+    "safe_load_file",
+    "set_module_tensor_to_device",
+    "t2n_load_checkpoint_and_dispatch",
+]
+
+LOGGER = logging.getLogger(__name__)
+
+AUTO_DEVICE_MAP_KEY = "t2n_auto"
+"""Device map: accelerate's ``infer_auto_device_map``; its ``"disk"`` modules are offloaded."""
+
+ON_DISK_DEVICE_MAP_KEY = "t2n_offload_disk"
+"""Device map: every tensor offloaded, read in place from the checkpoint, loaded on the CPU."""
+
+DeviceLike = str | int | torch.device
+DeviceMap = Mapping[str, DeviceLike]
+PathLike = str | os.PathLike[str]
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices: "disk", "disk_cpu", "disk_cuda:0" mean offloaded, loaded on the part after "disk_"
+# ---------------------------------------------------------------------------------------------
+def _is_disk(device: DeviceLike) -> bool:
+    return isinstance(device, str) and device.startswith("disk")
+
+
+def maybe_extract_target_device(device: DeviceLike) -> DeviceLike:
+    """Where a value is loaded: ``"disk_cuda:0"`` -> ``"cuda:0"``, ``"disk"`` -> ``"cpu"``."""
+    if not isinstance(device, str):
+        return device
+    if device == "disk":
+        return "cpu"
+    return device.removeprefix("disk_")
+
+
+def maybe_load_offload_tensor(
+    value: torch.Tensor,
+    device: DeviceLike,
+    original_tensor_name: str,
+    offload_dir: PathLike | None,
+) -> torch.Tensor:
+    """Offload ``value`` when ``device`` is a disk device (``"disk"``, ``"disk_<device>"``).
+
+    The value is written once into a payload file of ``offload_dir`` (``None``: a private
+    temporary directory) and loaded on the device after ``disk_``. Other devices, and values
+    that are already offloaded, return ``value`` unchanged.
+    """
+    if not _is_disk(device) or isinstance(value, OffloadedTensor):
+        return value
+    offloaded = OffloadedTensor.from_original_tensor(value, original_tensor_name, offload_dir)
+    return offloaded.to(maybe_extract_target_device(device))
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoint files
+# ---------------------------------------------------------------------------------------------
+def safe_load_file(
+    filename: PathLike,
+    device: DeviceLike = "cpu",
+    offload_dir: PathLike | None = None,
+    apply_offload: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The tensors of a ``.safetensors`` file by name (as ``safetensors.torch.load_file``).
+
+    Args:
+        filename: the file.
+        device: where the tensors are loaded; a disk device (``"disk"``, ``"disk_cuda:0"``)
+            with ``apply_offload`` gives offloaded tensors reading the file in place (no copy).
+        offload_dir: where offloaded tensors copy on write.
+        apply_offload: offload the tensors of a disk device; otherwise they are read into
+            memory on the device after ``disk_``.
+
+    Raises:
+        T2NErrorStorage: the file is missing or not valid safetensors.
+    """
+    layout = storage.read_layout(filename)
+    target = maybe_extract_target_device(device)
+    if apply_offload and _is_disk(device):
+        return {
+            key: OffloadedTensor.from_safetensors(
+                layout, key, offload_dir=offload_dir, device=target
+            )
+            for key in layout.entries
+        }
+    return {key: value.to(target) for key, value in storage.read_payload(layout).items()}
+
+
+def load_state_dict(
+    checkpoint_file: PathLike,
+    device_map: DeviceMap | None = None,
+    offload_dir: PathLike | None = None,
+    apply_offload: bool = False,
+) -> dict[str, torch.Tensor]:
+    """The tensors of one checkpoint file, placed by ``device_map``.
+
+    Args:
+        checkpoint_file: a ``.safetensors`` file, or a pickle file (``pytorch_model.bin``)
+            read with ``torch.load(weights_only=True)``.
+        device_map: module name (``""`` for all) -> device; a key goes to the device of its
+            longest matching module name, the CPU when none matches.
+        offload_dir: where offloaded tensors go (written once for a pickle file; copies on
+            write for a safetensors file, read in place).
+        apply_offload: offload the tensors mapped to disk devices.
+
+    Raises:
+        T2NErrorCheckpoint: a pickle file cannot be read as plain tensors.
+        T2NErrorStorage: a safetensors file is not valid.
+    """
+    found = open_checkpoint(Path(checkpoint_file), allow_pickle=True)
+    result: dict[str, torch.Tensor] = {}
+    for key in found:
+        device = _device_for(key, device_map or {"": "cpu"})
+        if key in found.files:
+            if apply_offload and _is_disk(device):
+                result[key] = OffloadedTensor.from_safetensors(
+                    found.layout(key),
+                    key,
+                    offload_dir=offload_dir,
+                    device=maybe_extract_target_device(device),
+                )
+                continue
+            value = storage.read_payload(found.layout(key), names=[key])[key]
+        else:
+            value = found.loaded[key]
+        if apply_offload:
+            result[key] = maybe_load_offload_tensor(value, device, key, offload_dir)
+        else:
+            result[key] = value.to(maybe_extract_target_device(device))
+    return result
+
+
+def _device_for(name: str, device_map: DeviceMap) -> DeviceLike:
+    """The device of the longest module name of ``device_map`` that ``name`` is inside."""
+    module = name
+    while True:
+        if module in device_map:
+            return device_map[module]
+        if not module:
+            return "cpu"
+        module = module.rpartition(".")[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Setting one tensor
+# ---------------------------------------------------------------------------------------------
+def set_module_tensor_to_device(
+    mod_updater: ModTensorUpdater,
+    tensor_name: str,
+    device: DeviceLike,
+    value: torch.Tensor | None = None,
+    dtype: str | torch.dtype | None = None,
+    offload_dir: PathLike | None = None,
+) -> torch.Tensor:
+    """Set the parameter or buffer ``tensor_name`` to ``value``, on ``device``; keep ties.
+
+    Args:
+        mod_updater: the updater of the model (``ModTensorUpdater(model, add_buffers=True)``).
+        tensor_name: the tensor's dotted name.
+        device: where the value goes; a disk device offloads it (see
+            :func:`maybe_load_offload_tensor`).
+        value: the new value; its shape must be the current tensor's.
+        dtype: cast the value to this dtype (integer and boolean values are not cast);
+            ``None``: to the current tensor's dtype, as ``nn.Module.load_state_dict`` does.
+        offload_dir: where an offloaded value is written.
+
+    Returns:
+        the tensor the model now holds.
+
+    Raises:
+        T2NErrorMisuse: no value, an unknown name, or a shape that differs.
+    """
+    if value is None:
+        raise T2NErrorMisuse(f"set_module_tensor_to_device({tensor_name!r}) needs a value")
+    old = mod_updater.get_by_name(tensor_name)
+    if old.shape != value.shape:
+        raise T2NErrorMisuse(
+            f"cannot set {tensor_name!r} of shape {tuple(old.shape)} to a value of shape "
+            f"{tuple(value.shape)}; the checkpoint does not match the model's configuration"
+        )
+    if dtype is None:
+        value = value.to(old.dtype)
+    elif value.is_floating_point() or value.is_complex():
+        value = value.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+    if _is_disk(device):
+        new = maybe_load_offload_tensor(value, device, tensor_name, offload_dir)
+    else:
+        new = value.to(device)
+    return mod_updater.update_by_name(tensor_name, new, enforce_tensor_consistency=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# A whole model
+# ---------------------------------------------------------------------------------------------
+def t2n_load_checkpoint_and_dispatch(
+    model: nn.Module,
+    checkpoint: PathLike,
+    device_map: str | DeviceMap | None,
+    offload_dir: PathLike | None,
+    strict: bool = False,
+    offload_at_load_state_dict: bool = False,
+    weight_converters: Sequence[Any] | None = None,
+    hf_quantizer: Any = None,
+    *,
+    dtype: torch.dtype | None = None,
+) -> nn.Module:
+    """Bind a model skeleton to a checkpoint, offloading the modules that the map sends to disk.
+
+    The skeleton is typically built with ``accelerate.init_empty_weights()`` (parameters on
+    the meta device, buffers real). Its tied weights are tied first (``model.tie_weights()``
+    for transformers models), so that a tied head is bound with its embedding, once. Each
+    tensor then goes where ``device_map`` puts its module: offloaded tensors read their
+    safetensors entry in place (nothing copied); others are read into memory on their device.
+    Non-persistent buffers (a rotary embedding's ``inv_freq``) are left as they are.
+
+    Everything is checked before any tensor is bound: on error the model keeps its tensors
+    (its weights may have been tied).
+
+    Args:
+        model: the skeleton.
+        checkpoint: a ``.safetensors`` file, an index, a directory holding one of them, or a
+            pickle checkpoint (``pytorch_model.bin``, read with ``torch.load(weights_only=True)``,
+            its offloaded tensors written once into ``offload_dir``).
+        device_map: :data:`ON_DISK_DEVICE_MAP_KEY` (``"t2n_offload_disk"``: everything
+            offloaded, loaded on the CPU), :data:`AUTO_DEVICE_MAP_KEY` (``"t2n_auto"``:
+            accelerate's ``infer_auto_device_map``, its ``"disk"`` modules offloaded), a dict of
+            module names (``""`` for the whole model) to devices, where ``"disk"`` and
+            ``"disk_<device>"`` mean offloaded (loaded on ``<device>``, the CPU by default);
+            or ``None`` (everything read into memory on the CPU).
+        offload_dir: where offloaded tensors copy on write; ``None``: a private temporary
+            directory.
+        strict: refuse checkpoint keys the model lacks (except those the model's
+            ``_keys_to_ignore_on_load_unexpected`` patterns match) and model tensors the
+            checkpoint lacks.
+        offload_at_load_state_dict: accepted for compatibility; tensors are always bound as
+            they are read.
+        weight_converters: not supported (must be empty).
+        hf_quantizer: not supported (must be ``None``).
+        dtype: the dtype of the floating-point tensors (see
+            :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); ``None``: the
+            model's.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        T2NErrorMisuse: the arguments are swapped or of the wrong type, or the device map is
+            an unknown string or does not cover a tensor.
+        T2NErrorNotImplemented: weight converters or a quantizer were given.
+        T2NErrorCheckpoint: the checkpoint does not fit the model (see
+            :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); in particular a
+            tensor would stay on the meta device.
+    """
+    check_arguments("t2n_load_checkpoint_and_dispatch", model, checkpoint, dtype)
+    del offload_at_load_state_dict  # tensors are bound in place as they are planned
+    if weight_converters or hf_quantizer is not None:
+        raise T2NErrorNotImplemented(
+            "t2n_load_checkpoint_and_dispatch does not apply weight converters or quantizers; "
+            "load the converted checkpoint, or quantize after loading"
+        )
+    placement = _resolve_device_map(model, device_map)
+    tie = getattr(model, "tie_weights", None)
+    if callable(tie):
+        tie()
+    found = open_checkpoint(Path(checkpoint), allow_pickle=True)
+    ignored = [
+        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", ()) or ()
+    ]
+    plan = plan_binding(
+        model,
+        found,
+        strict=strict,
+        dtype=dtype,
+        ignored=lambda key: any(pattern.search(key) for pattern in ignored),
+    )
+    _bind(plan, placement, offload_dir)
+    if plan.unexpected:
+        LOGGER.warning(
+            "%d tensor(s) of checkpoint %s are not used by %s: %s",
+            len(plan.unexpected),
+            checkpoint,
+            type(model).__name__,
+            ", ".join(plan.unexpected[:12]),
+        )
+    return model
+
+
+def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) -> DeviceMap:
+    if device_map is None:
+        return {"": "cpu"}
+    if device_map == ON_DISK_DEVICE_MAP_KEY:
+        return {"": "disk_cpu"}
+    if device_map == AUTO_DEVICE_MAP_KEY:
+        import accelerate  # optional dependency
+
+        no_split = getattr(model, "_no_split_modules", None)
+        auto: DeviceMap = accelerate.infer_auto_device_map(
+            model, no_split_module_classes=list(no_split) if no_split else None
+        )
+        return auto
+    if isinstance(device_map, Mapping):
+        return device_map
+    raise T2NErrorMisuse(
+        f"device_map must be {ON_DISK_DEVICE_MAP_KEY!r}, {AUTO_DEVICE_MAP_KEY!r}, a dict of "
+        f"module names to devices or None; got {device_map!r}"
+    )
+
+
+def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None) -> None:
+    for binding in plan.bindings:
+        device = _device_for(binding.names[0], placement)
+        if _is_disk(device):
+            value: torch.Tensor = plan.offloaded(
+                binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
+            )
+        else:
+            value = plan.resident(binding, device)
+        plan.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# from_pretrained
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def ctx_maybe_load_from_disk_as_offloaded(
+    offload_dir: PathLike | None = None,
+) -> Iterator[None]:
+    """Within this context, ``from_pretrained`` and ``safetensors.torch.load_file`` offload.
+
+    - ``PreTrainedModel.from_pretrained(path)`` (and ``AutoModel*.from_pretrained``) builds the
+      model under ``accelerate.init_empty_weights()`` and binds it with
+      :func:`t2n_load_checkpoint_and_dispatch` (:data:`ON_DISK_DEVICE_MAP_KEY`): its
+      parameters are offloaded tensors reading the checkpoint in place. ``config``, ``dtype``
+      (or ``torch_dtype``) and ``strict`` are honoured; other options of ``from_pretrained``
+      (quantization, device maps, remote code) are refused.
+    - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
+      in place, loaded on ``device`` (adapters loaded by peft go through it).
+
+    Pickle files read by ``torch.load`` are not intercepted. Not thread-safe: the functions
+    are patched in their modules for the duration of the context.
+
+    Args:
+        offload_dir: where offloaded tensors copy on write; ``None`` leaves loading unchanged
+            (the context does nothing).
+    """
+    if offload_dir is None:
+        yield
+        return
+    import safetensors.torch  # optional dependency
+    import transformers
+
+    def load_file(filename: PathLike, device: DeviceLike = "cpu") -> dict[str, torch.Tensor]:
+        if not isinstance(device, str):
+            device = str(torch.device("cuda", device) if isinstance(device, int) else device)
+        disk = device if _is_disk(device) else f"disk_{device}"
+        return safe_load_file(filename, device=disk, offload_dir=offload_dir, apply_offload=True)
+
+    def from_pretrained(cls: type[Any], name: PathLike, *args: Any, **kwargs: Any) -> Any:
+        return _from_pretrained_offloaded(cls, name, offload_dir, args, kwargs)
+
+    base = transformers.PreTrainedModel
+    patches = [
+        (safetensors.torch, "load_file", load_file),
+        (base, "from_pretrained", classmethod(from_pretrained)),
+    ]
+    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
+    try:
+        for owner, attribute, replacement in patches:
+            setattr(owner, attribute, replacement)
+        yield
+    finally:
+        for owner, attribute, original in saved:
+            setattr(owner, attribute, original)
+
+
+_HONOURED = {"config", "dtype", "torch_dtype", "strict", "local_files_only", "low_cpu_mem_usage"}
+
+
+def _from_pretrained_offloaded(
+    cls: type[Any],
+    name: PathLike,
+    offload_dir: PathLike,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+) -> Any:
+    import accelerate  # optional dependency
+    import transformers
+
+    refused = sorted(key for key, value in kwargs.items() if key not in _HONOURED and value)
+    if args or refused:
+        raise T2NErrorNotImplemented(
+            f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded takes config=, "
+            f"dtype= and strict= only; got {', '.join(refused) or 'positional arguments'}. "
+            "Leave the context to use the others"
+        )
+    directory = Path(name)
+    if not directory.is_dir():
+        raise T2NErrorMisuse(
+            f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded reads a local "
+            f"checkpoint directory; '{name}' is not one (download it first, e.g. with "
+            "huggingface_hub.snapshot_download)"
+        )
+    config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(directory)
+    dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
+    if dtype in (None, "auto"):
+        dtype = None
+    elif isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    with accelerate.init_empty_weights():
+        model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
+    t2n_load_checkpoint_and_dispatch(
+        model,
+        directory,
+        ON_DISK_DEVICE_MAP_KEY,
+        offload_dir,
+        strict=bool(kwargs.get("strict", False)),
+        dtype=dtype if dtype is not None else _checkpoint_dtype(directory),
+    )
+    if model.can_generate() and (directory / "generation_config.json").is_file():
+        model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
+    model.eval()
+    return model
+
+
+def _checkpoint_dtype(directory: Path) -> torch.dtype | None:
+    """The floating-point dtype most of the checkpoint's bytes are stored in."""
+    found = open_checkpoint(directory, allow_pickle=True)
+    weights: dict[torch.dtype, int] = {}
+    for key in found:
+        shape, dtype = found.describe(key)
+        if dtype.is_floating_point:
+            weights[dtype] = weights.get(dtype, 0) + int(torch.Size(shape).numel())
+    return max(weights, key=lambda d: weights[d]) if weights else None

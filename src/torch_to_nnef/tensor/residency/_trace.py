@@ -1,0 +1,176 @@
+"""Trace-driven read-ahead: learn the order in which forwards touch offloaded tensors.
+
+Inside ``pool.scope()`` of a pool made with ``read_ahead_bytes``, every offloaded tensor a
+forward touches is recorded, per thread, in the order of the touches. :class:`AccessTrace`
+keeps, for each tensor, the one touched right after it the last time (its successor): a
+forward's order, and the wrap from its last tensor to the next forward's first, is learned in
+one pass, and a change of order (prefill then decode, another model in the same pool) is
+learned the first time it happens. From the tensor just touched, the tensors to read ahead are
+its successors, in order, as long as their bytes fit in the window.
+
+:class:`ReadAhead` acts on it for a pool: it begins leases on the tensors of the window that
+are not resident (their loads start at once, in order) and holds them until they are touched,
+or until they leave the window; a held value is never evicted, so nothing the window needs
+next is evicted to make room for what it needs later. Its counters tell the accesses that
+found their value read ahead from those that had to load it on demand.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch_to_nnef.tensor.offload._protocol import PoolSource
+    from torch_to_nnef.tensor.residency._handles import TensorResidencyLease
+    from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
+
+__all__ = ["AccessTrace", "ReadAhead", "ReadAheadStats"]
+
+
+class AccessTrace:
+    """The learned access order of tensors (by key) and the read-ahead window over it.
+
+    Pure: no pool, no I/O. Thread-safe; each thread has its own "previous access".
+
+    Args:
+        window_bytes: how many bytes the read-ahead may cover beyond the tensor touched.
+
+    Attributes:
+        window_bytes: as given.
+        relearned: how many successors changed after they were first learned.
+    """
+
+    def __init__(self, window_bytes: int) -> None:
+        self.window_bytes = window_bytes
+        self.relearned = 0
+        self._successor: dict[int, int] = {}
+        self._sizes: dict[int, int] = {}
+        self._lock = threading.Lock()
+        self._local = threading.local()
+
+    def touched(self, key: int, nbytes: int) -> list[int]:
+        """Record that this thread touched ``key``; return the keys to read ahead, in order."""
+        previous = getattr(self._local, "previous", None)
+        self._local.previous = key
+        with self._lock:
+            self._sizes[key] = nbytes
+            if previous is not None and previous != key:
+                known = self._successor.get(previous)
+                if known is not None and known != key:
+                    self.relearned += 1
+                self._successor[previous] = key
+            return self._ahead(key)
+
+    def forget(self, key: int) -> None:
+        """Drop ``key`` (a tensor that no longer exists) from the learned order."""
+        with self._lock:
+            self._sizes.pop(key, None)
+            self._successor.pop(key, None)
+            for before in [b for b, after in self._successor.items() if after == key]:
+                del self._successor[before]
+
+    def _ahead(self, key: int) -> list[int]:
+        planned: list[int] = []
+        room = self.window_bytes
+        current = self._successor.get(key)
+        while current is not None and current != key and current not in planned:
+            size = self._sizes.get(current, 0)
+            if size > room:
+                break
+            room -= size
+            planned.append(current)
+            current = self._successor.get(current)
+        return planned
+
+
+@dataclass(frozen=True)
+class ReadAheadStats:
+    """What the read-ahead did (see :class:`ReadAhead`).
+
+    Attributes:
+        read_ahead: accesses whose value had been read ahead (loaded, or loading, before it
+            was needed).
+        on_demand: accesses whose value was neither resident nor read ahead: loaded when
+            needed, the caller waiting.
+        relearned: successors of the learned order that changed.
+    """
+
+    read_ahead: int
+    on_demand: int
+    relearned: int
+
+
+class ReadAhead:
+    """Reads ahead, for one pool, along the order its scoped forwards touch tensors in.
+
+    Args:
+        pool: the pool.
+        window_bytes: the bytes read ahead of the tensor touched, at most.
+    """
+
+    def __init__(self, pool: TensorResidencyPool, window_bytes: int) -> None:
+        self._pool = weakref.ref(pool)
+        self._trace = AccessTrace(window_bytes)
+        self._sources: weakref.WeakValueDictionary[int, PoolSource] = weakref.WeakValueDictionary()
+        self._held: dict[int, TensorResidencyLease] = {}
+        self._lock = threading.Lock()
+        self._read_ahead = 0
+        self._on_demand = 0
+
+    def stats(self) -> ReadAheadStats:
+        """The counters so far."""
+        return ReadAheadStats(self._read_ahead, self._on_demand, self._trace.relearned)
+
+    def touched(
+        self, source: PoolSource, device: torch.device | None
+    ) -> TensorResidencyLease | None:
+        """Record an access of ``source`` by a scoped forward and read ahead of it.
+
+        Returns the lease that held ``source``'s value when it was read ahead: the caller
+        cancels it once it has resolved the value.
+        """
+        pool = self._pool()
+        if pool is None:
+            return None
+        key = id(source)
+        with self._lock:
+            if self._sources.get(key) is not source:
+                self._trace.forget(key)  # a new tensor reusing a dead one's id
+                self._sources[key] = source
+            held = self._held.pop(key, None)
+        resident = pool.is_resident(source)  # type: ignore[arg-type]
+        if held is not None:
+            self._read_ahead += 1
+        elif not resident:
+            self._on_demand += 1
+        planned = self._trace.touched(key, source.payload_nbytes)
+        begin: list[PoolSource] = []
+        with self._lock:
+            dropped = [self._held.pop(k) for k in list(self._held) if k not in planned]
+            for k in planned:
+                ahead = self._sources.get(k)
+                if k not in self._held and ahead is not None:
+                    begin.append(ahead)
+        for lease in dropped:  # left the window: the order changed
+            lease._cancel()
+        for ahead in begin:
+            if pool.is_resident(ahead):  # type: ignore[arg-type]
+                continue
+            lease = pool.acquire(ahead, device)  # type: ignore[arg-type]
+            if not lease._begin():
+                continue  # on the pool's loop thread: no read-ahead there
+            with self._lock:
+                self._held[id(ahead)] = lease
+        return held
+
+    def release(self) -> None:
+        """Drop every held lease (before the pool closes)."""
+        with self._lock:
+            held, self._held = self._held, {}
+        for lease in held.values():
+            lease._cancel()

@@ -1,0 +1,302 @@
+"""Hugging Face models bound to their checkpoints: upstream's loading names, on small models."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+transformers = pytest.importorskip("transformers")
+accelerate = pytest.importorskip("accelerate")
+
+import safetensors.torch  # noqa: E402
+
+from torch_to_nnef.exceptions import (  # noqa: E402
+    T2NErrorCheckpoint,
+    T2NErrorMisuse,
+    T2NErrorNotImplemented,
+)
+from torch_to_nnef.tensor import (  # noqa: E402
+    OffloadedTensor,
+    ResidencyStrategy,
+    TensorResidencyPool,
+    load_offloaded_checkpoint,
+)
+from torch_to_nnef.tensor import hf as hf_module  # noqa: E402
+from torch_to_nnef.tensor.hf import (  # noqa: E402
+    ctx_maybe_load_from_disk_as_offloaded,
+    load_state_dict,
+    maybe_load_offload_tensor,
+    safe_load_file,
+    set_module_tensor_to_device,
+    t2n_load_checkpoint_and_dispatch,
+)
+from torch_to_nnef.tensor.updater import ModTensorUpdater  # noqa: E402
+
+PROMPT = torch.tensor([[3, 17, 42, 7, 99]])
+NEW_TOKENS = 8
+
+FAMILIES = {"llama": "LlamaConfig", "qwen2": "Qwen2Config"}  # Qwen2: attention biases
+
+
+def small_config(family: str, tied: bool) -> object:
+    return getattr(transformers, FAMILIES[family])(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        tie_word_embeddings=tied,
+    )
+
+
+CASES = [(family, tied) for family in FAMILIES for tied in (False, True)]
+
+
+class Saved:
+    """A dense model, its sharded safetensors checkpoint and its greedy tokens."""
+
+    def __init__(self, family: str, tied: bool, directory: Path) -> None:
+        torch.manual_seed(0)
+        self.config = small_config(family, tied)
+        self.dense = transformers.AutoModelForCausalLM.from_config(self.config).eval()
+        self.path = directory / f"{family}-{'tied' if tied else 'untied'}"
+        self.dense.save_pretrained(self.path, max_shard_size="100KB")
+        self.tokens = generate(self.dense)
+
+    def skeleton(self) -> nn.Module:
+        with accelerate.init_empty_weights():
+            model: nn.Module = transformers.AutoModelForCausalLM.from_config(self.config)
+        return model.eval()
+
+
+def generate(model: nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        tokens: torch.Tensor = model.generate(  # type: ignore[operator]
+            PROMPT, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0
+        )
+    return tokens
+
+
+def generate_in_pool(model: nn.Module, budget: int) -> torch.Tensor:
+    with (
+        TensorResidencyPool(max_cached_bytes=budget, strategy=ResidencyStrategy.SCHEDULED) as pool,
+        pool.scope(),
+    ):
+        return generate(model)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Saved]:
+    directory = tmp_path_factory.mktemp("hf")
+    return {case: Saved(*case, directory) for case in CASES}
+
+
+def offloaded_share(model: nn.Module) -> tuple[int, int]:
+    tensors = list(model.parameters())
+    return sum(isinstance(t, OffloadedTensor) for t in tensors), len(tensors)
+
+
+def test_importing_the_package_imports_neither_transformers_nor_accelerate() -> None:
+    code = (
+        "import sys, torch_to_nnef.tensor, torch_to_nnef.tensor.offload as o; "
+        "assert not {'transformers', 'accelerate', 'torch_to_nnef.tensor.hf'} & set(sys.modules); "
+        "o.t2n_load_checkpoint_and_dispatch; assert 'torch_to_nnef.tensor.hf' in sys.modules; "
+        "assert 'transformers' not in sys.modules"
+    )
+    import subprocess
+
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_upstream_names_are_reachable_from_offload() -> None:
+    from torch_to_nnef.tensor import offload
+
+    for name in hf_module.__all__:
+        assert getattr(offload, name) is getattr(hf_module, name)
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        offload.nothing_here  # noqa: B018
+
+
+@pytest.mark.parametrize(("family", "tied"), CASES)
+def test_sharded_checkpoint_bound_in_place_generates_the_dense_tokens(
+    saved: dict[tuple[str, bool], Saved], family: str, tied: bool, tmp_path: Path
+) -> None:
+    case = saved[(family, tied)]
+    assert len(list(case.path.glob("*.safetensors"))) > 1  # sharded
+    assert len(set(case.tokens[0, PROMPT.shape[1] :].tolist())) > 1  # not a degenerate run
+    model = case.skeleton()
+    t2n_load_checkpoint_and_dispatch(model, case.path, "t2n_offload_disk", tmp_path / "off")
+    offloaded, total = offloaded_share(model)
+    assert offloaded == total
+    head, embed = model.lm_head.weight, model.model.embed_tokens.weight
+    assert (head is embed) is tied
+    assert not embed.owns_payload  # read in place
+    assert not (tmp_path / "off").exists()  # nothing copied
+    rotary = model.model.rotary_emb.inv_freq
+    assert not isinstance(rotary, OffloadedTensor) and not rotary.is_meta
+    assert torch.equal(generate_in_pool(model, budget=64 << 10), case.tokens)
+
+    # load_offloaded_checkpoint binds the same skeleton once its weights are tied.
+    again = case.skeleton()
+    again.tie_weights()
+    load_offloaded_checkpoint(again, case.path, strict=False)
+    assert torch.equal(generate_in_pool(again, budget=64 << 10), case.tokens)
+
+
+def test_an_untied_skeleton_is_refused_naming_the_tied_head(
+    saved: dict[tuple[str, bool], Saved],
+) -> None:
+    case = saved[("qwen2", True)]
+    model = case.skeleton()
+    assert model.lm_head.weight is not model.model.embed_tokens.weight  # untied at build
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(model, case.path, strict=False)
+    message = str(caught.value)
+    assert "'lm_head.weight' (likely a weight tied to 'model.embed_tokens.weight'" in message
+    assert "model.tie_weights()" in message
+    assert model.model.embed_tokens.weight.is_meta  # nothing was bound
+
+    # Built on the meta device, the rotary buffers hold no value: refused, with the fix.
+    with torch.device("meta"):
+        on_meta = transformers.AutoModelForCausalLM.from_config(case.config)
+    on_meta.tie_weights()
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(on_meta, case.path, strict=False)
+    assert "rotary_emb.inv_freq' (non-persistent buffer" in str(caught.value)
+    assert "init_empty_weights()" in str(caught.value)
+
+
+def test_device_maps(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> None:
+    case = saved[("llama", True)]
+    # t2n_auto: accelerate's map; with room for the model it keeps everything in memory.
+    auto = case.skeleton()
+    t2n_load_checkpoint_and_dispatch(auto, case.path, "t2n_auto", tmp_path)
+    assert offloaded_share(auto)[0] == 0
+    assert not any(t.is_meta for t in auto.parameters())
+    assert torch.equal(generate(auto), case.tokens)
+
+    # A dict: the embedding (and the head tied to it) in memory, the rest offloaded.
+    mixed = case.skeleton()
+    device_map = {"model.embed_tokens": "cpu", "": "disk"}
+    t2n_load_checkpoint_and_dispatch(mixed, case.path, device_map, tmp_path)
+    assert not isinstance(mixed.model.embed_tokens.weight, OffloadedTensor)
+    assert mixed.lm_head.weight is mixed.model.embed_tokens.weight
+    assert isinstance(mixed.model.layers[0].mlp.up_proj.weight, OffloadedTensor)
+    assert torch.equal(generate_in_pool(mixed, budget=64 << 10), case.tokens)
+
+    # None: everything read into memory.
+    dense = case.skeleton()
+    t2n_load_checkpoint_and_dispatch(dense, case.path, None, tmp_path)
+    assert offloaded_share(dense)[0] == 0
+    assert torch.equal(generate(dense), case.tokens)
+
+    with pytest.raises(T2NErrorMisuse, match="device_map must be 't2n_offload_disk'"):
+        t2n_load_checkpoint_and_dispatch(case.skeleton(), case.path, "disk_everything", None)
+    with pytest.raises(T2NErrorNotImplemented, match="weight converters"):
+        t2n_load_checkpoint_and_dispatch(
+            case.skeleton(), case.path, "t2n_offload_disk", None, weight_converters=[object()]
+        )
+    with pytest.raises(T2NErrorMisuse, match="checkpoint first and the model second"):
+        t2n_load_checkpoint_and_dispatch(case.path, case.skeleton(), "t2n_offload_disk", None)  # type: ignore[arg-type]
+
+
+def test_strict_refuses_what_the_model_lacks(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    case = saved[("llama", False)]
+    checkpoint = tmp_path / "model.safetensors"
+    state = {key: value.clone() for key, value in case.dense.state_dict().items()}
+    state["extra.weight"] = torch.zeros(2)
+    safetensors.torch.save_file(state, str(checkpoint))
+    with pytest.raises(T2NErrorCheckpoint, match=r"1 unexpected key\(s\): 'extra.weight'"):
+        t2n_load_checkpoint_and_dispatch(
+            case.skeleton(), checkpoint, "t2n_offload_disk", None, strict=True
+        )
+    model = case.skeleton()
+    t2n_load_checkpoint_and_dispatch(model, checkpoint, "t2n_offload_disk", None)
+    assert torch.equal(generate_in_pool(model, budget=1 << 20), case.tokens)
+
+
+def test_a_pickle_checkpoint_is_read_without_running_code(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    case = saved[("qwen2", False)]
+    torch.save(case.dense.state_dict(), tmp_path / "pytorch_model.bin")
+    offload_dir = tmp_path / "offload"
+    model = case.skeleton()
+    t2n_load_checkpoint_and_dispatch(model, tmp_path, "t2n_offload_disk", offload_dir)
+    assert offloaded_share(model)[0] == offloaded_share(model)[1]
+    assert model.lm_head.weight.owns_payload  # written once into offload_dir
+    assert torch.equal(generate_in_pool(model, budget=1 << 20), case.tokens)
+
+    class Payload:
+        def __reduce__(self) -> tuple[object, ...]:
+            return (print, ("pickled code ran",))
+
+    torch.save({"weight": Payload()}, tmp_path / "evil.bin")
+    with pytest.raises(T2NErrorCheckpoint, match=r"cannot be read with torch.load\(weights_only"):
+        t2n_load_checkpoint_and_dispatch(
+            case.skeleton(), tmp_path / "evil.bin", "t2n_offload_disk", None
+        )
+
+
+def test_from_pretrained_inside_the_context_yields_offloaded_tensors(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    case = saved[("qwen2", True)]
+    original = transformers.PreTrainedModel.__dict__["from_pretrained"]
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(case.path)
+        shard = next(case.path.glob("*.safetensors"))
+        tensors = safetensors.torch.load_file(shard)
+    assert transformers.PreTrainedModel.__dict__["from_pretrained"] is original
+    assert all(isinstance(t, OffloadedTensor) and not t.owns_payload for t in tensors.values())
+    assert offloaded_share(model)[0] == offloaded_share(model)[1]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert not model.training
+    assert torch.equal(generate_in_pool(model, budget=64 << 10), case.tokens)
+    # Outside the context, loading is unchanged.
+    plain = transformers.AutoModelForCausalLM.from_pretrained(case.path)
+    assert offloaded_share(plain)[0] == 0
+    with (
+        ctx_maybe_load_from_disk_as_offloaded(tmp_path),
+        pytest.raises(T2NErrorNotImplemented, match="device_map"),
+    ):
+        transformers.AutoModelForCausalLM.from_pretrained(case.path, device_map="auto")
+
+
+def test_building_blocks(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> None:
+    case = saved[("llama", False)]
+    shard = sorted(case.path.glob("*.safetensors"))[0]
+    in_memory = safe_load_file(shard)
+    offloaded = safe_load_file(shard, device="disk_cpu", apply_offload=True)
+    assert in_memory.keys() == offloaded.keys()
+    for key, value in in_memory.items():
+        assert type(value) is torch.Tensor
+        assert torch.equal(offloaded[key].reload(), value)
+    by_map = load_state_dict(
+        shard, device_map={"model.layers.0": "disk", "": "cpu"}, apply_offload=True
+    )
+    for key, value in by_map.items():
+        assert isinstance(value, OffloadedTensor) == key.startswith("model.layers.0.")
+
+    plain = torch.ones(3)
+    assert maybe_load_offload_tensor(plain, "cpu", "x", tmp_path) is plain
+    moved = maybe_load_offload_tensor(plain, "disk_cpu", "x", tmp_path)
+    assert isinstance(moved, OffloadedTensor) and torch.equal(moved.reload(), plain)
+
+    model = case.skeleton()
+    updater = ModTensorUpdater(model, add_buffers=True)
+    value = case.dense.model.norm.weight.detach().double()
+    held = set_module_tensor_to_device(updater, "model.norm.weight", "disk", value, None, tmp_path)
+    assert isinstance(held, OffloadedTensor) and held.dtype == torch.float32
+    assert model.model.norm.weight is held
+    with pytest.raises(T2NErrorMisuse, match="of shape"):
+        set_module_tensor_to_device(updater, "model.norm.weight", "cpu", torch.ones(2))

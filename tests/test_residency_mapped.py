@@ -1,0 +1,64 @@
+"""The pool's CPU loads map payload files: values equal, no copy kept, mappings end on eviction."""
+
+from __future__ import annotations
+
+import copy
+import gc
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, offload_module, storage
+
+
+def mappings_under(directory: Path) -> int:
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return sum(str(directory) in line for line in lines)
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.timeout(60)
+def test_pool_loads_map_the_files_and_unmap_on_eviction(tmp_path: Path) -> None:
+    assert storage.mapped_reads()  # the default where private mappings exist
+    torch.manual_seed(0)
+    dense = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8))).eval().requires_grad_(False)
+    x = torch.randn(3, 64)
+    expected = dense(x)
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    layer = 64 * 64 * 4 + 64 * 4
+    with (
+        TensorResidencyPool(max_cached_bytes=2 * layer, strategy=ResidencyStrategy.LRU) as pool,
+        pool.scope(),
+    ):
+        for _ in range(3):
+            assert torch.equal(model(x), expected)
+        stats = pool.stats()
+        # A cyclic pass bigger than the budget: loads map, nothing is copied or reused, and
+        # at most the retained values (and the ones in use) stay mapped.
+        assert stats.loads > 16 and stats.reused_buffers == 0
+        gc.collect()
+        assert 0 < mappings_under(tmp_path) <= 16
+    del model
+    gc.collect()
+    assert mappings_under(tmp_path) == 0
+
+
+@pytest.mark.usefixtures("buffered_reads")
+@pytest.mark.timeout(60)
+def test_switched_off_the_pool_reads_into_reused_buffers(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    dense = nn.Sequential(*(nn.Linear(64, 64) for _ in range(8))).eval().requires_grad_(False)
+    x = torch.randn(3, 64)
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    with (
+        TensorResidencyPool(
+            max_cached_bytes=2 * 64 * 64 * 4, strategy=ResidencyStrategy.LRU
+        ) as pool,
+        pool.scope(),
+    ):
+        for _ in range(3):
+            assert torch.equal(model(x), dense(x))
+        assert pool.stats().reused_buffers > 0
+        assert mappings_under(tmp_path) == 0

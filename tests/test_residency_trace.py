@@ -1,0 +1,105 @@
+"""Trace-driven read-ahead: the learned order, the window, loads read ahead vs on demand."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, offload_module
+from torch_to_nnef.tensor.residency._trace import AccessTrace
+
+WIDTH, LAYERS = 64, 8
+LAYER_BYTES = WIDTH * WIDTH * 4 + WIDTH * 4
+
+
+def test_the_order_is_learned_in_one_pass_and_wraps_to_the_next_forward() -> None:
+    trace = AccessTrace(window_bytes=20)
+    order = [1, 2, 3, 4, 5]
+    first = [trace.touched(key, 10) for key in order]
+    assert first == [[], [], [], [], []]  # nothing learned yet
+    second = [trace.touched(key, 10) for key in order]
+    assert second[0] == [2, 3]
+    assert second[-1] == [1, 2]  # the next forward's first tensors
+    assert trace.relearned == 0
+
+
+def test_the_window_bounds_the_bytes_read_ahead() -> None:
+    trace = AccessTrace(window_bytes=15)
+    for key in [1, 2, 3, 4, 1]:
+        trace.touched(key, 10)
+    assert trace.touched(2, 10) == [3]
+    assert AccessTrace(window_bytes=5).touched(1, 10) == []
+
+
+def test_a_changed_order_is_relearned() -> None:
+    trace = AccessTrace(window_bytes=100)
+    for key in [1, 2, 3, 1]:
+        trace.touched(key, 1)
+    for key in [3, 2, 1]:
+        trace.touched(key, 1)
+    assert trace.relearned >= 2
+    assert trace.touched(3, 1)[:2] == [2, 1]
+
+
+def model_and_input(tmp_path: Path) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    dense = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+    dense = dense.eval().requires_grad_(False)
+    return dense, offload_module(copy.deepcopy(dense), tmp_path), torch.randn(2, WIDTH)
+
+
+def counts(pool: TensorResidencyPool) -> tuple[int, int]:
+    assert pool.read_ahead is not None
+    stats = pool.read_ahead.stats()
+    return stats.read_ahead, stats.on_demand
+
+
+@pytest.mark.timeout(60)
+def test_forwards_read_ahead_in_the_recorded_order_and_relearn_a_new_one(
+    tmp_path: Path,
+) -> None:
+    dense, model, x = model_and_input(tmp_path)
+    reversed_dense = nn.Sequential(*reversed(list(dense)))
+    reversed_model = nn.Sequential(*reversed(list(model)))
+    # LRU with a budget of two layers: without read-ahead, a cyclic pass misses every time.
+    with (
+        TensorResidencyPool(
+            max_cached_bytes=2 * LAYER_BYTES,
+            max_workers=2,
+            strategy=ResidencyStrategy.LRU,
+            read_ahead=3 * LAYER_BYTES,
+        ) as pool,
+        pool.scope(),
+    ):
+        assert torch.equal(model(x), dense(x))  # the first forward: learned, loaded on demand
+        assert counts(pool)[1] >= LAYERS  # weights and biases, not known yet
+        before = counts(pool)
+        assert torch.equal(model(x), dense(x))  # learns the wrap to the next forward
+        assert counts(pool)[1] - before[1] <= 1
+        for _ in range(3):
+            before = counts(pool)
+            assert torch.equal(model(x), dense(x))
+            after = counts(pool)
+            assert after[1] == before[1], "every load of a learned forward was read ahead"
+            assert after[0] - before[0] >= 2 * LAYERS - 4  # the rest were still resident
+        # Another order: the first forward relearns it, the next ones read ahead again.
+        assert torch.equal(reversed_model(x), reversed_dense(x))
+        assert pool.read_ahead is not None and pool.read_ahead.stats().relearned > 0
+        assert torch.equal(reversed_model(x), reversed_dense(x))  # and its wrap
+        before = counts(pool)
+        assert torch.equal(reversed_model(x), reversed_dense(x))
+        assert counts(pool)[1] == before[1]
+    # Leases held for the next forward are released when the pool closes: no error above.
+
+
+def test_read_ahead_options(tmp_path: Path) -> None:
+    with TensorResidencyPool(max_cached_bytes=1000, read_ahead="auto") as pool:
+        assert pool.read_ahead is not None
+    assert TensorResidencyPool(max_cached_bytes=1000).read_ahead is None
+    with pytest.raises(T2NErrorMisuse, match="read_ahead must be None, 'auto' or a number"):
+        TensorResidencyPool(read_ahead=-1)
