@@ -141,6 +141,15 @@ def test_offload_module_options(dense: Net, tmp_path: Path) -> None:
         offload_module(model, tmp_path, min_bytes=-1)
 
 
+def test_offload_module_reads_min_bytes_as_a_size(dense: Net, tmp_path: Path) -> None:
+    """``min_bytes`` takes a size in words; a malformed one names the option and the forms."""
+    model = offload_module(copy.deepcopy(dense), tmp_path, include_buffers=False, min_bytes="256B")
+    assert isinstance(model.proj.weight, OffloadedTensor)  # 4096 bytes
+    assert not isinstance(model.proj.bias, OffloadedTensor)  # 128 bytes: kept resident
+    with pytest.raises(T2NErrorMisuse, match=r"min_bytes=.*'1k'.*'512MiB'"):
+        offload_module(copy.deepcopy(dense), tmp_path, min_bytes="1k")
+
+
 def test_offload_module_keeps_quantized_weights_quantized(dense: Net, tmp_path: Path) -> None:
     model = copy.deepcopy(dense)
     model.proj.weight = nn.Parameter(

@@ -25,6 +25,7 @@ from torch import nn
 from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.sizing import parse_bytes
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
@@ -56,7 +57,7 @@ def offload_module(
     offload_dir: str | os.PathLike[str] | None = None,
     *,
     include_buffers: bool = True,
-    min_bytes: int = 0,
+    min_bytes: int | str = 0,
 ) -> _M:
     """Replace the parameters (and buffers) of ``model`` by offloaded tensors, in place.
 
@@ -70,20 +71,24 @@ def offload_module(
         model: the module to offload.
         offload_dir: where the payload files go; ``None`` for a private temporary directory.
         include_buffers: offload registered buffers too.
-        min_bytes: keep tensors smaller than this many bytes resident (biases, norms).
+        min_bytes: keep tensors smaller than this many bytes resident (biases, norms); a
+            count of bytes or a size such as ``"64KiB"`` (see
+            :func:`~torch_to_nnef.tensor.sizing.parse_bytes`).
 
     Returns:
         ``model`` itself.
 
     Raises:
         T2NErrorMisuse: a tensor is on the meta device (use :func:`load_offloaded_checkpoint`),
-            or ``min_bytes`` is negative.
+            or ``min_bytes`` is negative or not a size.
         T2NErrorNotImplemented: an opaque tensor has no offload state.
         T2NErrorStorage: a payload file cannot be written. Tensors offloaded before the
             failure stay offloaded.
     """
-    if min_bytes < 0:
-        raise T2NErrorMisuse(f"min_bytes cannot be negative, got {min_bytes}")
+    try:
+        min_bytes = parse_bytes(min_bytes)
+    except T2NErrorMisuse as exc:
+        raise T2NErrorMisuse(f"offload_module(min_bytes=...): {exc}") from None
     updater = ModTensorUpdater(model, add_buffers=include_buffers)
     for names, tensor in list(updater.iter_tensors()):
         if isinstance(tensor, OffloadedTensor):
