@@ -111,3 +111,58 @@ def test_reload_values_on_the_device(tmp_path: Path) -> None:  # pragma: no cove
         assert torch.equal(value.cpu(), original)
         with TensorResidencyPool() as pool:
             assert torch.equal(pool.resolve(offloaded, DEVICE).cpu(), original)
+
+
+def test_pool_values_stay_valid_on_their_stream_after_eviction(
+    tmp_path: Path,
+) -> None:  # pragma: no cover - GPU
+    numel = 16 << 20  # 64 MiB of float32: the budget holds one
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.full((numel,), i + 1.0), f"e{i}", tmp_path)
+        for i in range(8)
+    ]
+    side = torch.cuda.Stream()
+    pairs = []
+    with TensorResidencyPool(max_cached_bytes=numel * 4) as pool:
+        with torch.cuda.stream(side):
+            for tensor in tensors:
+                value = pool.resolve(tensor, DEVICE)
+                torch.cuda._sleep(SLEEP_CYCLES)
+                pairs.append(torch.stack([value.min(), value.max()]))
+                del value
+        torch.cuda.synchronize()
+        assert pool.stats().evictions >= 6
+    assert [pair.tolist() for pair in pairs] == [[i + 1.0, i + 1.0] for i in range(8)]
+
+
+def test_pool_write_back_sees_the_kernels_of_a_side_stream(
+    tmp_path: Path,
+) -> None:  # pragma: no cover - GPU
+    original = torch.arange(1 << 22, dtype=torch.float32)
+    tensor = OffloadedTensor.from_original_tensor(original, "wb", tmp_path)
+    side = torch.cuda.Stream()
+    pool = TensorResidencyPool()
+    try:
+        with pool.scope(DEVICE), torch.cuda.stream(side):
+            torch.cuda._sleep(5 * SLEEP_CYCLES)
+            tensor.add_(1)
+    finally:
+        pool.close()
+    assert torch.equal(tensor.reload("cpu"), original + 1)
+
+
+def test_prefetch_does_not_wait_for_queued_compute(tmp_path: Path) -> None:  # pragma: no cover
+    tensor = OffloadedTensor.from_original_tensor(torch.randn(1 << 24), "p", tmp_path)
+    side = torch.cuda.Stream()
+    with TensorResidencyPool() as pool:
+        torch.cuda._sleep(20 * SLEEP_CYCLES)
+        compute_done = torch.cuda.Event()
+        compute_done.record()
+        with torch.cuda.stream(side):
+            value = pool.prefetch(tensor, DEVICE).wait()
+            loaded = torch.cuda.Event()
+            loaded.record(side)
+        loaded.synchronize()
+        assert not compute_done.query(), "the load waited for compute queued before it"
+        assert value.device == DEVICE
+    torch.cuda.synchronize()
