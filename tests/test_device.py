@@ -96,6 +96,13 @@ def test_to_device_copies_a_pinned_source_directly(fake_cuda: FakeCuda) -> None:
     assert storage.pinned_bytes() == 0
 
 
+def test_a_copy_to_cuda_without_cuda_says_so() -> None:
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines
+        pytest.skip("checks a machine without CUDA")
+    with pytest.raises(T2NErrorMisuse, match=r"cannot copy to cuda:0: CUDA is not available"):
+        storage.to_device(torch.randn(3), "cuda:0")
+
+
 def test_to_device_leaves_other_devices_and_cpu_alone(fake_cuda: FakeCuda) -> None:
     host = torch.randn(3)
     assert storage.to_device(host, "cpu") is host

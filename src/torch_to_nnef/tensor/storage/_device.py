@@ -35,6 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.opaque import OpaqueTensor
 from torch_to_nnef.tensor.storage._pinned import PinnedRing, ring_for
 
@@ -283,6 +284,11 @@ class Transfer:
     """
 
     def __init__(self, device: torch.device) -> None:
+        if not RUNTIME.is_available():
+            raise T2NErrorMisuse(
+                f"cannot copy to {device}: CUDA is not available on this machine "
+                "(torch.cuda.is_available() is False); deliver values to 'cpu' instead"
+            )
         self.index = _index(device)
         self.stream = copy_stream(self.index)
         self.ring: PinnedRing = ring_for(self.index, RUNTIME.pinned)
@@ -327,7 +333,7 @@ class Transfer:
         A pinned ``host`` is copied directly (it must not change before the copy ran);
         pageable memory is staged through the ring.
         """
-        source = host.resolve_conj().resolve_neg().contiguous()
+        source = host.detach().resolve_conj().resolve_neg().contiguous()
         target = self.empty(tuple(source.shape), source.dtype)
         if source.numel() == 0:
             return target
