@@ -231,6 +231,10 @@ def handoff(value: _V, device: torch.device) -> _V:
     does not block) and each inner tensor is recorded on the stream (``record_stream``), so
     its memory is not reused before the kernels queued there ran. Other devices: nothing.
 
+    Args:
+        value: the value handed out (a plain tensor or an opaque one such as a ``QTensor``).
+        device: the device ``value`` lives on.
+
     Returns:
         ``value`` itself.
     """
@@ -248,7 +252,12 @@ def record_writes(value: torch.Tensor, device: torch.device) -> None:
     """Note that kernels queued on the calling thread's current stream may change ``value``.
 
     Call it in the caller's thread at the exit of a ``read_write`` lease: an event is recorded
-    on its current stream, which :func:`wait_for_writes` waits for. Other devices: nothing.
+    on its current stream of ``device``, which :func:`wait_for_writes` waits for. Other
+    devices: nothing.
+
+    Args:
+        value: the value the kernels may change (the object a write-back will read).
+        device: the device ``value`` lives on.
     """
     if device.type == "cuda":
         _WRITES.add(value, RUNTIME.record_event(RUNTIME.current_stream(_index(device))))
