@@ -274,6 +274,8 @@ def read_to_device(
     fd, stat = open_for_reading(layout.path)
     try:
         check_unchanged(layout, stat)
+        if hasattr(os, "posix_fadvise") and specs:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         tensors: dict[str, torch.Tensor] = {}
         for spec in specs:
             tensors[spec.name] = target = transfer.empty(spec.shape, spec.dtype)
