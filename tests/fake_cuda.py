@@ -62,6 +62,7 @@ class FakeCuda(_device.CudaRuntime):
         self.defaults = {i: FakeStream(i, f"default{i}") for i in range(devices)}
         self.complete_events = False
         self.pinned_chunks: list[torch.Tensor] = []
+        self.allocated: dict[int, int] = {}  # device index of the "device" memory, by address
         self._names = itertools.count(1)
 
     # -- per-thread state ----------------------------------------------------------------------
@@ -119,7 +120,10 @@ class FakeCuda(_device.CudaRuntime):
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype, index: int) -> torch.Tensor:
         self._record("empty", index, self.current_stream(index))
-        return torch.empty(shape, dtype=dtype)
+        tensor = torch.empty(shape, dtype=dtype)
+        with self.lock:
+            self.allocated[tensor.untyped_storage().data_ptr()] = index
+        return tensor
 
     def pinned(self, nbytes: int) -> torch.Tensor:
         chunk = torch.empty(nbytes, dtype=torch.uint8)
@@ -129,6 +133,14 @@ class FakeCuda(_device.CudaRuntime):
 
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return any(tensor.data_ptr() == chunk.data_ptr() for chunk in self.pinned_chunks)
+
+    def device_of(self, value: torch.Tensor) -> torch.device:
+        """``cuda:N`` for a value held (even partly) in memory of the fake device ``N``."""
+        for tensor in _device.inner_tensors(value):
+            index = self.allocated.get(tensor.untyped_storage().data_ptr())
+            if index is not None:
+                return torch.device("cuda", index)
+        return value.device
 
     # -- reading the log -----------------------------------------------------------------------
     def calls(self, name: str) -> list[tuple[Any, ...]]:

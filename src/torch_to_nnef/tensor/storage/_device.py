@@ -91,6 +91,9 @@ class CudaRuntime:
     def is_pinned(self, tensor: torch.Tensor) -> bool:
         return tensor.is_pinned()
 
+    def device_of(self, value: torch.Tensor) -> torch.device:
+        return value.device
+
 
 RUNTIME = CudaRuntime()
 
@@ -223,7 +226,7 @@ def _collect(item: Any, found: dict[int, torch.Tensor], depth: int) -> None:
         _collect(vars(item), found, depth - 1)
 
 
-def handoff(value: _V, device: torch.device) -> _V:
+def handoff(value: _V, device: torch.device | None = None) -> _V:
     """Make ``value`` (on ``device``) safe to use on the calling thread's current stream.
 
     Call it in the consumer's thread, wherever a value is handed out. On a CUDA device, the
@@ -233,11 +236,13 @@ def handoff(value: _V, device: torch.device) -> _V:
 
     Args:
         value: the value handed out (a plain tensor or an opaque one such as a ``QTensor``).
-        device: the device ``value`` lives on.
+        device: the device ``value`` lives on (default: ``value.device``).
 
     Returns:
         ``value`` itself.
     """
+    if device is None:
+        device = RUNTIME.device_of(value)
     if device.type != "cuda":
         return value
     stream = RUNTIME.current_stream(_index(device))
@@ -248,7 +253,7 @@ def handoff(value: _V, device: torch.device) -> _V:
     return value
 
 
-def record_writes(value: torch.Tensor, device: torch.device) -> None:
+def record_writes(value: torch.Tensor, device: torch.device | None = None) -> None:
     """Note that kernels queued on the calling thread's current stream may change ``value``.
 
     Call it in the caller's thread at the exit of a ``read_write`` lease: an event is recorded
@@ -257,8 +262,10 @@ def record_writes(value: torch.Tensor, device: torch.device) -> None:
 
     Args:
         value: the value the kernels may change (the object a write-back will read).
-        device: the device ``value`` lives on.
+        device: the device ``value`` lives on (default: ``value.device``).
     """
+    if device is None:
+        device = RUNTIME.device_of(value)
     if device.type == "cuda":
         _WRITES.add(value, RUNTIME.record_event(RUNTIME.current_stream(_index(device))))
 
