@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
     ACTIVE_RESIDENCY,
     PoolSource,
@@ -56,10 +57,7 @@ LeaseMode = Literal["read", "read_write"]
 
 
 def _normalize_device(device: TDevice) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return storage.resolve_device(device)
 
 
 class TensorResidencyPool:
