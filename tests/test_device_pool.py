@@ -147,3 +147,15 @@ async def test_async_hand_outs_are_safe_on_the_awaiting_threads_stream(
         assert exit_event.done
     assert recorded_on(fake_cuda, value) == [side, side, side]
     assert torch.equal(tensor.reload("cpu"), original * 2)
+
+
+def test_an_in_place_op_outside_a_scope_waits_for_the_load(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    tensor = OffloadedTensor.from_original_tensor(torch.zeros(4), "w", tmp_path).to("cuda:0")
+    tensor.add_(1)
+    ready = fake_cuda.calls("record_event")[-1][1]
+    ((_, stream),) = fake_cuda.calls("record_stream")
+    assert fake_cuda.calls("wait_event") == [(stream, ready)]
+    assert stream is fake_cuda.defaults[0]
+    assert torch.equal(tensor.reload("cpu"), torch.ones(4))

@@ -1198,7 +1198,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             with lease as value, torch._C.DisableTorchFunctionSubclass():
                 result = func(value, *arguments, **keywords)
             return self if result is value else result
-        value = self._reload_unmanaged()
+        value = storage.handoff(self._reload_unmanaged())
         with torch._C.DisableTorchFunctionSubclass():
             result = func(value, *arguments, **keywords)
         self.update_values(value)
