@@ -197,6 +197,7 @@ def check_pool_model(directory: Path, width: int, layers: int) -> None:
         return output
 
     side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # x is ready for the side stream too
     with (
         TensorResidencyPool(max_cached_bytes=budget) as pool,
         stream_modules(pool, blocks, depth=1, device="cuda"),
