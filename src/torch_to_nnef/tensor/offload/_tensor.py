@@ -259,7 +259,7 @@ def _read_to_device(binding: _Binding, device: torch.device) -> torch.Tensor:
     copies may still be queued: the value is pending until ``storage.handoff``."""
 
     def build(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
-        if binding.opaque:
+        if binding.opaque:  # built where its tensors are: on the device already
             return storage.decode_opaque(binding.by_logical(tensors), binding.layout.metadata)
         return tensors[binding.names[_PLAIN_ENTRY]]
 
