@@ -126,8 +126,10 @@ BENCHMARKS = (
         "gpu",
         "GPU check (cuda:0)",
         "gpu_check.py",
-        timeout_s=300,
-        about="Correctness on cuda:0 and host-to-device GB/s; skipped without CUDA.",
+        ("--skip-without-cuda",),
+        timeout_s=900,
+        about="The CUDA path on cuda:0: CUDA tests, stream races, overlap, parallel loads, "
+        "host-to-device GB/s, pinned footprint; skipped without CUDA.",
     ),
 )
 

@@ -6,6 +6,7 @@ import asyncio
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
+from fake_cuda import fake_cuda as fake_cuda  # the fixture: a fake CUDA runtime
 
 try:
     import uvloop

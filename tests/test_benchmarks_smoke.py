@@ -187,6 +187,18 @@ def test_gpu_check_runs_here(results: Path) -> None:
     check_summary_rows(document)
 
 
+@pytest.mark.timeout(60)
+def test_gpu_check_says_it_needs_a_device_and_fails_without_one() -> None:
+    if torch.cuda.is_available():  # pragma: no cover - GPU machines run the check itself
+        pytest.skip("this machine has a CUDA device")
+    script = RUN_ALL.parent / "gpu_check.py"
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=50, check=False
+    )
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout.startswith("no CUDA device")
+
+
 @pytest.mark.timeout(300)
 def test_summary_gathers_every_benchmark(results: Path) -> None:
     text = (results / "summary.md").read_text()

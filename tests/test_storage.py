@@ -28,7 +28,6 @@ from torch_to_nnef.tensor.storage._buffers import (
     byte_view,
     tensor_pieces,
 )
-from torch_to_nnef.tensor.storage._device import _copy_stream, _should_pin
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
 
 ALL_DTYPES = sorted(set(DTYPE_BY_CODE.values()), key=str)
@@ -329,14 +328,6 @@ def test_huge_page_hint_applies_to_large_fresh_buffers_only() -> None:
 # ---------------------------------------------------------------------------------------------
 # Devices
 # ---------------------------------------------------------------------------------------------
-def test_pinning_and_stream_choice_on_this_machine() -> None:
-    assert _should_pin("cpu") is False
-    assert _should_pin(torch.device("meta")) is False
-    assert _should_pin("cuda:0") is torch.cuda.is_available()
-    assert _copy_stream("cpu") is None
-    assert _copy_stream(torch.device("meta")) is None
-
-
 def test_to_device_cpu_returns_the_host_tensor() -> None:
     host = torch.randn(3)
     assert storage.to_device(host, "cpu") is host
@@ -346,16 +337,6 @@ def test_to_device_cpu_returns_the_host_tensor() -> None:
 def test_to_device_other_devices_copy() -> None:
     moved = storage.to_device(torch.randn(2, 3), "meta")
     assert moved.device.type == "meta" and tuple(moved.shape) == (2, 3)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_to_device_cuda_copies_on_one_cached_stream_per_device() -> None:  # pragma: no cover
-    stream = _copy_stream("cuda:0")
-    assert stream is not None and _copy_stream(torch.device("cuda", 0)) is stream
-    for host in (torch.randn(1000), torch.randn(1000).pin_memory()):
-        moved = storage.to_device(host, "cuda:0")
-        assert moved.device == torch.device("cuda", 0)
-        assert torch.equal(moved.cpu(), host)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -653,7 +634,15 @@ def test_public_api_is_exactly_exported() -> None:
             "mapped_reads",
             "set_mapped_reads",
             "allocate",
+            "resolve_device",
             "to_device",
+            "read_to_device",
+            "handoff",
+            "record_writes",
+            "wait_for_writes",
+            "pinned_bytes",
+            "PINNED_CHUNK_BYTES",
+            "PINNED_CHUNKS_PER_DEVICE",
             "write_payload",
             "awrite_payload",
             "encode_opaque",

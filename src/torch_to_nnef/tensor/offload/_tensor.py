@@ -253,19 +253,25 @@ def _materialize(
     return storage.to_device(host[binding.names[_PLAIN_ENTRY]], device)
 
 
-def _read_targets(
-    binding: _Binding, out: Mapping[str, torch.Tensor] | None, device: torch.device
-) -> dict[str, torch.Tensor] | None:
-    """The host buffers a read of ``binding`` fills, by entry name; ``None``: fresh ones.
+def _read_to_device(binding: _Binding, device: torch.device) -> torch.Tensor:
+    """The value of a payload read straight to the CUDA ``device``, through the device's
+    pinned ring; an opaque payload is decoded on the device from its payload tensors. The
+    copies may still be queued: the value is pending until ``storage.handoff``."""
 
-    ``out`` (by logical name) when given; for a CUDA target, pinned buffers, so that the copy
-    to the device starts from them without staging.
-    """
-    if out is not None:
-        return binding.by_entry(out)
-    if device.type == "cuda":
-        return storage.allocate(binding.layout, binding.file_names, pin_memory=True)
-    return None
+    def build(tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        if binding.opaque:  # built where its tensors are: on the device already
+            return storage.decode_opaque(binding.by_logical(tensors), binding.layout.metadata)
+        return tensors[binding.names[_PLAIN_ENTRY]]
+
+    return storage.read_to_device(binding.layout, device, build, names=binding.file_names)
+
+
+def _read_targets(
+    binding: _Binding, out: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor] | None:
+    """The host buffers a read of ``binding`` fills, by entry name (``out``, given by logical
+    name); ``None``: fresh ones."""
+    return None if out is None else binding.by_entry(out)
 
 
 def _is_whole_host_buffer(tensor: Any, spec: storage.EntrySpec) -> bool:
@@ -787,7 +793,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             pool, scope_device = scope
             return pool._scope_resolve(self, wanted if wanted is not None else scope_device)
         count_load_outside_scopes()
-        return self._reload_unmanaged(wanted)
+        return storage.handoff(self._reload_unmanaged(wanted))
 
     def write_qtensor_in_file(
         self, dirpath: PathLike, label: str, inference_target: Any = None
@@ -831,6 +837,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     ) -> torch.Tensor:
         """Read the value from the file and bring it to ``device`` (blocking; no pool).
 
+        For a CUDA device the file is read straight to the device and the value is returned
+        once its copies are queued: hand it to its consumer with ``storage.handoff``.
+
         Args:
             device: where the value is delivered (default: the target device).
             out: host buffers to read into, by logical entry name (as in :attr:`storage_key`);
@@ -846,7 +855,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         while True:
             binding = self._binding
             try:
-                targets = _read_targets(binding, out, target)
+                if target.type == "cuda" and out is None:
+                    return _read_to_device(binding, target)
+                targets = _read_targets(binding, out)
                 host = storage.load_payload(  # plain CPU values: mapped, unless switched off
                     binding.layout,
                     out=targets,
@@ -889,9 +900,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         Returns the payload version written, or ``None`` when the value was superseded (a
         direct write, or another pool's change, came after it in program order). The
-        announcement ends whatever happens.
+        announcement ends whatever happens. The kernels that changed a CUDA value under a
+        ``read_write`` lease are waited for first.
         """
         try:
+            storage.wait_for_writes(value)
             with self._write_lock:
                 unsaved = self._unsaved
                 if unsaved is None or unsaved[0] is not owner:
@@ -1193,7 +1206,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             with lease as value, torch._C.DisableTorchFunctionSubclass():
                 result = func(value, *arguments, **keywords)
             return self if result is value else result
-        value = self._reload_unmanaged()
+        value = storage.handoff(self._reload_unmanaged())
         with torch._C.DisableTorchFunctionSubclass():
             result = func(value, *arguments, **keywords)
         self.update_values(value)

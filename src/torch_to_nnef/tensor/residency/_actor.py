@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPolicy
 from torch_to_nnef.tensor.residency._spares import SpareBuffers
@@ -86,6 +87,7 @@ class Actor:
             reused_buffers=self._reused_buffers,
             stall_seconds=self._stall_seconds,
             wasted_prefetches=self._wasted_prefetches,
+            pinned_bytes=storage.pinned_bytes(),
         )
 
     def add_stall(self, seconds: float) -> None:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._requests import Acquire
 from torch_to_nnef.tensor.residency._state import Slot
@@ -26,13 +27,20 @@ __all__ = ["TensorPrefetch", "TensorResidencyLease", "end_lease", "hand_over"]
 
 
 def hand_over(value: torch.Tensor) -> torch.Tensor:
-    """A value leaving the pool for a consumer (the one place to make it safe to use)."""
-    return value
+    """A value leaving the pool for a consumer (the one place to make it safe to use).
+
+    On a CUDA device the consumer's current stream waits for the value's copies and owns its
+    memory until its queued kernels ran (see ``storage.handoff``).
+    """
+    return storage.handoff(value)
 
 
 def end_lease(pool: TensorResidencyPool, slot: Slot, read_write: bool) -> None:
     """End a lease on ``slot`` (any thread); when that puts the pool over its budget, the
-    actor hears of it without waiting."""
+    actor hears of it without waiting. A ``read_write`` lease on a CUDA value records an event
+    on the caller's current stream, which the write-back waits for."""
+    if read_write:
+        storage.record_writes(slot.value, slot.device)
     if pool._actor.end_lease(slot, read_write):
         pool._runtime.notify(pool._actor.leases_ended)
 

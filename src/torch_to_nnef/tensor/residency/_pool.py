@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
     ACTIVE_RESIDENCY,
     PoolSource,
@@ -57,10 +58,7 @@ LeaseMode = Literal["read", "read_write"]
 
 
 def _normalize_device(device: TDevice) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and device.index is None and torch.cuda.is_available():
-        device = torch.device("cuda", torch.cuda.current_device())
-    return device
+    return storage.resolve_device(device)
 
 
 class TensorResidencyPool:
@@ -75,7 +73,10 @@ class TensorResidencyPool:
             or a size such as ``"1.5GB"`` or ``"512MiB"`` (see
             :func:`~torch_to_nnef.tensor.sizing.parse_bytes`). Values in use (leased, or
             awaited by a request) come on top of it; pinned values count toward it and may
-            exceed it. ``None``: no limit.
+            exceed it. ``None``: no limit. Copies to a CUDA device are staged through pinned
+            host memory outside this limit: a ring of at most
+            ``storage.PINNED_CHUNKS_PER_DEVICE`` chunks of ``storage.PINNED_CHUNK_BYTES``
+            (64 MiB) per device, shared by the process, reported by ``stats().pinned_bytes``.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless

@@ -43,6 +43,9 @@ class PoolStats(NamedTuple):
     wasted_prefetches: int = 0
     """Values loaded without a request (``prefetch``, ``pin``) that left the pool before any
     request used them: reads for nothing (a budget too small for the read-ahead window)."""
+    pinned_bytes: int = 0
+    """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
+    pool: ``storage.pinned_bytes()``), on top of ``max_cached_bytes``."""
 
     @property
     def bytes_read_per_request(self) -> float:

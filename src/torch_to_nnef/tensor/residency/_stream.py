@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
 
 if TYPE_CHECKING:
@@ -84,7 +85,9 @@ class ModuleStream:
             raise T2NErrorMisuse(f"depth must be an int >= 0, got {depth!r}")
         self.pool = pool
         self.depth = depth
-        self.device = device
+        # Resolved here, in the caller's thread: the hooks run in the thread of each forward,
+        # whose current CUDA device may be another.
+        self.device = None if device is None else storage.resolve_device(device)
         self.groups = [_offloaded_tensors(m) for m in modules]
         self._local = threading.local()
         self._lock = threading.Lock()
@@ -171,8 +174,7 @@ class ModuleStream:
             state.last = index
             token = None
             if ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
-                device = None if self.device is None else torch.device(self.device)
-                token = ACTIVE_RESIDENCY.set((pool, device))
+                token = ACTIVE_RESIDENCY.set((pool, self.device))
             entered: list[TensorResidencyLease] = []
             try:
                 # Queue this module's loads, then those ahead, before waiting for any: a late

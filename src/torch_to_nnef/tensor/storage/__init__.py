@@ -7,10 +7,16 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
 - :func:`read_layout` validates a file's header against its size before anything is allocated.
 - :func:`read_payload` / :func:`aread_payload` read entries straight into tensor buffers
   (fresh ones, or the caller's with ``out=``); :func:`allocate` makes such buffers, pinned for
-  CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream.
+  CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream;
+  :func:`read_to_device` reads a file straight to a CUDA device through a bounded ring of
+  pinned chunks (:func:`pinned_bytes`).
 - :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
   copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
   :func:`load_payload` maps or reads, as :func:`set_mapped_reads` chose.
+- The CUDA rules of values handed to consumers: :func:`resolve_device` (``"cuda"`` resolved
+  in the calling thread), :func:`handoff` (safe on the consumer's current stream),
+  :func:`record_writes` / :func:`wait_for_writes` (a write-back waits for the kernels that
+  changed a value).
 - :func:`write_payload` / :func:`awrite_payload` write files atomically.
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
@@ -26,13 +32,18 @@ from __future__ import annotations
 from torch_to_nnef.tensor.storage._aio import aread_payload as aread_payload
 from torch_to_nnef.tensor.storage._aio import awrite_payload as awrite_payload
 from torch_to_nnef.tensor.storage._buffers import allocate as allocate
+from torch_to_nnef.tensor.storage._device import handoff as handoff
+from torch_to_nnef.tensor.storage._device import record_writes as record_writes
+from torch_to_nnef.tensor.storage._device import resolve_device as resolve_device
 from torch_to_nnef.tensor.storage._device import to_device as to_device
+from torch_to_nnef.tensor.storage._device import wait_for_writes as wait_for_writes
 from torch_to_nnef.tensor.storage._format import DATA_ALIGNMENT as DATA_ALIGNMENT
 from torch_to_nnef.tensor.storage._format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from torch_to_nnef.tensor.storage._format import EntrySpec as EntrySpec
 from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
+from torch_to_nnef.tensor.storage._io import read_to_device as read_to_device
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
 from torch_to_nnef.tensor.storage._mapped import advise_payload as advise_payload
 from torch_to_nnef.tensor.storage._mapped import load_payload as load_payload
@@ -44,6 +55,9 @@ from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
 from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
 from torch_to_nnef.tensor.storage._opaque import is_opaque_payload as is_opaque_payload
 from torch_to_nnef.tensor.storage._paths import payload_path as payload_path
+from torch_to_nnef.tensor.storage._pinned import CHUNK_BYTES as PINNED_CHUNK_BYTES
+from torch_to_nnef.tensor.storage._pinned import CHUNKS_PER_DEVICE as PINNED_CHUNKS_PER_DEVICE
+from torch_to_nnef.tensor.storage._pinned import pinned_bytes as pinned_bytes
 
 __all__ = [
     # format
@@ -61,7 +75,16 @@ __all__ = [
     "mapped_reads",
     "set_mapped_reads",
     "allocate",
+    # devices
+    "resolve_device",
     "to_device",
+    "read_to_device",
+    "handoff",
+    "record_writes",
+    "wait_for_writes",
+    "pinned_bytes",
+    "PINNED_CHUNK_BYTES",
+    "PINNED_CHUNKS_PER_DEVICE",
     # writing
     "write_payload",
     "awrite_payload",

@@ -13,13 +13,21 @@ import errno
 import os
 import secrets
 import stat as stat_module
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorStorage
-from torch_to_nnef.tensor.storage._buffers import plan_read, prepare_tensors, tensor_pieces
+from torch_to_nnef.tensor.storage._buffers import (
+    byte_view,
+    plan_read,
+    prepare_tensors,
+    select_entries,
+    tensor_pieces,
+)
+from torch_to_nnef.tensor.storage._device import Transfer, mark_pending, resolve_device
 from torch_to_nnef.tensor.storage._format import (
     PREFIX_BYTES,
     HeaderPlan,
@@ -31,7 +39,9 @@ from torch_to_nnef.tensor.storage._format import (
     plan_header,
 )
 
-__all__ = ["read_layout", "read_payload", "write_payload"]
+__all__ = ["read_layout", "read_payload", "read_to_device", "write_payload"]
+
+_T = TypeVar("_T", bound=torch.Tensor)
 
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
@@ -230,6 +240,55 @@ def read_payload(
     finally:
         os.close(fd)
     return plan.result
+
+
+def read_to_device(
+    layout: PayloadLayout,
+    device: torch.device | str,
+    build: Callable[[dict[str, torch.Tensor]], _T],
+    *,
+    names: Iterable[str] | None = None,
+) -> _T:
+    """Read entries of a payload file straight to a CUDA device; return ``build(tensors)``.
+
+    The file is read chunk by chunk into the device's ring of pinned chunks, and each chunk
+    is copied on the device's copy stream while the next is read: no pinned buffer the size
+    of the payload, and the copies never wait for compute. ``build`` (decoding an opaque
+    payload, say) runs with the copy stream current, so its kernels follow the copies. The
+    function returns once the file is read and the copies are queued: the value is *pending*
+    until :func:`handoff` hands it to a consumer, whose stream then waits for the copies.
+    Meant for worker threads (the pool's loads); resolve ``"cuda"`` where the user called.
+
+    Args:
+        layout: the file's layout.
+        device: a CUDA device.
+        build: makes the value from the device tensors, by entry name.
+        names: the entries to read (all when ``None``), in the order given to ``build``.
+
+    Raises:
+        T2NErrorStorage: the file is missing, changed since ``layout`` was read, truncated or
+            unreadable, or lacks a requested entry.
+    """
+    transfer = Transfer(resolve_device(device))
+    specs = select_entries(layout, names)
+    fd, stat = open_for_reading(layout.path)
+    try:
+        check_unchanged(layout, stat)
+        if hasattr(os, "posix_fadvise") and specs:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        tensors: dict[str, torch.Tensor] = {}
+        for spec in specs:
+            tensors[spec.name] = target = transfer.empty(spec.shape, spec.dtype)
+
+            def fill(offset: int, chunk: torch.Tensor, start: int = spec.start) -> None:
+                pread_exact(fd, layout.path, [byte_view(chunk)], start + offset, "tensor data")
+
+            transfer.stage(target, fill)
+    finally:
+        os.close(fd)
+    value = transfer.on_stream(lambda: build(tensors))
+    mark_pending(value, transfer.ready())
+    return value
 
 
 # ---------------------------------------------------------------------------------------------
