@@ -27,10 +27,12 @@ EXPECTED = {
     ],
     "stream_layers.py": [
         r"^48 offloaded tensors, [\d.]+ MB, streamed through a [\d.]+ MB pool",
-        # A cyclic stream bigger than the budget defeats LRU; the others keep a third.
+        # A cyclic stream bigger than the budget defeats LRU; the others keep about a third.
+        # With read-ahead, whether a block read ahead stays until it is used depends on the
+        # timing of the run, so SCHEDULED is seen anywhere from 30 to 45 %.
         r"^\s+LRU: .* [0-4]\.\d% of accesses served from memory",
         r"^\s+FIXED: .* 3\d\.\d% of accesses served from memory",
-        r"^SCHEDULED: .* 3\d\.\d% of accesses served from memory",
+        r"^SCHEDULED: .* (3\d|4[0-5])\.\d% of accesses served from memory",
         r"^every forward equals the dense model's: OK$",
     ],
     "quantize_and_offload.py": [
