@@ -101,18 +101,20 @@ class Actor:
     def fresh_slot(self, source: PoolSource, device: torch.device) -> Slot | None:
         """The published slot of ``source`` when it holds the current value on ``device``."""
         slot = self.published.get(id(source))
-        if slot is None or slot.device != device or slot.version is not source.payload_version:
+        if slot is None or slot.version is not source.payload_version:
+            return None
+        # Requests usually carry the very device object the slot was created with.
+        if slot.device is not device and slot.device != device:
             return None
         return slot
 
-    def count_hit(self, key: int) -> None:
-        """Count a hit served from :attr:`published` (any thread)."""
+    def count_hit(self, slot: Slot) -> None:
+        """Count a hit served from ``slot``, found in :attr:`published` (any thread)."""
+        entry = slot.entry
         with self.lock:
             self._lock_hits += 1
-            self._touches.append(key)
-            slot = self.published.get(key)
-            if slot is not None:
-                slot.entry.used = True
+            self._touches.append(entry.key)
+            entry.used = True
 
     def touch(self, key: int) -> None:
         """Note a use of a published value that is no request (a prefetch; any thread)."""

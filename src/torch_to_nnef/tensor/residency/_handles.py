@@ -114,7 +114,17 @@ class TensorResidencyLease:
     :class:`T2NErrorMisuse` when the lease is already held.
     """
 
-    __slots__ = ("_begun", "_device", "_mode", "_pool", "_request", "_slot", "_source", "_used")
+    __slots__ = (
+        "_begun",
+        "_device",
+        "_mode",
+        "_pool",
+        "_read_write",
+        "_request",
+        "_slot",
+        "_source",
+        "_used",
+    )
 
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
@@ -123,6 +133,7 @@ class TensorResidencyLease:
         self._source = source
         self._device = device
         self._mode = mode
+        self._read_write = mode == "read_write"
         self._slot: Slot | None = None
         self._used = False
         self._request: Acquire | None = None  # begun and not entered yet
@@ -142,12 +153,12 @@ class TensorResidencyLease:
         """Take the lease on a resident value without the loop thread, or ``None``."""
         actor = self._pool._actor
         slot = actor.fresh_slot(self._source, self._device)
-        if slot is not None and actor.try_lease(slot, self._mode == "read_write"):
+        if slot is not None and actor.try_lease(slot, self._read_write):
             return slot.value, slot
         return None
 
     def _acquire(self) -> Acquire:
-        return Acquire(self._pool._actor, self._source, self._device, self._mode == "read_write")
+        return Acquire(self._pool._actor, self._source, self._device, self._read_write)
 
     def _take(self, granted: tuple[torch.Tensor, Slot]) -> torch.Tensor:
         value, self._slot = granted
@@ -198,10 +209,12 @@ class TensorResidencyLease:
                 if request is not None:
                     self._pool._runtime.notify(request.abandon)
                 raise
-        granted = self._fast()
-        if granted is None:
-            granted = self._pool._runtime.call(self._acquire())
-        return self._take(granted)
+        actor = self._pool._actor
+        slot = actor.fresh_slot(self._source, self._device)
+        if slot is not None and actor.try_lease(slot, self._read_write):  # _fast, inlined
+            self._slot = slot
+            return hand_over(slot.value)
+        return self._take(self._pool._runtime.call(self._acquire()))
 
     def __exit__(
         self,
@@ -211,7 +224,7 @@ class TensorResidencyLease:
     ) -> None:
         slot, self._slot = self._slot, None
         if slot is not None:
-            end_lease(self._pool, slot, self._mode == "read_write")
+            end_lease(self._pool, slot, self._read_write)
 
     async def __aenter__(self) -> torch.Tensor:
         self._check_unused()

@@ -186,6 +186,8 @@ class TensorResidencyPool:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _check_source(source: Any) -> None:
+        if isinstance(source, PoolSource):
+            return
         if isinstance(source, torch.nn.Module):
             raise T2NErrorMisuse(
                 "TensorResidencyPool manages OffloadedTensor values; got a module "
@@ -193,11 +195,10 @@ class TensorResidencyPool:
                 "module.parameters(): pool.prefetch(t)), or stream whole layers with "
                 "stream_modules(pool, [module])"
             )
-        if not isinstance(source, PoolSource):
-            raise T2NErrorMisuse(
-                "TensorResidencyPool only manages OffloadedTensor values; "
-                f"got {type(source).__name__} (plain tensors are already resident)"
-            )
+        raise T2NErrorMisuse(
+            "TensorResidencyPool only manages OffloadedTensor values; "
+            f"got {type(source).__name__} (plain tensors are already resident)"
+        )
 
     def _target(self, source: Any, device: TDevice | None) -> torch.device:
         self._check_source(source)
@@ -304,7 +305,7 @@ class TensorResidencyPool:
         target = self._target(source, device)
         slot = self._actor.fresh_slot(source, target)
         if slot is not None and slot.open:
-            self._actor.count_hit(slot.entry.key)
+            self._actor.count_hit(slot)
             return hand_over(slot.value)
         return hand_over(self._runtime.call(Resolve(self._actor, source, target)))
 
