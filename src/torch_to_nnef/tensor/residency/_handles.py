@@ -26,13 +26,14 @@ if TYPE_CHECKING:
 __all__ = ["TensorPrefetch", "TensorResidencyLease", "end_lease", "hand_over"]
 
 
-def hand_over(value: torch.Tensor) -> torch.Tensor:
+def hand_over(value: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
     """A value leaving the pool for a consumer (the one place to make it safe to use).
 
     On a CUDA device the consumer's current stream waits for the value's copies and owns its
-    memory until its queued kernels ran (see ``storage.handoff``).
+    memory until its queued kernels ran (see ``storage.handoff``). ``device``: where the value
+    lives, when known (a slot's), which spares asking the tensor.
     """
-    return storage.handoff(value)
+    return storage.handoff(value, device)
 
 
 def end_lease(pool: TensorResidencyPool, slot: Slot, read_write: bool) -> None:
@@ -213,7 +214,7 @@ class TensorResidencyLease:
         slot = actor.fresh_slot(self._source, self._device)
         if slot is not None and actor.try_lease(slot, self._read_write):  # _fast, inlined
             self._slot = slot
-            return hand_over(slot.value)
+            return hand_over(slot.value, slot.device)
         return self._take(self._pool._runtime.call(self._acquire()))
 
     def __exit__(
