@@ -53,23 +53,9 @@ DIFFERENT_SIGNATURE: dict[str, str] = {
     "the pool (pool.prefetch, pool.pin), never by user code",
 }
 
-# The Hugging Face loading helpers of tensor.offload are provided by another module
-# (torch_to_nnef.tensor.hf, imported lazily). Until they are, they may be absent; once present
-# they are checked like any other name. Empty this list when they land.
-PENDING: set[str] = {
-    "torch_to_nnef.tensor.offload.AUTO_DEVICE_MAP_KEY",
-    "torch_to_nnef.tensor.offload.ON_DISK_DEVICE_MAP_KEY",
-    "torch_to_nnef.tensor.offload.MODEL_NAME",
-    "torch_to_nnef.tensor.offload.WEIGHTS_NAME",
-    "torch_to_nnef.tensor.offload.SAFE_MODEL_NAME",
-    "torch_to_nnef.tensor.offload.SAFE_WEIGHTS_NAME",
-    "torch_to_nnef.tensor.offload.t2n_load_checkpoint_and_dispatch",
-    "torch_to_nnef.tensor.offload.ctx_maybe_load_from_disk_as_offloaded",
-    "torch_to_nnef.tensor.offload.safe_load_file",
-    "torch_to_nnef.tensor.offload.load_state_dict",
-    "torch_to_nnef.tensor.offload.set_module_tensor_to_device",
-    "torch_to_nnef.tensor.offload.maybe_load_offload_tensor",
-}
+# Names that a module may provide lazily; each is checked like any other once it resolves.
+# The Hugging Face helpers of tensor.offload (torch_to_nnef.tensor.hf) all resolve now.
+PENDING: set[str] = set()
 
 # Bases that carry no behaviour a caller relies on.
 IGNORED_BASES = {"abc.ABC", "builtins.object"}

@@ -34,6 +34,8 @@ from torch import nn
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorNotImplemented
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import (
+    PICKLE_NAME,
+    SAFETENSORS_SINGLE_NAME,
     BindingPlan,
     check_arguments,
     open_checkpoint,
@@ -44,7 +46,11 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
     "AUTO_DEVICE_MAP_KEY",
+    "MODEL_NAME",
     "ON_DISK_DEVICE_MAP_KEY",
+    "SAFE_MODEL_NAME",
+    "SAFE_WEIGHTS_NAME",
+    "WEIGHTS_NAME",
     "ctx_maybe_load_from_disk_as_offloaded",
     "load_state_dict",
     "maybe_extract_target_device",
@@ -61,6 +67,13 @@ AUTO_DEVICE_MAP_KEY = "t2n_auto"
 
 ON_DISK_DEVICE_MAP_KEY = "t2n_offload_disk"
 """Device map: every tensor offloaded, read in place from the checkpoint, loaded on the CPU."""
+
+# Upstream's names of the single-file checkpoints of a directory (the same files as
+# checkpoint.SAFETENSORS_SINGLE_NAME and checkpoint.PICKLE_NAME).
+SAFE_WEIGHTS_NAME = SAFETENSORS_SINGLE_NAME
+SAFE_MODEL_NAME = SAFE_WEIGHTS_NAME.removesuffix(".safetensors")
+WEIGHTS_NAME = PICKLE_NAME
+MODEL_NAME = WEIGHTS_NAME.removesuffix(".bin")
 
 DeviceLike = str | int | torch.device
 DeviceMap = Mapping[str, DeviceLike]
