@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import uuid
 import weakref
@@ -83,8 +83,14 @@ class _PrivateDir:
     __slots__ = ("__weakref__", "path")
 
     def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="t2n_offload_"))
-        weakref.finalize(self, shutil.rmtree, self.path, True)
+        self.path, lock = storage.make_private_dir()
+        weakref.finalize(self, _remove_private_dir, self.path, lock)
+
+
+def _remove_private_dir(path: Path, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(lock)
 
 
 _PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
