@@ -63,6 +63,14 @@ def _remove_file(path: Path) -> None:
         LOGGER.warning("could not remove offloaded payload '%s': %s", path, exc)
 
 
+def _outdated(binding: _Binding, out: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the host buffers ``out`` have the entries of ``binding`` with other dtypes or
+    shapes: buffers for the payload before a write changed its dtype or shape."""
+    wanted = {name: (dtype, shape) for name, dtype, shape in binding.storage_key}
+    given = {name: (t.dtype, tuple(t.shape)) for name, t in out.items()}
+    return wanted.keys() == given.keys() and wanted != given
+
+
 class _OwnedFile:
     """A payload file belonging to one tensor: removed when the last reference goes away."""
 
@@ -860,6 +868,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         attempt = 0
         while True:
             binding = self._binding
+            if out is not None and _outdated(binding, out):
+                out = None  # read into new buffers
             try:
                 if target.type == "cuda" and out is None:
                     return _read_to_device(binding, target)

@@ -257,8 +257,8 @@ class Actor:
         moves the pin to the next entry (a pin is on the tensor)."""
         if entry.version is entry.source.payload_version or entry.value is None:
             return False
-        if entry.write is not None or entry.waiters or entry.stuck:
-            return False  # refreshed once the write-back or the waiters are done
+        if entry.write is not None:
+            return False  # requests wait for the write-back (_superseded_write), then drop it
         slot = entry.slot
         assert slot is not None
         with self.lock:
@@ -281,11 +281,22 @@ class Actor:
         self._remove(entry, reuse=not slot.leases)
         return True
 
+    @staticmethod
+    def _superseded_write(entry: Entry) -> Job | None:
+        """The write-back to wait for before ``entry``'s value, written over since it was
+        read, can be dropped: a request waits for it rather than take the older value."""
+        if entry.write is not None and entry.version is not entry.source.payload_version:
+            return entry.write
+        return None
+
     def resolve_step(self, source: PoolSource, device: torch.device) -> torch.Tensor | Job:
         """Serve a resident value, or return the load to wait for (counting a miss)."""
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
+        write = self._superseded_write(entry)
+        if write is not None:
+            return write
         entry.used = True
         self.policy.access(entry.key)
         if entry.value is not None:
@@ -303,6 +314,9 @@ class Actor:
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
+        write = self._superseded_write(entry)
+        if write is not None:
+            return write
         if pin and not entry.pinned:
             self._hold(entry, pinned=True)
             self.enforce()  # a pinned value counts toward the budget, even one taken back
@@ -319,12 +333,16 @@ class Actor:
         if not ticket.waiting:
             self.check_open()
         entry: Entry | None = ticket.entry
-        if entry is None or self.entries.get(entry.key) is not entry:
+        if entry is not None and (self.entries.get(entry.key) is not entry or self._stale(entry)):
+            ticket.waiting = False  # its reservation left with that value
+            entry = None
+        if entry is None:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
         entry.used = True
         if ticket.first:
             self.policy.access(entry.key)
-        if entry.value is not None and not (ticket.read_write and entry.write is not None):
+        waits_for_write = ticket.read_write or self._superseded_write(entry) is not None
+        if entry.value is not None and not (waits_for_write and entry.write is not None):
             if ticket.first:
                 self._hits += 1
             slot = entry.slot
