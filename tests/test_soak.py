@@ -288,6 +288,21 @@ def thread_worker(pool: TensorResidencyPool, world: World, seed: int) -> None:
 # ---------------------------------------------------------------------------------------------
 # The soak
 # ---------------------------------------------------------------------------------------------
+def reporting(
+    failures: list[BaseException], stop: threading.Event, target: Callable[..., None], *args: Any
+) -> Callable[[], None]:
+    """``target(*args)`` for a worker thread: what it raises is kept, and stops the others."""
+
+    def run() -> None:
+        try:
+            target(*args)
+        except BaseException as error:
+            failures.append(error)
+            stop.set()
+
+    return run
+
+
 async def soak(
     pool: TensorResidencyPool, world: World, seconds: float, seed: int
 ) -> dict[str, Any]:
@@ -295,14 +310,7 @@ async def soak(
     invariant_checks = 0
 
     def guarded(target: Callable[..., None], *args: Any) -> Callable[[], None]:
-        def run() -> None:
-            try:
-                target(*args)
-            except BaseException as error:
-                failures.append(error)
-                world.stop.set()
-
-        return run
+        return reporting(failures, world.stop, target, *args)
 
     async def guarded_async(factory: Callable[[], Awaitable[None]]) -> None:
         try:
@@ -629,14 +637,7 @@ def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
     failures: list[BaseException] = []
 
     def guarded(target: Callable[..., None], *args: Any) -> threading.Thread:
-        def run() -> None:
-            try:
-                target(*args)
-            except BaseException as error:
-                failures.append(error)
-                world.stop.set()
-
-        return threading.Thread(target=run)
+        return threading.Thread(target=reporting(failures, world.stop, target, *args))
 
     with TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2) as pool:
         workers = [guarded(ordered_writer, pool, world, seed) for seed in (1, 2)]
