@@ -254,7 +254,7 @@ def test_every_temporary_name_taken_is_a_clean_storage_error(
 ) -> None:
     offload_dir, victim = arena
     destination = offload_dir / "w.safetensors"
-    planted = offload_dir / f".{destination.name}.{'f' * 16}.tmp"
+    planted = offload_dir / f".{destination.name}.t2n-{os.getpid()}-{'f' * 16}.tmp"
     planted.symlink_to(victim)
     monkeypatch.setattr(secrets, "token_hex", lambda n=None: "f" * 16)
     with pytest.raises(T2NErrorStorage, match="cannot write payload file"):

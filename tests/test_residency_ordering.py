@@ -447,3 +447,49 @@ def test_deepcopy_in_a_scope_copies_the_latest_value(tmp_path: Path) -> None:
         duplicate = copy.deepcopy(model)
         assert torch.equal(duplicate.weight.reload(), torch.ones(4, 4))
         assert torch.equal(model.weight.clone(), torch.ones(4, 4))
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. A direct write reaches new requests while an older value is pinned or leased
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("holder", ["pin", "lease"])
+def test_new_requests_see_a_direct_write_while_the_old_value_is_held(
+    tmp_path: Path, holder: str
+) -> None:
+    t = _tensor(tmp_path)
+    new = torch.full((NUMEL,), 5.0)
+    with TensorResidencyPool() as pool:
+        held = threading.Event()
+        release = threading.Event()
+        seen: list[torch.Tensor] = []
+
+        def hold_a_lease() -> None:
+            with pool.acquire(t) as value:
+                held.set()
+                assert release.wait(30)
+                seen.append(value.clone())
+
+        holder_thread = threading.Thread(target=hold_a_lease)
+        if holder == "pin":
+            old = pool.pin(t).wait()
+        else:
+            holder_thread.start()
+            assert held.wait(30)
+        t.update_values(new)
+        assert torch.equal(pool.resolve(t), new), "a new request got the older held value"
+        with pool.acquire(t) as value:
+            assert torch.equal(value, new)
+        check_invariants(pool)
+        if holder == "pin":
+            assert pool.is_pinned(t), "the pin is on the tensor: it stays"
+            assert torch.equal(old, torch.zeros(NUMEL)), "the holder's value changed under it"
+            pool.unpin(t)
+        else:
+            with pytest.raises(T2NErrorMisuse, match="leased"):
+                pool.close()  # the old value's lease still counts
+            release.set()
+            holder_thread.join(30)
+            assert torch.equal(seen[0], torch.zeros(NUMEL)), "the holder's value changed"
+        assert torch.equal(pool.resolve(t), new)
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), new)

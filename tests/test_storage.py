@@ -650,6 +650,7 @@ def test_public_api_is_exactly_exported() -> None:
             "decode_offload_state",
             "is_opaque_payload",
             "payload_path",
+            "make_private_dir",
         ]
     )
     assert storage.DATA_ALIGNMENT == 4096

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import logging
 import os
 import shutil
-import tempfile
 import threading
 import uuid
 import weakref
@@ -63,6 +63,14 @@ def _remove_file(path: Path) -> None:
         LOGGER.warning("could not remove offloaded payload '%s': %s", path, exc)
 
 
+def _outdated(binding: _Binding, out: Mapping[str, torch.Tensor]) -> bool:
+    """Whether the host buffers ``out`` have the entries of ``binding`` with other dtypes or
+    shapes: buffers for the payload before a write changed its dtype or shape."""
+    wanted = {name: (dtype, shape) for name, dtype, shape in binding.storage_key}
+    given = {name: (t.dtype, tuple(t.shape)) for name, t in out.items()}
+    return wanted.keys() == given.keys() and wanted != given
+
+
 class _OwnedFile:
     """A payload file belonging to one tensor: removed when the last reference goes away."""
 
@@ -83,8 +91,14 @@ class _PrivateDir:
     __slots__ = ("__weakref__", "path")
 
     def __init__(self) -> None:
-        self.path = Path(tempfile.mkdtemp(prefix="t2n_offload_"))
-        weakref.finalize(self, shutil.rmtree, self.path, True)
+        self.path, lock = storage.make_private_dir()
+        weakref.finalize(self, _remove_private_dir, self.path, lock)
+
+
+def _remove_private_dir(path: Path, lock: int) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        os.close(lock)
 
 
 _PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
@@ -854,6 +868,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         attempt = 0
         while True:
             binding = self._binding
+            if out is not None and _outdated(binding, out):
+                out = None  # read into new buffers
             try:
                 if target.type == "cuda" and out is None:
                     return _read_to_device(binding, target)

@@ -70,6 +70,9 @@ class Actor:
         self._touches: deque[int] = deque(maxlen=8192)
         # Slots whose leases went from none to some or back, by other threads.
         self._changed: deque[Slot] = deque()
+        # Leased slots of values a direct write superseded: their holders keep them; new
+        # requests get the new payload (see _supersede). Dropped once their leases ended.
+        self.superseded: set[Slot] = set()
 
     # ------------------------------------------------------------------------------------------
     # Introspection and hits without the actor (any thread)
@@ -96,7 +99,8 @@ class Actor:
             self._stall_seconds += seconds
 
     def leased_count(self) -> int:
-        return sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)
+        leased = sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)
+        return leased + sum(1 for slot in self.superseded if slot.leases)
 
     def fresh_slot(self, source: PoolSource, device: torch.device) -> Slot | None:
         """The published slot of ``source`` when it holds the current value on ``device``."""
@@ -151,8 +155,15 @@ class Actor:
                 slot.changed = True
                 self._changed.append(slot)
             tracked = slot.tracked
-        if read_write:  # the latest write of the tensor, from now on, for every reader
-            slot.entry.source._note_unsaved(self, slot.value)
+        if read_write:
+            if slot.entry.slot is slot:  # the latest write of the tensor, for every reader
+                slot.entry.source._note_unsaved(self, slot.value)
+            else:  # a direct write superseded the value while it was leased: it stands
+                LOGGER.warning(
+                    "%r was written while a read_write lease held its older value: the "
+                    "lease's change is dropped, the later write stands",
+                    slot.entry.source.name,
+                )
         if not last or not tracked:
             return False
         entry = slot.entry
@@ -180,6 +191,8 @@ class Actor:
         released = False
         for slot in changed:
             entry = slot.entry
+            if slot in self.superseded and not slot.leases:
+                self.superseded.discard(slot)
             if self.entries.get(entry.key) is entry and entry.slot is slot:
                 leased = slot.leases > 0  # as of now: a later change is queued behind
                 if leased != slot.tracked:
@@ -216,11 +229,16 @@ class Actor:
         """The entry of ``source`` on ``device``, created (and its load started) when absent."""
         key = id(source)
         entry = self.entries.get(key)
+        pinned = entry is not None and entry.pinned
         if entry is not None and self._stale(entry):
             entry = None
+        else:
+            pinned = False
         if entry is None:
             entry = Entry(key, source, device, source.payload_nbytes)
             self.entries[key] = entry
+            if pinned:  # a pin is on the tensor: it holds the new value
+                self._hold(entry, pinned=True)
         elif entry.device != device:
             raise T2NErrorMisuse(
                 f"{source.name!r} is resident on {entry.device}; a tensor cannot be resident on "
@@ -231,26 +249,54 @@ class Actor:
         return entry
 
     def _stale(self, entry: Entry) -> bool:
-        """Drop an unheld value whose payload was rewritten since it was read (``update_values``
-        or an in-place op on the tensor itself); return whether it was dropped."""
+        """Drop a value whose payload was rewritten since it was read (``update_values`` or
+        an in-place op on the tensor itself); return whether it was dropped.
+
+        New requests load the new payload; whoever holds the old value (a lease, a pin)
+        keeps it. Leases still held on it count for ``close`` until they end; the caller
+        moves the pin to the next entry (a pin is on the tensor)."""
         if entry.version is entry.source.payload_version or entry.value is None:
             return False
-        if entry.held or entry.write is not None or not self._close_slot(entry):
-            return False  # holders keep the value they have; it is refreshed once released
+        if entry.write is not None:
+            return False  # requests wait for the write-back (_superseded_write), then drop it
+        slot = entry.slot
+        assert slot is not None
+        with self.lock:
+            slot.open = False
+            self.published.pop(entry.key, None)
+            self._take_dirty(entry)
+            if slot.leases:
+                self.superseded.add(slot)
         if entry.dirty:
             LOGGER.debug(
                 "%r was written after the pool's unsaved change: that later write stands",
                 entry.source.name,
             )
             entry.dirty = False
-        self._remove(entry)
+        if entry.pinned:
+            self._hold(entry, pinned=False)
+        if entry.tracked:
+            self._hold(entry, track=False)
+        entry.slot = None  # the leases keep their slot; it no longer stands for the tensor
+        self._remove(entry, reuse=not slot.leases)
         return True
+
+    @staticmethod
+    def _superseded_write(entry: Entry) -> Job | None:
+        """The write-back to wait for before ``entry``'s value, written over since it was
+        read, can be dropped: a request waits for it rather than take the older value."""
+        if entry.write is not None and entry.version is not entry.source.payload_version:
+            return entry.write
+        return None
 
     def resolve_step(self, source: PoolSource, device: torch.device) -> torch.Tensor | Job:
         """Serve a resident value, or return the load to wait for (counting a miss)."""
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
+        write = self._superseded_write(entry)
+        if write is not None:
+            return write
         entry.used = True
         self.policy.access(entry.key)
         if entry.value is not None:
@@ -268,6 +314,9 @@ class Actor:
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
+        write = self._superseded_write(entry)
+        if write is not None:
+            return write
         if pin and not entry.pinned:
             self._hold(entry, pinned=True)
             self.enforce()  # a pinned value counts toward the budget, even one taken back
@@ -284,12 +333,16 @@ class Actor:
         if not ticket.waiting:
             self.check_open()
         entry: Entry | None = ticket.entry
-        if entry is None or self.entries.get(entry.key) is not entry:
+        if entry is not None and (self.entries.get(entry.key) is not entry or self._stale(entry)):
+            ticket.waiting = False  # its reservation left with that value
+            entry = None
+        if entry is None:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
         entry.used = True
         if ticket.first:
             self.policy.access(entry.key)
-        if entry.value is not None and not (ticket.read_write and entry.write is not None):
+        waits_for_write = ticket.read_write or self._superseded_write(entry) is not None
+        if entry.value is not None and not (waits_for_write and entry.write is not None):
             if ticket.first:
                 self._hits += 1
             slot = entry.slot
@@ -539,7 +592,8 @@ class Actor:
             entry.evicting = evicting
             self.evicting_bytes += entry.nbytes if evicting else -entry.nbytes
 
-    def _remove(self, entry: Entry) -> None:
+    def _remove(self, entry: Entry, reuse: bool = True) -> None:
+        """Forget ``entry``; with ``reuse``, its CPU buffers may serve a later load."""
         self._set_evicting(entry, False)
         if self._in_use(entry):
             self.in_use_bytes -= entry.nbytes
@@ -555,7 +609,7 @@ class Actor:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
             self._wasted_prefetches += not entry.used
-            if entry.device.type == "cpu":
+            if reuse and entry.device.type == "cpu":
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:
                     self.spares.offer(
@@ -686,7 +740,7 @@ class Actor:
                 e.source.name
                 for e in self.entries.values()
                 if (e.slot is not None and e.slot.leases) or e.waiters
-            ]
+            ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
             if not leased:
                 self.closing = True
                 for slot in self.published.values():

@@ -31,7 +31,7 @@ class Resolve(Operation):
         self.actor, self.source, self.device = actor, source, device
 
     def step(self) -> torch.Tensor | Job:
-        if self.waited is not None:
+        if self.waited is not None and self.waited.kind == "load":
             return self.waited.result()  # not retained values are only delivered by the load
         return self.actor.resolve_step(self.source, self.device)
 
@@ -46,7 +46,7 @@ class Prefetch(Resolve):
         self.pin = pin
 
     def step(self) -> torch.Tensor | Job:
-        if self.waited is not None:
+        if self.waited is not None and self.waited.kind == "load":
             return self.waited.result()
         return self.actor.prefetch_step(self.source, self.device, self.pin)
 

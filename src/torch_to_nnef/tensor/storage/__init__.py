@@ -21,7 +21,9 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
   :func:`decode_offload_state` gives the state itself, without rebuilding the value.
-- :func:`payload_path` turns a tensor name into a file name that stays inside its directory.
+- :func:`payload_path` turns a tensor name into a file name that stays inside its directory;
+  :func:`make_private_dir` makes a temporary directory for payloads, and removes those of
+  killed processes (as the first write in a directory removes their temporary files).
 
 Every problem with a file raises :class:`~torch_to_nnef.exceptions.T2NErrorStorage` naming the
 path and the rule broken; nothing on these paths unpickles.
@@ -41,6 +43,7 @@ from torch_to_nnef.tensor.storage._format import DATA_ALIGNMENT as DATA_ALIGNMEN
 from torch_to_nnef.tensor.storage._format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from torch_to_nnef.tensor.storage._format import EntrySpec as EntrySpec
 from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
+from torch_to_nnef.tensor.storage._io import make_private_dir as make_private_dir
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import read_to_device as read_to_device
@@ -95,4 +98,5 @@ __all__ = [
     "is_opaque_payload",
     # file names
     "payload_path",
+    "make_private_dir",
 ]

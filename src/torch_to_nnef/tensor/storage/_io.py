@@ -4,15 +4,23 @@ Reads use ``os.preadv`` at absolute offsets straight into the destination tensor
 call for each run of adjacent entries, looping on short reads. Writes go to a temporary file
 created next to the destination (``O_CREAT | O_EXCL | O_NOFOLLOW``), which is flushed to disk
 and renamed over the destination: a crash leaves either the old or the new payload.
+
+A writer holds an advisory lock (``flock``) on its temporary file, and names it after its pid
+(see ``_paths``). The first write of a process in a directory removes the temporaries that
+killed writers left there: those named as ours whose process is gone and that no one locks.
+Private offload directories are cleaned the same way (:func:`make_private_dir`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
-import secrets
+import shutil
 import stat as stat_module
+import tempfile
+import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
@@ -38,8 +46,20 @@ from torch_to_nnef.tensor.storage._format import (
     parse_header,
     plan_header,
 )
+from torch_to_nnef.tensor.storage._paths import (
+    private_dir_owner,
+    private_dir_prefix,
+    temp_name,
+    temp_owner,
+)
 
-__all__ = ["read_layout", "read_payload", "read_to_device", "write_payload"]
+__all__ = [
+    "make_private_dir",
+    "read_layout",
+    "read_payload",
+    "read_to_device",
+    "write_payload",
+]
 
 _T = TypeVar("_T", bound=torch.Tensor)
 
@@ -333,7 +353,7 @@ class AtomicFile:
         )
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
         for attempt in range(_TEMP_ATTEMPTS):
-            candidate = f".{self.destination.name[:100]}.{secrets.token_hex(8)}.tmp"
+            candidate = temp_name(self.destination.name)
             try:
                 self.fd = os.open(candidate, flags, 0o644, dir_fd=self.dir_fd)
             except FileExistsError:
@@ -341,6 +361,8 @@ class AtomicFile:
                     raise
                 continue
             self.temp = candidate
+            _lock(self.fd, blocking=True)  # held until the file is closed: a live writer's
+            remove_stale_temporaries(self.dir_fd)
             return
 
     def write(self, view: memoryview) -> None:
@@ -388,6 +410,130 @@ class AtomicFile:
             dir_fd, self.dir_fd = self.dir_fd, None
             with contextlib.suppress(OSError):
                 os.close(dir_fd)
+
+
+# ---------------------------------------------------------------------------------------------
+# Temporaries of killed processes
+# ---------------------------------------------------------------------------------------------
+_CLEANED: set[tuple[int, int]] = set()  # directories this process cleaned (device, inode)
+_CLEANED_LOCK = threading.Lock()
+_PRIVATE_LOCK_NAME = ".t2n-owner.lock"
+
+
+def _first_visit(stat: os.stat_result) -> bool:
+    """Whether this process visits the directory of ``stat`` for cleaning the first time."""
+    key = (stat.st_dev, stat.st_ino)
+    with _CLEANED_LOCK:
+        if key in _CLEANED:
+            return False
+        _CLEANED.add(key)
+        return True
+
+
+def _lock(fd: int, *, blocking: bool) -> bool:
+    """Take the advisory lock of ``fd``; return whether it was taken (never raises)."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # held by another, or a file system without locks
+        return False
+    return True
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` may be running (this one, or any that a signal can reach)."""
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # e.g. a process of another user: alive
+        return True
+    return True
+
+
+def remove_stale_temporaries(dir_fd: int) -> None:
+    """Remove the temporary files killed writers left in the directory ``dir_fd`` (once per
+    directory and process; never raises ``OSError``).
+
+    A file is removed only when it is named as ours, its writer's pid is not running, it is
+    a regular file, no one holds its lock, and it is still the file that was checked.
+    """
+    try:
+        if not _first_visit(os.fstat(dir_fd)):
+            return
+        names = os.listdir(dir_fd)
+    except OSError:
+        return
+    for name in names:
+        pid = temp_owner(name)
+        if pid is None or process_alive(pid):
+            continue
+        try:
+            fd = os.open(name, READ_FLAGS | _O_NOFOLLOW, dir_fd=dir_fd)
+        except OSError:
+            continue
+        try:
+            stat = os.fstat(fd)
+            if stat_module.S_ISREG(stat.st_mode) and _lock(fd, blocking=False):
+                now = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+                if (now.st_dev, now.st_ino) == (stat.st_dev, stat.st_ino):
+                    os.unlink(name, dir_fd=dir_fd)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+def remove_stale_private_dirs(parent: Path) -> None:
+    """Remove the private offload directories that killed processes left in ``parent`` (once
+    per process; never raises ``OSError``): named as ours, their pid not running, a directory
+    (not a link), and their owner's lock file free or never created."""
+    try:
+        if not _first_visit(os.stat(parent)):
+            return
+        entries = list(os.scandir(parent))
+    except OSError:
+        return
+    for entry in entries:
+        pid = private_dir_owner(entry.name)
+        if pid is None or process_alive(pid):
+            continue
+        try:
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            fd: int | None = os.open(
+                Path(entry.path) / _PRIVATE_LOCK_NAME, READ_FLAGS | _O_NOFOLLOW
+            )
+        except FileNotFoundError:
+            fd = None  # killed before it locked the directory
+        except OSError:
+            continue
+        try:
+            if fd is None or _lock(fd, blocking=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+        finally:
+            if fd is not None:
+                os.close(fd)
+
+
+def make_private_dir() -> tuple[Path, int]:
+    """Create a private offload directory in the system's temporary directory, locked by
+    this process, after removing those that killed processes left there.
+
+    Returns:
+        the directory and the descriptor of its lock (close it when the directory goes).
+    """
+    parent = Path(tempfile.gettempdir())
+    remove_stale_private_dirs(parent)
+    path = Path(tempfile.mkdtemp(prefix=private_dir_prefix(), dir=parent))
+    fd = os.open(
+        path / _PRIVATE_LOCK_NAME,
+        os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+        0o600,
+    )
+    _lock(fd, blocking=True)
+    return path, fd
 
 
 def _fsync_descriptor(fd: int) -> None:

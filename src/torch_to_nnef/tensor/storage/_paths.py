@@ -5,6 +5,11 @@ A payload of tensor ``name`` with storage id ``storage_id`` is stored in ``offlo
 ``.``, ``_`` and ``-`` (everything else, path separators and NUL included, becomes ``_``),
 never starts with a dot and never holds ``..``, and is bounded in length (a long name is cut
 and suffixed with a hash of the full name, so distinct long names stay distinct).
+
+Temporaries are named after the process that owns them, so that those of a killed process can
+be told from those of a live one: a payload being written is
+``.<destination name>.t2n-<pid>-<random>.tmp`` next to its destination, a private offload
+directory is ``t2n_offload_<pid>_<random>`` in the system's temporary directory.
 """
 
 from __future__ import annotations
@@ -12,6 +17,7 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import secrets
 from pathlib import Path
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
@@ -25,6 +31,9 @@ MAX_STORAGE_ID_CHARS = 64
 _UNSAFE_CHARS = re.compile(r"[^A-Za-z0-9._-]")
 _DOT_RUNS = re.compile(r"\.{2,}")
 _STORAGE_ID = re.compile(r"[A-Za-z0-9_-]+")
+_TEMP_NAME = re.compile(r"\..+\.t2n-([0-9]{1,10})-[0-9a-f]{16}\.tmp")
+PRIVATE_DIR_PREFIX = "t2n_offload_"
+_PRIVATE_DIR_NAME = re.compile(r"t2n_offload_([0-9]{1,10})_[a-z0-9_]+")
 
 
 def sanitize_name(name: str) -> str:
@@ -80,3 +89,25 @@ def payload_path(offload_dir: str | os.PathLike[str], name: str, storage_id: str
     if path.parent != directory or not path.is_relative_to(directory):
         raise AssertionError(f"payload file name {file_name!r} escapes {directory}")
     return path
+
+
+def temp_name(destination_name: str) -> str:
+    """A fresh name for a temporary file of this process next to ``destination_name``."""
+    return f".{destination_name[:100]}.t2n-{os.getpid()}-{secrets.token_hex(8)}.tmp"
+
+
+def private_dir_prefix() -> str:
+    """The prefix of this process's private offload directories (``tempfile.mkdtemp``)."""
+    return f"{PRIVATE_DIR_PREFIX}{os.getpid()}_"
+
+
+def temp_owner(name: str) -> int | None:
+    """The pid of the process that named the temporary file ``name``; ``None``: not ours."""
+    match = _TEMP_NAME.fullmatch(name)
+    return None if match is None else int(match.group(1))
+
+
+def private_dir_owner(name: str) -> int | None:
+    """The pid of the process that named the private directory ``name``; ``None``: not ours."""
+    match = _PRIVATE_DIR_NAME.fullmatch(name)
+    return None if match is None else int(match.group(1))
