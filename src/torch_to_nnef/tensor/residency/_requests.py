@@ -120,16 +120,9 @@ class Flush(Operation):
         if self.jobs is None:
             self.actor.check_open()
             self.jobs = self.actor.flush_step(self.source)
-        pending = next((job for job in self.jobs if not job.done), None)
-        if pending is not None:
-            return pending
-        failed = _failed_writes(self.jobs)
-        if failed:
-            raise T2NErrorStorage(
-                f"{len(failed)} write-back(s) failed; the dirty values stay resident, "
-                "free space or fix the offload directory and flush again"
-            ) from failed[0].error
-        return None
+        return _pending_or_failed(
+            self.jobs, "", ", free space or fix the offload directory and flush again"
+        )
 
 
 class Close(Operation):
@@ -153,15 +146,13 @@ class Close(Operation):
             actor.begin_close()
             self.began = True
         while True:
-            pending = next((job for job in self.jobs if not job.done), None)
+            pending = _pending_or_failed(
+                self.jobs,
+                "closing the pool: ",
+                " and the pool stays open: fix the cause and close again",
+            )
             if pending is not None:
                 return pending
-            failed = _failed_writes(self.jobs)
-            if failed:
-                raise T2NErrorStorage(
-                    f"closing the pool: {len(failed)} write-back(s) failed; the dirty values "
-                    "stay resident and the pool stays open: fix the cause and close again"
-                ) from failed[0].error
             self.jobs = list(actor.jobs) or actor.flush_step(None)
             if not self.jobs:
                 actor.finish_close()
@@ -174,8 +165,17 @@ class Close(Operation):
             self.actor.abort_close()
 
 
-def _failed_writes(jobs: list[Job]) -> list[Job]:
-    return [job for job in jobs if job.kind == "write" and job.error is not None]
+def _pending_or_failed(jobs: list[Job], context: str, remedy: str) -> Job | None:
+    """The first of ``jobs`` still running; once all ended, raise if a write-back failed."""
+    pending = next((job for job in jobs if not job.done), None)
+    if pending is not None:
+        return pending
+    failed = [job for job in jobs if job.kind == "write" and job.error is not None]
+    if failed:
+        raise T2NErrorStorage(
+            f"{context}{len(failed)} write-back(s) failed; the dirty values stay resident{remedy}"
+        ) from failed[0].error
+    return None
 
 
 def write_error(source: PoolSource, error: BaseException) -> T2NErrorStorage:
