@@ -101,14 +101,26 @@ def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = Fals
     if pin:
         return torch.empty(shape, dtype=dtype, pin_memory=True)
     nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MAPPED_BUFFER_MIN_BYTES or not hasattr(mmap, "MAP_ANONYMOUS"):
+    region = map_anonymous(nbytes) if nbytes >= MAPPED_BUFFER_MIN_BYTES else None
+    if region is None:
         return torch.empty(shape, dtype=dtype)
     # The tensor's storage holds the only reference to the mapping, so that nothing can close
     # it under the tensor; it is unmapped when that storage is freed.
-    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     buffer = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
     advise_huge_pages(buffer)
     return buffer
+
+
+def map_anonymous(nbytes: int) -> mmap.mmap | None:
+    """A new private anonymous mapping of ``nbytes``; ``None`` where the platform has none or
+    the system refuses one (the number of mappings of a process is bounded: Linux's
+    ``vm.max_map_count``), so that the caller takes memory from torch's allocator instead."""
+    if not hasattr(mmap, "MAP_ANONYMOUS"):
+        return None
+    try:
+        return mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    except OSError:
+        return None
 
 
 # ---------------------------------------------------------------------------------------------
