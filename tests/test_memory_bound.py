@@ -3,13 +3,17 @@ by at most the budget, what is leased at once and 64 MiB, and closing the pool g
 back to the operating system.
 
 Each case runs in a fresh interpreter with no ``MALLOC_*`` variable in its environment (glibc's
-tunables would hide what the allocator keeps), binds 24 layers of 16 MiB to a checkpoint, and
-streams two forwards through a 64 MiB budget (``stream_modules`` with ``depth=1``: the layer
-computing and the one read ahead are leased at once), with mapped reads on and off.
+tunables would hide what the allocator keeps), frees a layer-sized tensor first (as building
+or running any model does), binds 24 layers of up to 16 MiB to a checkpoint, and streams two
+forwards through a 64 MiB budget with 4 I/O workers (``stream_modules`` with ``depth=1``: the
+layer computing and the one read ahead are leased at once): buffered reads of layers of one
+shape (the pool reuses evicted buffers) and of distinct shapes (no evicted buffer fits), and
+mapped reads (evicted values must be unmapped).
 
-Seen failing before payload buffers were mapped anonymously: with buffered reads the resident
-set stayed 83 to 122 MiB above its level before the forwards after ``close()`` (glibc kept the
-freed 16 MiB buffers in its heap once its mmap threshold had risen past them).
+Seen failing before host buffers were mappings of their own: with buffered reads, 56 MiB
+(one shape) and 169 MiB (distinct shapes) stayed after ``close()``, and the peak of the
+distinct shapes rose by 210 MiB, above the bound of 160 MiB (glibc served the buffers from its
+per-thread heaps once its mmap threshold had risen past them, and kept them when freed).
 """
 
 from __future__ import annotations
