@@ -150,10 +150,20 @@ def test_memory_results(results: Path) -> None:
         + document["config"]["budget_bytes"]
         + 2 * document["config"]["layer_bytes"]
     )
-    assert {r["strategy"] for r in document["results"]} >= {"LRU"}
+    assert document["growth_bound_bytes"] == (
+        document["config"]["budget_bytes"] + 2 * document["config"]["layer_bytes"] + (64 << 20)
+    )
+    assert {(r["strategy"], r["mapped"]) for r in document["results"]} >= {
+        ("LRU", True),
+        ("LRU", False),
+    }
     for result in document["results"]:
         assert result["peak_rss_bytes"] > 0
         assert result["loads"] >= document["config"]["layers"]
+        if result["growth_bytes"] is not None:
+            assert result["growth_met"] == (
+                result["growth_bytes"] <= document["growth_bound_bytes"]
+            )
 
 
 @pytest.mark.timeout(300)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import mmap
 import os
@@ -23,9 +24,11 @@ from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
 from torch_to_nnef.tensor.storage._buffers import (
+    MAPPED_BUFFER_MIN_BYTES,
     STAGING_BYTES,
     advise_huge_pages,
     byte_view,
+    empty_buffer,
     tensor_pieces,
 )
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
@@ -323,6 +326,51 @@ def test_huge_page_hint_applies_to_large_fresh_buffers_only() -> None:
     hinted = advise_huge_pages(large)
     assert hinted is (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"))
     assert torch.equal(large, torch.arange(4 << 20, dtype=torch.float32))  # values untouched
+
+
+def _mapped(address: int, nbytes: int) -> bool:
+    """Whether any byte of ``[address, address + nbytes)`` is mapped in this process (Linux)."""
+    for line in Path("/proc/self/maps").read_text(encoding="ascii").splitlines():
+        start, end = (int(bound, 16) for bound in line.split()[0].split("-"))
+        if start < address + nbytes and address < end:
+            return True
+    return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs Linux's /proc maps")
+def test_large_read_buffers_are_unmapped_with_their_last_tensor(tmp_path: Path) -> None:
+    """A read buffer of 1 MiB lives as long as a view of it, then leaves the process at once.
+
+    Mutation caught: buffers from ``torch.empty`` stayed mapped in glibc's heap once a larger
+    tensor had been freed first (glibc's mmap threshold then rises past it), failing the test.
+    """
+    torch.ones(1 << 20).sum()  # a 4 MiB tensor freed: glibc serves 1 MiB from its heaps now
+    value = torch.randn(512, 512)
+    layout = storage.write_payload(tmp_path / "p.safetensors", {"w": value}, fsync=False)
+    read = storage.read_payload(layout)["w"]
+    address, nbytes = read.data_ptr(), read.nbytes
+    view = read[100:101]
+    del read
+    gc.collect()
+    assert torch.equal(view, value[100:101])  # the view keeps the buffer alive
+    assert _mapped(address, nbytes)
+    del view
+    gc.collect()
+    assert not _mapped(address, nbytes)
+
+
+def test_buffers_come_from_torch_when_no_mapping_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where the system refuses a new mapping (too many mappings), the buffer is still made."""
+
+    def refuse(*args: Any, **kwargs: Any) -> mmap.mmap:
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    buffer = empty_buffer((MAPPED_BUFFER_MIN_BYTES // 4,), torch.float32)
+    buffer.fill_(2.0)
+    assert buffer.sum().item() == MAPPED_BUFFER_MIN_BYTES // 2
+    small = empty_buffer((3,), torch.float64)  # small buffers never ask for a mapping
+    assert small.shape == (3,) and small.dtype == torch.float64
 
 
 # ---------------------------------------------------------------------------------------------

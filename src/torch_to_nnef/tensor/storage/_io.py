@@ -242,7 +242,9 @@ def read_payload(
 
     Returns:
         the tensors by entry name in the order of ``names`` (file order by default); the
-        tensors of ``out`` are returned themselves, filled.
+        tensors of ``out`` are returned themselves, filled. A fresh buffer of 128 KiB or more
+        maps memory of its own, given back to the system when its last tensor is freed (its
+        storage cannot be resized).
 
     Raises:
         T2NErrorStorage: the file is missing, changed since ``layout`` was read, truncated or
