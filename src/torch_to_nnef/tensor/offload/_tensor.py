@@ -899,12 +899,17 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         unsaved = self._unsaved
         return None if unsaved is None else unsaved[2]
 
-    def _note_unsaved(self, owner: object, value: torch.Tensor) -> None:
-        """A pool changed the value (a ``read_write`` lease ended): it is now the latest
-        write of the tensor. Reads outside that pool see it; an older unsaved value of
-        another pool is superseded (its write-back will not happen)."""
+    def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
+        """A pool changed the value, read from payload ``version`` (a ``read_write`` lease
+        ends): it becomes the latest write of the tensor, unless a write replaced that
+        payload since (the later write stands; returns ``False``). Reads outside that pool
+        see it; an older unsaved value of another pool is superseded (its write-back will not
+        happen)."""
         with self._pending:
+            if self._binding is not version:
+                return False
             self._unsaved = (owner, object(), value)
+            return True
 
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: reads wait for it from now on."""
