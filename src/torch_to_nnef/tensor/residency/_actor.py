@@ -207,8 +207,7 @@ class Actor:
         each): the recency of their hits, and the leases they took or ended, which hold a
         value out of the budget while they last."""
         while self._dropped:
-            holder, changed = self._dropped.popleft()
-            self.release(holder, changed)
+            self.release(*self._dropped.popleft())
         if not (self._touches or self._changed):
             return
         with self.lock:
