@@ -236,7 +236,8 @@ class TensorResidencyLease(Holder):
         end_lease(self._pool, self, True)
 
     def __del__(self) -> None:
-        if self.slot is not None:  # an interrupt landed where its owner could not end it
+        # An interrupt landed where its owner could not end it (or before it was built).
+        if getattr(self, "slot", None) is not None:
             dropped = Holder(self.read_write)
             dropped.slot, self.slot = self.slot, None
             self._pool._actor.drop(dropped, self._used)
