@@ -15,7 +15,7 @@ import random
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -24,7 +24,7 @@ import pytest
 import torch
 from residency_checks import check_invariants, on_disk, settle
 
-from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
 from torch_to_nnef.tensor.residency._actor import Actor
@@ -161,17 +161,19 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
 # A request joining a load that read the payload before a direct write
 # ---------------------------------------------------------------------------------------------
 class Breakpoint:
-    """Pause the next thread that returns from ``code`` once armed, until :meth:`go`."""
+    """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
+    ``code`` once armed, until :meth:`go`."""
 
-    def __init__(self, code: CodeType) -> None:
+    def __init__(self, code: CodeType, on: str) -> None:
         self.code = code
+        self.on = on
         self.armed = threading.Event()
         self.paused = threading.Event()
         self._go = threading.Event()
         self._lock = threading.Lock()
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == "return" and self.armed.is_set():
+        if event == self.on and self.armed.is_set():
             with self._lock:
                 hit = self.armed.is_set()
                 self.armed.clear()
@@ -181,16 +183,18 @@ class Breakpoint:
         return self._local
 
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        return self._local if frame.f_code is self.code else None
+        if frame.f_code is not self.code:
+            return None
+        return self._local(frame, event, arg)
 
     def go(self) -> None:
         self._go.set()
 
 
 @contextmanager
-def _breakpoint(code: CodeType) -> Iterator[Breakpoint]:
+def _breakpoint(code: CodeType, on: str = "return") -> Iterator[Breakpoint]:
     """A :class:`Breakpoint` in the threads started inside the block."""
-    point = Breakpoint(code)
+    point = Breakpoint(code, on)
     threading.settrace(point._trace)
     try:
         yield point
@@ -268,6 +272,31 @@ def test_a_read_write_lease_is_never_granted_while_a_write_back_starts(tmp_path:
         assert not granted_early, "a read_write lease was granted while a write-back started"
         assert bool((on_disk(t) == 3.0).all())
     assert bool((on_disk(t) == 4.0).all())
+
+
+def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path) -> None:
+    """The owner of a read_write lease is paused as its change becomes the tensor's latest
+    write; an eviction then must not write back (or drop) the value without that change."""
+    t = _tensor(tmp_path, "t")
+    code = OffloadedTensor._note_unsaved.__code__
+    with _breakpoint(code, on="call") as point, TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)
+        pool.flush()
+
+        def owner() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+
+        point.armed.set()
+        thread = threading.Thread(target=owner)
+        thread.start()
+        assert point.paused.wait(30)
+        with suppress(T2NErrorMisuse):  # the lease still holds the value
+            pool.evict(t)
+        point.go()
+        thread.join(30)
+    assert bool((on_disk(t) == 2.0).all()), "the change of a lease ending was lost"
 
 
 def test_threads_writing_under_leases_while_evictions_write_back_never_tear_a_payload(
