@@ -198,10 +198,11 @@ class PoolMachine(RuleBasedStateMachine):
     @rule()
     def flush(self) -> None:
         self.pool.flush()
-        for i in list(self.model.dirty):
+        writing = {i for i, _, _, read_write in self.open_leases if read_write}
+        for i in list(self.model.dirty - writing):  # a read_write lease's change is not whole
             self.model.disk[i] = self.model.memory[i]
             self.model.write_backs += 1
-        self.model.dirty.clear()
+            self.model.dirty.discard(i)
 
     # -- comparison --------------------------------------------------------------------------
     @invariant()

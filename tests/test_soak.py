@@ -624,11 +624,6 @@ def test_one_thread_of_writes_lands_in_program_order(tmp_path: Path, seed: int) 
     assert min(world.counts[op] for op in ("read_write", "update_values", "copy_", "to")) > 0
 
 
-@pytest.mark.xfail(
-    reason="known: under concurrent threads, a lease can be left held after an interrupt or a "
-    "timeout from another loop, and a resolve from another loop can be served an older value",
-    strict=False,
-)
 @pytest.mark.timeout(int(soak_seconds()) + 60)
 def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
     seconds = max(2.0, soak_seconds() * 0.4)

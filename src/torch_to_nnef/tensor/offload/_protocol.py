@@ -39,9 +39,10 @@ class PoolSource:
       announced write-backs first, so every read sees the latest written value.
     - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
       the same :attr:`storage_key` may reuse, or ``None``.
-    - ``_note_unsaved(owner, value)``: a pool changed the value (a ``read_write`` lease
-      ended); it is the latest write of the tensor until written back or superseded, and
-      reads outside the pool see it.
+    - ``_note_unsaved(owner, value, version)``: a pool changed the value it read from
+      payload ``version`` (a ``read_write`` lease ends); unless a write replaced that payload
+      since (then it returns ``False``), it is the latest write of the tensor until written
+      back or superseded, and reads outside the pool see it.
     - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
       until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
       superseded it, blocking, on a worker; returns the payload version written or ``None``;
@@ -78,7 +79,7 @@ class PoolSource:
     def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
 
-    def _note_unsaved(self, owner: object, value: torch.Tensor) -> None:
+    def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
         raise NotImplementedError
 
     def _announce_write(self) -> None:

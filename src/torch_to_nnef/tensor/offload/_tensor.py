@@ -442,6 +442,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _write_lock: threading.Lock
     _target_device: torch.device
     _pending: threading.Condition
+    _pending_lock: threading.Lock
     _pending_writes: int
     _unsaved: tuple[object, object, torch.Tensor] | None
 
@@ -576,7 +577,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._private = private
         self._write_lock = threading.Lock()
         self._target_device = device
-        self._pending = threading.Condition(threading.Lock())
+        # The condition's lock, taken directly where nothing waits: its C-level context
+        # manager leaves no Python frame for an interrupt (Ctrl-C) to land in while it is held.
+        self._pending_lock = threading.Lock()
+        self._pending = threading.Condition(self._pending_lock)
         self._pending_writes = 0
         self._unsaved = None
         return self
@@ -899,12 +903,17 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         unsaved = self._unsaved
         return None if unsaved is None else unsaved[2]
 
-    def _note_unsaved(self, owner: object, value: torch.Tensor) -> None:
-        """A pool changed the value (a ``read_write`` lease ended): it is now the latest
-        write of the tensor. Reads outside that pool see it; an older unsaved value of
-        another pool is superseded (its write-back will not happen)."""
-        with self._pending:
+    def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
+        """A pool changed the value, read from payload ``version`` (a ``read_write`` lease
+        ends): it becomes the latest write of the tensor, unless a write replaced that
+        payload since (the later write stands; returns ``False``). Reads outside that pool
+        see it; an older unsaved value of another pool is superseded (its write-back will not
+        happen)."""
+        with self._pending_lock:
+            if self._binding is not version:
+                return False
             self._unsaved = (owner, object(), value)
+            return True
 
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: reads wait for it from now on."""

@@ -30,7 +30,7 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPolicy
 from torch_to_nnef.tensor.residency._spares import SpareBuffers
-from torch_to_nnef.tensor.residency._state import Entry, Job, PoolStats, Slot, Ticket
+from torch_to_nnef.tensor.residency._state import Entry, Holder, Job, PoolStats, Slot, Ticket
 
 __all__ = ["Actor", "SubmitJob"]
 
@@ -73,6 +73,10 @@ class Actor:
         # Leased slots of values a direct write superseded: their holders keep them; new
         # requests get the new payload (see _supersede). Dropped once their leases ended.
         self.superseded: set[Slot] = set()
+        # Leases of holders collected while they held them (an interrupt landed where their
+        # owner could not end them), with whether they may have changed the value: ended by
+        # the next transition. Appended without a lock (a finalizer may run anywhere).
+        self._dropped: deque[tuple[Holder, bool]] = deque()
 
     # ------------------------------------------------------------------------------------------
     # Introspection and hits without the actor (any thread)
@@ -125,45 +129,65 @@ class Actor:
         with self.lock:
             self._touches.append(key)
 
-    def try_lease(self, slot: Slot, read_write: bool) -> bool:
-        """Take a lease on an open slot without the actor (any thread); counts the hit."""
+    def try_lease(self, slot: Slot, holder: Holder) -> bool:
+        """Take a lease on an open slot for ``holder`` without the actor (any thread); counts
+        the hit. A ``read_write`` lease waits for a write-back of the value (refused here)."""
         with self.lock:
-            if not slot.open or (read_write and slot.writing):
+            if not slot.open or (holder.read_write and slot.writing):
                 return False
-            slot.leases += 1
-            if not slot.changed:
-                slot.changed = True
-                self._changed.append(slot)
+            self._grant(slot, holder)
             self._lock_hits += 1
             self._touches.append(slot.entry.key)
             slot.entry.used = True
         return True
 
-    def end_lease(self, slot: Slot, read_write: bool) -> bool:
-        """End a lease (any thread); return whether the actor must hear of it now: this was
-        the last lease of a value it counts as in use, and that value must leave (it was not
-        retained, or back in the cache it puts the pool over its budget). Otherwise the
-        actor's next transition takes note."""
-        with self.lock:
-            if slot.leases < 1:
-                raise T2NErrorMisuse("this lease is not active: it was already released")
-            slot.leases -= 1
-            slot.dirty = slot.dirty or read_write
-            self._touches.append(slot.entry.key)
-            last = not slot.leases
-            if last and not slot.changed:
-                slot.changed = True
-                self._changed.append(slot)
-            tracked = slot.tracked
-        if read_write:
-            if slot.entry.slot is slot:  # the latest write of the tensor, for every reader
-                slot.entry.source._note_unsaved(self, slot.value)
-            else:  # a direct write superseded the value while it was leased: it stands
+    def _grant(self, slot: Slot, holder: Holder) -> None:
+        """Give ``holder`` a lease on ``slot`` (under the lock). The count and the holder
+        change together, before any call an interrupt could land on."""
+        slot.leases += 1
+        slot.writers += holder.read_write
+        holder.slot = slot
+        if not slot.changed:
+            self._changed.append(slot)
+            slot.changed = True
+
+    def release(self, holder: Holder, changed: bool) -> bool:
+        """End ``holder``'s lease, if it holds one (any thread; idempotent). Return whether
+        the actor must hear of it now: this was the last lease of a value it counts as in
+        use, and that value must leave (it was not retained, or back in the cache it puts the
+        pool over its budget). Otherwise the actor's next transition takes note.
+
+        ``changed``: the holder may have changed the value (a ``read_write`` lease that was
+        entered). The change becomes the latest write of the tensor before the lease ends, so
+        that no write-back of the value can start in between; a direct write since the value
+        was read stands instead (the change is dropped).
+        """
+        slot = holder.slot
+        if slot is None:
+            return False
+        changed = changed and holder.read_write
+        if changed:
+            source = slot.entry.source
+            changed = source._note_unsaved(self, slot.value, slot.version)
+            if not changed:
                 LOGGER.warning(
                     "%r was written while a read_write lease held its older value: the "
                     "lease's change is dropped, the later write stands",
-                    slot.entry.source.name,
+                    source.name,
                 )
+        with self.lock:
+            slot, holder.slot = holder.slot, None
+            if slot is None:  # released meanwhile by another thread
+                return False
+            slot.leases -= 1
+            slot.writers -= holder.read_write
+            slot.dirty = slot.dirty or changed
+            last = not slot.leases
+            tracked = slot.tracked
+            self._touches.append(slot.entry.key)
+            if last and not slot.changed:
+                self._changed.append(slot)
+                slot.changed = True
         if not last or not tracked:
             return False
         entry = slot.entry
@@ -173,10 +197,17 @@ class Actor:
         cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
         return budget is not None and cached + entry.nbytes > budget
 
+    def drop(self, holder: Holder, changed: bool) -> None:
+        """End the lease of a holder being collected, at the next transition (any thread, at
+        any moment: takes no lock)."""
+        self._dropped.append((holder, changed))
+
     def sync(self) -> None:
         """Take note of what other threads did since the last transition (first thing of
         each): the recency of their hits, and the leases they took or ended, which hold a
         value out of the budget while they last."""
+        while self._dropped:
+            self.release(*self._dropped.popleft())
         if not (self._touches or self._changed):
             return
         with self.lock:
@@ -327,8 +358,8 @@ class Actor:
         return entry.load
 
     def acquire_step(self, ticket: Ticket) -> torch.Tensor | Job:
-        """Grant a lease on a resident value (``ticket.slot``), or reserve it and return the
-        job to wait for."""
+        """Grant a lease on a resident value to ``ticket.holder``, or reserve it and return
+        the job to wait for."""
         self.sync()
         if not ticket.waiting:
             self.check_open()
@@ -348,8 +379,7 @@ class Actor:
             slot = entry.slot
             assert slot is not None
             with self.lock:
-                slot.leases += 1
-            ticket.slot = slot
+                self._grant(slot, ticket.holder)
             self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
             self.policy.touch(entry.key)
@@ -365,11 +395,10 @@ class Actor:
         return pending
 
     def abandon_acquire(self, ticket: Ticket) -> None:
-        """Undo what an acquire whose value nobody will take holds (idempotent)."""
+        """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
+        unchanged, or its reservation."""
         self.sync()
-        slot, ticket.slot = ticket.slot, None
-        if slot is not None:
-            self.end_lease(slot, read_write=False)
+        if self.release(ticket.holder, changed=False):
             self.sync()
         elif ticket.waiting:
             ticket.waiting = False
@@ -418,7 +447,7 @@ class Actor:
         entry.load = self._job(
             "load", source._reload_unmanaged, (entry.device, out), partial(self._on_loaded, entry)
         )
-        entry.version = version
+        entry.load.version = entry.version = version
         self._reused_buffers += out is not None
         self.loading_bytes += entry.nbytes
         self._note_active()
@@ -616,9 +645,21 @@ class Actor:
                         entry.source.storage_key, entry.nbytes, value, buffers, self.spare_room()
                     )
 
-    def _start_write(self, entry: Entry) -> Job:
+    def _start_write(self, entry: Entry) -> Job | None:
+        """Start writing ``entry``'s value back; ``None`` while a ``read_write`` lease holds
+        it (its change is not whole yet: it is written once the lease ended).
+
+        New ``read_write`` leases are refused (``writing``) before the write-back can copy
+        the value, and only when none is held, in one step under the lock.
+        """
         value = entry.value
         assert value is not None
+        slot = entry.slot
+        if slot is not None:
+            with self.lock:
+                if slot.writers:
+                    return None
+                slot.writing = True
         source = entry.source
         source._announce_write()  # reads of the tensor wait for this write from now on
         try:
@@ -627,13 +668,13 @@ class Actor:
             )
         except BaseException:
             source._end_write()
+            if slot is not None:
+                with self.lock:
+                    slot.writing = False
             raise
         entry.write = job
         entry.dirty = False
         entry.stuck = False
-        if entry.slot is not None:
-            with self.lock:
-                entry.slot.writing = True
         return job
 
     def _on_written(self, entry: Entry, job: Job) -> None:
@@ -710,7 +751,10 @@ class Actor:
         return None
 
     def flush_step(self, source: PoolSource | None) -> list[Job]:
-        """Start write-backs of dirty values (all, or ``source``'s); return jobs to wait for."""
+        """Start write-backs of dirty values (all, or ``source``'s); return jobs to wait for.
+
+        A value under a ``read_write`` lease is left for later (its eviction, the next flush
+        or close): its change is not whole while the lease is held."""
         self.sync()
         if source is None:
             entries = list(self.entries.values())
@@ -727,7 +771,9 @@ class Actor:
             elif entry.write is not None:
                 jobs.append(entry.write)
             elif entry.dirty and entry.value is not None:
-                jobs.append(self._start_write(entry))
+                job = self._start_write(entry)
+                if job is not None:  # else written once its read_write lease ends
+                    jobs.append(job)
         return jobs
 
     def begin_close(self) -> None:

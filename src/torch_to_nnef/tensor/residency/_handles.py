@@ -18,7 +18,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._requests import Acquire
-from torch_to_nnef.tensor.residency._state import Slot
+from torch_to_nnef.tensor.residency._state import Holder
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
@@ -36,13 +36,17 @@ def hand_over(value: torch.Tensor, device: torch.device | None = None) -> torch.
     return storage.handoff(value, device)
 
 
-def end_lease(pool: TensorResidencyPool, slot: Slot, read_write: bool) -> None:
-    """End a lease on ``slot`` (any thread); when that puts the pool over its budget, the
-    actor hears of it without waiting. A ``read_write`` lease on a CUDA value records an event
-    on the caller's current stream, which the write-back waits for."""
-    if read_write:
+def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
+    """End ``holder``'s lease if it holds one (any thread; idempotent); when that puts the
+    pool over its budget, the actor hears of it without waiting. ``changed``: a
+    ``read_write`` lease that was entered, whose change is kept; on a CUDA value it records
+    an event on the caller's current stream, which the write-back waits for."""
+    slot = holder.slot
+    if slot is None:
+        return
+    if changed and holder.read_write:
         storage.record_writes(slot.value, slot.device)
-    if pool._actor.end_lease(slot, read_write):
+    if pool._actor.release(holder, changed):
         pool._runtime.notify(pool._actor.leases_ended)
 
 
@@ -102,7 +106,7 @@ class TensorPrefetch:
         return f"<TensorPrefetch {'done' if self.done() else 'pending'}>"
 
 
-class TensorResidencyLease:
+class TensorResidencyLease(Holder):
     """A scoped claim on a resident value: ``with pool.acquire(t) as v`` or ``async with``.
 
     While the lease is held the value stays resident. A ``read_write`` lease marks the value
@@ -110,32 +114,26 @@ class TensorResidencyLease:
     A lease is entered once. Entering a lease on a resident value takes no round trip to the
     pool's loop thread.
 
+    The lease is released whatever interrupts its owner: an error, a cancellation or a
+    ``KeyboardInterrupt`` while it is being entered gives it back; one landing where no code
+    of the lease runs (on the way into ``__exit__``) leaves it to the lease object's
+    collection, which ends it.
+
     Leases are not constructed directly: :meth:`TensorResidencyPool.acquire` returns them.
     Entering one raises what :meth:`TensorResidencyPool.resolve` raises, and
     :class:`T2NErrorMisuse` when the lease is already held.
     """
 
-    __slots__ = (
-        "_begun",
-        "_device",
-        "_mode",
-        "_pool",
-        "_read_write",
-        "_request",
-        "_slot",
-        "_source",
-        "_used",
-    )
+    __slots__ = ("_begun", "_device", "_mode", "_pool", "_request", "_source", "_used")
 
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
     ) -> None:
+        super().__init__(mode == "read_write")
         self._pool = pool
         self._source = source
         self._device = device
         self._mode = mode
-        self._read_write = mode == "read_write"
-        self._slot: Slot | None = None
         self._used = False
         self._request: Acquire | None = None  # begun and not entered yet
         self._begun: concurrent.futures.Future[Any] | None = None
@@ -150,20 +148,20 @@ class TensorResidencyLease:
             raise T2NErrorMisuse("this lease is already held: a lease can be entered once")
         self._used = True
 
-    def _fast(self) -> tuple[torch.Tensor, Slot] | None:
-        """Take the lease on a resident value without the loop thread, or ``None``."""
+    def _fast(self) -> bool:
+        """Take the lease on a resident value without the loop thread; whether it did."""
         actor = self._pool._actor
         slot = actor.fresh_slot(self._source, self._device)
-        if slot is not None and actor.try_lease(slot, self._read_write):
-            return slot.value, slot
-        return None
+        return slot is not None and actor.try_lease(slot, self)
 
     def _acquire(self) -> Acquire:
-        return Acquire(self._pool._actor, self._source, self._device, self._read_write)
+        return Acquire(self._pool._actor, self._source, self._device, self)
 
-    def _take(self, granted: tuple[torch.Tensor, Slot]) -> torch.Tensor:
-        value, self._slot = granted
-        return hand_over(value)
+    def _value(self) -> torch.Tensor:
+        """The value of the lease just granted, handed over to the caller."""
+        slot = self.slot
+        assert slot is not None
+        return hand_over(slot.value, slot.device)
 
     def _begin(self) -> bool:
         """Start acquiring without waiting, so that ``__enter__`` later finds the value loaded.
@@ -175,47 +173,41 @@ class TensorResidencyLease:
         runtime.ensure_running()
         if self._begun is not None or runtime.on_loop_thread():
             return self._begun is not None
-        granted = self._fast()
-        if granted is not None:
-            self._begun = concurrent.futures.Future()
-            self._begun.set_result(granted)
+        if self._fast():
+            self._begun = _GRANTED
         else:
             self._request = self._acquire()
             self._begun = runtime.start(self._request)
         return True
 
     def _cancel(self) -> None:
-        """Drop a begun lease that will not be entered (any thread)."""
-        begun, request = self._begun, self._request
-        self._begun = self._request = None
-        if begun is None or self._used:
+        """Drop a lease begun and not entered (any thread); it cannot be entered after."""
+        if self._used:
             return
+        self._used = True
+        request, self._request, self._begun = self._request, None, None
         if request is not None:
             self._pool._runtime.notify(request.abandon)
-        elif begun.done() and begun.exception() is None:
-            end_lease(self._pool, begun.result()[1], False)
+        end_lease(self._pool, self, False)
 
     def __enter__(self) -> torch.Tensor:
         begun, request = self._begun, self._request
         self._check_unused()
-        if begun is not None:
-            self._begun = self._request = None
-            try:
+        try:
+            if begun is not None:
+                self._begun = self._request = None
                 started = time.perf_counter()
-                granted = begun.result()
+                begun.result()
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
-                return self._take(granted)
-            except BaseException:
-                if request is not None:
-                    self._pool._runtime.notify(request.abandon)
-                raise
-        actor = self._pool._actor
-        slot = actor.fresh_slot(self._source, self._device)
-        if slot is not None and actor.try_lease(slot, self._read_write):  # _fast, inlined
-            self._slot = slot
-            return hand_over(slot.value, slot.device)
-        return self._take(self._pool._runtime.call(self._acquire()))
+            elif not self._fast():
+                self._pool._runtime.call(self._acquire())
+            return self._value()
+        except BaseException:
+            if request is not None:
+                self._pool._runtime.notify(request.abandon)
+            end_lease(self._pool, self, False)
+            raise
 
     def __exit__(
         self,
@@ -223,16 +215,17 @@ class TensorResidencyLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        slot, self._slot = self._slot, None
-        if slot is not None:
-            end_lease(self._pool, slot, self._read_write)
+        end_lease(self._pool, self, True)
 
     async def __aenter__(self) -> torch.Tensor:
         self._check_unused()
-        granted = self._fast()
-        if granted is None:
-            granted = await self._pool._runtime.acall(self._acquire())
-        return self._take(granted)
+        try:
+            if not self._fast():
+                await self._pool._runtime.acall(self._acquire())
+            return self._value()
+        except BaseException:
+            end_lease(self._pool, self, False)
+            raise
 
     async def __aexit__(
         self,
@@ -240,8 +233,20 @@ class TensorResidencyLease:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.__exit__(exc_type, exc, tb)
+        end_lease(self._pool, self, True)
+
+    def __del__(self) -> None:
+        # An interrupt landed where its owner could not end it (or before it was built).
+        if getattr(self, "slot", None) is not None:
+            dropped = Holder(self.read_write)
+            dropped.slot, self.slot = self.slot, None
+            self._pool._actor.drop(dropped, self._used)
+            self._pool._runtime.wake()
 
     def __repr__(self) -> str:
-        state = "held" if self._slot is not None else "idle"
+        state = "held" if self.slot is not None else "idle"
         return f"<TensorResidencyLease {self._source.name!r} mode={self._mode} {state}>"
+
+
+_GRANTED: concurrent.futures.Future[Any] = concurrent.futures.Future()
+_GRANTED.set_result(None)

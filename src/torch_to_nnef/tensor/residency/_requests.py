@@ -15,7 +15,7 @@ from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._runtime import Operation
-from torch_to_nnef.tensor.residency._state import Job, Slot, Ticket, as_storage_error
+from torch_to_nnef.tensor.residency._state import Holder, Job, Ticket, as_storage_error
 
 __all__ = ["Acquire", "Close", "Evict", "Flush", "Prefetch", "Resolve", "Transition"]
 
@@ -31,8 +31,9 @@ class Resolve(Operation):
         self.actor, self.source, self.device = actor, source, device
 
     def step(self) -> torch.Tensor | Job:
-        if self.waited is not None and self.waited.kind == "load":
-            return self.waited.result()  # not retained values are only delivered by the load
+        loaded = _loaded(self.waited, self.source)
+        if loaded is not None:
+            return loaded  # not retained values are only delivered by the load
         return self.actor.resolve_step(self.source, self.device)
 
 
@@ -46,33 +47,41 @@ class Prefetch(Resolve):
         self.pin = pin
 
     def step(self) -> torch.Tensor | Job:
-        if self.waited is not None and self.waited.kind == "load":
-            return self.waited.result()
+        loaded = _loaded(self.waited, self.source)
+        if loaded is not None:
+            return loaded
         return self.actor.prefetch_step(self.source, self.device, self.pin)
 
 
+def _loaded(waited: Job | None, source: PoolSource) -> torch.Tensor | None:
+    """The value of the load the request waited for, unless a write replaced the payload it
+    read since: the request was made after that write, so it loads again (``None``)."""
+    if waited is None or waited.kind != "load":
+        return None
+    if waited.error is None and waited.version is not source.payload_version:
+        return None
+    return waited.result()
+
+
 class Acquire(Operation, Ticket):
-    """Grant a lease: ``(value, slot)``. While it waits, its reservation keeps the value."""
+    """Grant a lease to the ticket's holder: the value. While it waits, its reservation keeps
+    the value; abandoned, it gives back its reservation or the lease it granted."""
 
     inline = "acquire"
     consumer = True
 
     def __init__(
-        self, actor: Actor, source: PoolSource, device: torch.device, read_write: bool
+        self, actor: Actor, source: PoolSource, device: torch.device, holder: Holder
     ) -> None:
         Operation.__init__(self)
-        Ticket.__init__(self, source, device, read_write)
+        Ticket.__init__(self, source, device, holder)
         self.actor = actor
 
-    def step(self) -> tuple[torch.Tensor, Slot] | Job:
+    def step(self) -> torch.Tensor | Job:
         waited = self.waited
         if waited is not None and waited.kind == "load" and waited.error is not None:
             raise as_storage_error(waited.error)
-        result = self.actor.acquire_step(self)
-        if isinstance(result, Job):
-            return result
-        assert self.slot is not None
-        return result, self.slot
+        return self.actor.acquire_step(self)
 
     def abandon(self) -> None:
         super().abandon()

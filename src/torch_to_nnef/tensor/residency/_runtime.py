@@ -280,6 +280,14 @@ class Runtime:
                 self._sent -= 1
             callback(*args)  # the loop is gone: nothing runs concurrently any more
 
+    def wake(self) -> None:
+        """Have the actor take note of other threads soon (any thread, at any moment: takes
+        no lock, so that a finalizer may call it)."""
+        loop = self.loop
+        if loop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(self.actor.sync)
+
     def catch_up(self) -> None:
         """Wait until the notifications sent so far ran (reads of state from other threads)."""
         if self._sent == self._ran or not self.running:
@@ -384,11 +392,11 @@ class Runtime:
         done = self.start(operation)
         try:
             result = done.result()
+            self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it.
             self.notify(operation.abandon)
             raise
-        self.count_stall(operation, started)
         return result
 
     def count_stall(self, operation: Operation, started: float) -> None:

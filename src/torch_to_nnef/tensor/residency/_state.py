@@ -12,7 +12,7 @@ import torch
 from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 
-__all__ = ["Entry", "Job", "PoolStats", "Slot", "Ticket", "as_storage_error"]
+__all__ = ["Entry", "Holder", "Job", "PoolStats", "Slot", "Ticket", "as_storage_error"]
 
 
 class PoolStats(NamedTuple):
@@ -72,7 +72,16 @@ class Job:
     an inline wait on the loop thread itself).
     """
 
-    __slots__ = ("_callbacks", "_transition", "done", "error", "future", "kind", "value")
+    __slots__ = (
+        "_callbacks",
+        "_transition",
+        "done",
+        "error",
+        "future",
+        "kind",
+        "value",
+        "version",
+    )
 
     def __init__(
         self,
@@ -85,6 +94,7 @@ class Job:
         self.done = False
         self.value: torch.Tensor | None = None
         self.error: BaseException | None = None
+        self.version: object = None  # a load: the payload version it reads (or a newer one)
         self._transition: Callable[[Job], None] | None = transition
         self._callbacks: list[Callable[[], None]] = []
 
@@ -125,10 +135,12 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``value``, ``device`` and ``version`` (fixed at creation) changes under
-    the actor's lock only. A thread takes or ends a lease here without the loop thread; the
-    actor never evicts, reuses or replaces a value whose slot has leases, and closes the slot
-    (no new lease) before it does.
+    Every field but ``value`` and ``device`` (fixed at creation) changes under the actor's
+    lock only. A thread takes or ends a lease here without the loop thread; the actor never
+    evicts, reuses or replaces a value whose slot has leases, and closes the slot (no new
+    lease) before it does. A write-back of the value never runs while a ``read_write`` lease
+    is held (``writers``): one is not granted while ``writing``, and the actor sets
+    ``writing`` (under the lock, seeing no writer) before the write-back starts copying.
     """
 
     __slots__ = (
@@ -141,6 +153,7 @@ class Slot:
         "tracked",
         "value",
         "version",
+        "writers",
         "writing",
     )
 
@@ -151,6 +164,7 @@ class Slot:
         self.version = version
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
+        self.writers = 0  # of which read_write leases
         self.dirty = False  # a read_write lease ended since the actor last looked
         self.tracked = False  # the actor counts leases as holding the value (outside the budget)
         self.writing = False  # a write-back runs: read_write leases go to the actor
@@ -192,14 +206,29 @@ class Entry:
         return self.value is not None and not self.evicting
 
 
-class Ticket:
-    """One acquire: its reservation while it waits for the value, then its lease."""
+class Holder:
+    """Who holds a lease: ``slot`` is set in the step that takes the lease and cleared in the
+    step that ends it, both under the actor's lock, with no call in between that an
+    interrupt (``KeyboardInterrupt``) or a cancellation could land on. Whatever interrupts
+    its owner, ``slot`` tells whether a lease is held, and releasing it is idempotent.
+    ``read_write``: the lease's mode."""
 
-    def __init__(self, source: PoolSource, device: torch.device, read_write: bool) -> None:
+    __slots__ = ("read_write", "slot")
+
+    def __init__(self, read_write: bool) -> None:
+        self.read_write = read_write
+        self.slot: Slot | None = None
+
+
+class Ticket:
+    """One acquire: its reservation while it waits for the value; the lease goes to
+    ``holder`` (the caller's lease object) in the step that grants it."""
+
+    def __init__(self, source: PoolSource, device: torch.device, holder: Holder) -> None:
         self.source = source
         self.device = device
-        self.read_write = read_write
+        self.read_write = holder.read_write
+        self.holder = holder
         self.entry: Entry | None = None
         self.waiting = False  # counted in the entry's waiters
         self.first = True  # the first try (counts the hit or the miss)
-        self.slot: Slot | None = None  # the lease granted and not yet taken by the caller

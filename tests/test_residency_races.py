@@ -1,0 +1,369 @@
+"""Races between a lease's owner and what interrupts it, between requests and direct writes,
+and between ``read_write`` leases and write-backs, each provoked deterministically.
+
+Interrupts are injected with ``sys.settrace``: a ``KeyboardInterrupt`` raised on entry to
+the N-th Python function the owner's thread calls, which is where CPython runs a pending
+signal handler (Ctrl-C). Worker threads are paused at a chosen point with
+``threading.settrace`` (a debugger's breakpoint): the pool's own code runs unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+from types import CodeType, FrameType
+from typing import Any
+
+import pytest
+import torch
+from residency_checks import check_invariants, on_disk, settle
+
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency._actor import Actor
+
+pytestmark = [pytest.mark.timeout(120)]
+
+NUMEL = 4096
+NBYTES = NUMEL * 4
+
+
+def _tensor(directory: Path, name: str, value: float = 0.0) -> OffloadedTensor:
+    return OffloadedTensor.from_original_tensor(
+        torch.full((NUMEL,), value), name, offload_dir=directory
+    )
+
+
+def _leased(pool: TensorResidencyPool) -> int:
+    check_invariants(pool)  # runs after what threads told the pool without waiting
+    return pool._actor.leased_count()
+
+
+# ---------------------------------------------------------------------------------------------
+# Interrupts: a KeyboardInterrupt at every function entry of a blocking acquire
+# ---------------------------------------------------------------------------------------------
+def _interrupt_at(n: int) -> Callable[[FrameType, str, Any], None]:
+    """A trace function raising KeyboardInterrupt on entry to the ``n``-th function called.
+
+    Finalizers are left alone: an exception raised in one is lost by Python (reported as
+    unraisable), whatever the code does."""
+    calls = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event != "call" or frame.f_code.co_name == "__del__":
+            return
+        calls += 1
+        if calls == n:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    return trace
+
+
+def _interrupted_everywhere(pool: TensorResidencyPool, run: Callable[[], None]) -> int:
+    """Run ``run`` once per function entry it makes, interrupted there; check after each
+    that no lease is left. Return how many runs were interrupted."""
+    for n in itertools.count(1):
+        sys.settrace(_interrupt_at(n))
+        try:
+            run()
+        except KeyboardInterrupt:
+            pass
+        else:
+            return n - 1
+        finally:
+            sys.settrace(None)
+        assert _leased(pool) == 0, f"a lease is left after an interrupt at function entry {n}"
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["hit", "miss"])
+@pytest.mark.parametrize("mode", ["read", "read_write"])
+def test_an_interrupt_at_any_call_of_a_blocking_acquire_leaves_no_lease(
+    tmp_path: Path, resident: bool, mode: str
+) -> None:
+    t = _tensor(tmp_path, "t")
+    changes = 0
+
+    def run() -> None:
+        nonlocal changes
+        if not resident:
+            pool.evict(t)  # interrupted here too: the next run starts from a miss again
+        with pool.acquire(t, mode=mode) as value:  # type: ignore[arg-type]
+            if mode == "read_write":
+                value.add_(1.0)
+                changes += 1
+
+    with TensorResidencyPool() as pool:
+        pool.resolve(t)
+        interrupted = _interrupted_everywhere(pool, run)
+        assert interrupted > 10  # the injection reached the pool's code
+        with pool.acquire(t) as value:  # the pool serves, and holds the changes made
+            assert float(value[0]) == float(changes)
+    assert float(on_disk(t)[0]) == float(changes)
+
+
+def test_an_interrupt_at_any_call_of_a_begun_lease_leaves_no_lease(tmp_path: Path) -> None:
+    """A lease begun ahead (as module streams and read-ahead do), then entered."""
+    t = _tensor(tmp_path, "t")
+
+    def run() -> None:
+        pool.evict(t)
+        lease = pool.acquire(t)
+        lease._begin()
+        try:
+            with lease:
+                pass
+        finally:
+            lease._cancel()
+
+    with TensorResidencyPool() as pool:
+        assert _interrupted_everywhere(pool, run) > 10
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancellations from another event loop, at every point of the await
+# ---------------------------------------------------------------------------------------------
+def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: Path) -> None:
+    tensors = [_tensor(tmp_path, f"t{i}") for i in range(4)]
+    rng = random.Random(5)
+
+    async def lease(t: OffloadedTensor) -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+
+    async def cancel_after(steps: int) -> None:
+        t = rng.choice(tensors)
+        task = asyncio.ensure_future(lease(t) if steps % 2 else pool.aresolve(t))
+        for _ in range(steps // 2):
+            await asyncio.sleep(0)
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        if steps % 7 == 0:
+            await asyncio.wait_for(asyncio.shield(asyncio.sleep(0)), 1)
+            pool.evict(rng.choice(tensors))  # misses and hits both
+
+    with TensorResidencyPool(max_cached_bytes=2 * NBYTES) as pool:
+        for steps in range(400):
+            asyncio.run(cancel_after(steps))
+            assert _leased(pool) == 0, f"a lease is left after a cancellation at step {steps}"
+
+
+# ---------------------------------------------------------------------------------------------
+# A request joining a load that read the payload before a direct write
+# ---------------------------------------------------------------------------------------------
+class Breakpoint:
+    """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
+    ``code`` once armed, until :meth:`go`."""
+
+    def __init__(self, code: CodeType, on: str) -> None:
+        self.code = code
+        self.on = on
+        self.armed = threading.Event()
+        self.paused = threading.Event()
+        self._go = threading.Event()
+        self._lock = threading.Lock()
+
+    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == self.on and self.armed.is_set():
+            with self._lock:
+                hit = self.armed.is_set()
+                self.armed.clear()
+            if hit:
+                self.paused.set()
+                self._go.wait(60)
+        return self._local
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not self.code:
+            return None
+        return self._local(frame, event, arg)
+
+    def go(self) -> None:
+        self._go.set()
+
+
+@contextmanager
+def _breakpoint(code: CodeType, on: str = "return") -> Iterator[Breakpoint]:
+    """A :class:`Breakpoint` in the threads started inside the block."""
+    point = Breakpoint(code, on)
+    threading.settrace(point._trace)
+    try:
+        yield point
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+        point.go()
+
+
+def test_a_request_never_takes_a_load_that_read_before_a_direct_write(tmp_path: Path) -> None:
+    t = _tensor(tmp_path, "t", 1.0)
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with _breakpoint(code) as point, TensorResidencyPool() as pool:
+        point.armed.set()
+        handle = pool.prefetch(t)  # its load reads 1.0, then pauses before it returns
+        assert point.paused.wait(30)
+        t.update_values(torch.full((NUMEL,), 2.0))  # a direct write, then a request
+        resolved: list[torch.Tensor] = []
+        reader = threading.Thread(target=lambda: resolved.append(pool.resolve(t)))
+        reader.start()
+        while pool._actor.stats().misses == 0 and reader.is_alive():  # it joined the load
+            reader.join(0.01)
+        point.go()
+        reader.join(30)
+        assert float(resolved[0][0]) == 2.0, "served the value from before the direct write"
+        assert float(handle.wait()[0]) in (1.0, 2.0)  # the prefetch came before the write
+        with pool.acquire(t) as value:
+            assert float(value[0]) == 2.0
+
+
+# ---------------------------------------------------------------------------------------------
+# Write-backs never copy a value while a read_write lease holds it
+# ---------------------------------------------------------------------------------------------
+def test_a_flush_never_writes_a_change_half_made_under_a_read_write_lease(tmp_path: Path) -> None:
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # dirty once the lease ends
+        with pool.acquire(t, mode="read_write") as value:
+            value[: NUMEL // 2] = 2.0  # half of the next change
+            pool.flush()
+            written = on_disk(t)
+            assert bool((written == written[0]).all()), "a flush wrote a half-made change"
+            value[NUMEL // 2 :] = 2.0
+        pool.flush()
+        assert bool((on_disk(t) == 2.0).all())
+
+
+def test_a_read_write_lease_is_never_granted_while_a_write_back_starts(tmp_path: Path) -> None:
+    """The loop thread is paused in the middle of starting a write-back (its job submitted):
+    a thread asking for a read_write lease then must wait for the write-back's end."""
+    t = _tensor(tmp_path, "t")
+    # The breakpoint is in the pool's loop thread, started inside the block.
+    with _breakpoint(Actor._job.__code__) as point, TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(3.0)  # dirty
+        point.armed.set()
+        flusher = threading.Thread(target=pool.flush)
+        flusher.start()  # the loop thread pauses once the write-back's job is submitted
+        assert point.paused.wait(30)
+        half_done = threading.Event()
+
+        def writer() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value[: NUMEL // 2] = 4.0
+                half_done.set()
+                settle(pool)
+                value[NUMEL // 2 :] = 4.0
+
+        thread = threading.Thread(target=writer)
+        thread.start()
+        granted_early = half_done.wait(0.5)
+        point.go()
+        thread.join(30)
+        flusher.join(30)
+        assert not granted_early, "a read_write lease was granted while a write-back started"
+        assert bool((on_disk(t) == 3.0).all())
+    assert bool((on_disk(t) == 4.0).all())
+
+
+def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path) -> None:
+    """The owner of a read_write lease is paused as its change becomes the tensor's latest
+    write; an eviction then must not write back (or drop) the value without that change."""
+    t = _tensor(tmp_path, "t")
+    code = OffloadedTensor._note_unsaved.__code__
+    with _breakpoint(code, on="call") as point, TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)
+        pool.flush()
+
+        def owner() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+
+        point.armed.set()
+        thread = threading.Thread(target=owner)
+        thread.start()
+        assert point.paused.wait(30)
+        with suppress(T2NErrorMisuse):  # the lease still holds the value
+            pool.evict(t)
+        point.go()
+        thread.join(30)
+    assert bool((on_disk(t) == 2.0).all()), "the change of a lease ending was lost"
+
+
+def test_threads_writing_under_leases_while_evictions_write_back_never_tear_a_payload(
+    tmp_path: Path,
+) -> None:
+    """Threads change values in two halves under read_write leases (one writer per tensor)
+    while a budget of two values forces write-backs and another thread flushes: every
+    payload on disk is always whole (one value in every element)."""
+    tensors = [_tensor(tmp_path, f"t{i}") for i in range(6)]
+    stop = threading.Event()
+    failures: list[BaseException] = []
+    torn: list[str] = []
+
+    def guarded(target: Callable[[], None]) -> threading.Thread:
+        def run() -> None:
+            try:
+                target()
+            except BaseException as error:
+                failures.append(error)
+                stop.set()
+
+        return threading.Thread(target=run)
+
+    def writer(indices: list[int], seed: int) -> Callable[[], None]:
+        def run() -> None:
+            rng = random.Random(seed)
+            while not stop.is_set():
+                t = tensors[rng.choice(indices)]
+                with pool.acquire(t, mode="read_write") as value:
+                    new = float(value[0]) + 1.0
+                    value[: NUMEL // 2] = new
+                    value[NUMEL // 2 :] = new
+
+        return run
+
+    def flusher() -> None:
+        rng = random.Random(9)
+        while not stop.is_set():
+            pool.flush(rng.choice(tensors) if rng.random() < 0.5 else None)
+
+    def checker() -> None:
+        while not stop.is_set():
+            for t in tensors:
+                try:
+                    written = on_disk(t)
+                except T2NErrorStorage:
+                    continue  # replaced while it was read: read the next one
+                if not bool((written == written[0]).all()):
+                    torn.append(f"{t.name}: {sorted(set(written.tolist()))}")
+                    stop.set()
+
+    with TensorResidencyPool(max_cached_bytes=2 * NBYTES, max_workers=2) as pool:
+        threads = [
+            guarded(writer([0, 1, 2], 1)),
+            guarded(writer([3, 4, 5], 2)),
+            guarded(flusher),
+            guarded(checker),
+        ]
+        for thread in threads:
+            thread.start()
+        stop.wait(4.0)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not failures, failures[0]
+        assert not torn, f"a write-back copied a value mid-change: {torn[0]}"
+        assert _leased(pool) == 0
+    for t in tensors:
+        written = on_disk(t)
+        assert bool((written == written[0]).all())
