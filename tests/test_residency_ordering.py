@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 from residency_checks import check_invariants, on_disk
 from torch import nn
 
@@ -172,18 +173,23 @@ async def test_a_direct_write_right_after_a_write_back_commits_is_served(tmp_pat
 def test_a_timeout_from_another_loop_leaves_the_pool_serving(tmp_path: Path) -> None:
     big = _tensor(tmp_path, "big", numel=BIG)
     small = _tensor(tmp_path, "small")
-    with TensorResidencyPool() as pool:
+    # The load of `big` pauses before it returns, so each timeout below fires while the pool
+    # still works on the request, whatever the machine's speed.
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
 
         async def impatient() -> None:
+            load.armed.set()
             with pytest.raises(TimeoutError):
-                await asyncio.wait_for(pool.aresolve(big), 0.0001)
-            handle = pool.prefetch(big) if not pool.is_resident(big) else None
-            if handle is not None:
-                with pytest.raises(TimeoutError):
-                    await asyncio.wait_for(handle, 0.0001)
-                assert torch.equal(await handle, torch.zeros(BIG))
+                await asyncio.wait_for(pool.aresolve(big), 0.01)
+            assert load.paused.wait(30)
+            handle = pool.prefetch(big)  # joins the paused load
             with pytest.raises(TimeoutError):
-                async with asyncio.timeout(0.0001):
+                await asyncio.wait_for(handle, 0.01)
+            load.go()
+            assert torch.equal(await handle, torch.zeros(BIG))
+            with pytest.raises(TimeoutError):
+                async with asyncio.timeout(0.01):
                     async with pool.acquire(big):
                         await asyncio.sleep(1)
 

@@ -14,14 +14,15 @@ import itertools
 import random
 import sys
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Callable
+from contextlib import suppress
 from pathlib import Path
-from types import CodeType, FrameType
+from types import FrameType
 from typing import Any
 
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -160,53 +161,10 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
 # ---------------------------------------------------------------------------------------------
 # A request joining a load that read the payload before a direct write
 # ---------------------------------------------------------------------------------------------
-class Breakpoint:
-    """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
-    ``code`` once armed, until :meth:`go`."""
-
-    def __init__(self, code: CodeType, on: str) -> None:
-        self.code = code
-        self.on = on
-        self.armed = threading.Event()
-        self.paused = threading.Event()
-        self._go = threading.Event()
-        self._lock = threading.Lock()
-
-    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == self.on and self.armed.is_set():
-            with self._lock:
-                hit = self.armed.is_set()
-                self.armed.clear()
-            if hit:
-                self.paused.set()
-                self._go.wait(60)
-        return self._local
-
-    def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if frame.f_code is not self.code:
-            return None
-        return self._local(frame, event, arg)
-
-    def go(self) -> None:
-        self._go.set()
-
-
-@contextmanager
-def _breakpoint(code: CodeType, on: str = "return") -> Iterator[Breakpoint]:
-    """A :class:`Breakpoint` in the threads started inside the block."""
-    point = Breakpoint(code, on)
-    threading.settrace(point._trace)
-    try:
-        yield point
-    finally:
-        threading.settrace(None)  # type: ignore[arg-type]
-        point.go()
-
-
 def test_a_request_never_takes_a_load_that_read_before_a_direct_write(tmp_path: Path) -> None:
     t = _tensor(tmp_path, "t", 1.0)
     code = OffloadedTensor._reload_unmanaged.__code__
-    with _breakpoint(code) as point, TensorResidencyPool() as pool:
+    with paused_in_new_threads(code) as point, TensorResidencyPool() as pool:
         point.armed.set()
         handle = pool.prefetch(t)  # its load reads 1.0, then pauses before it returns
         assert point.paused.wait(30)
@@ -247,7 +205,7 @@ def test_a_read_write_lease_is_never_granted_while_a_write_back_starts(tmp_path:
     a thread asking for a read_write lease then must wait for the write-back's end."""
     t = _tensor(tmp_path, "t")
     # The breakpoint is in the pool's loop thread, started inside the block.
-    with _breakpoint(Actor._job.__code__) as point, TensorResidencyPool() as pool:
+    with paused_in_new_threads(Actor._job.__code__) as point, TensorResidencyPool() as pool:
         with pool.acquire(t, mode="read_write") as value:
             value.fill_(3.0)  # dirty
         point.armed.set()
@@ -279,7 +237,7 @@ def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path
     write; an eviction then must not write back (or drop) the value without that change."""
     t = _tensor(tmp_path, "t")
     code = OffloadedTensor._note_unsaved.__code__
-    with _breakpoint(code, on="call") as point, TensorResidencyPool() as pool:
+    with paused_in_new_threads(code, on="call") as point, TensorResidencyPool() as pool:
         with pool.acquire(t, mode="read_write") as value:
             value.fill_(1.0)
         pool.flush()

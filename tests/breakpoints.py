@@ -1,0 +1,54 @@
+"""A debugger-style breakpoint for tests: pause a thread of the pool at a chosen function,
+so that a race happens in the same order on every run. The pool's own code runs unchanged:
+the pause comes from ``threading.settrace``."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from types import CodeType, FrameType
+from typing import Any
+
+
+class Breakpoint:
+    """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
+    ``code`` once armed, until :meth:`go`."""
+
+    def __init__(self, code: CodeType, on: str) -> None:
+        self.code = code
+        self.on = on
+        self.armed = threading.Event()
+        self.paused = threading.Event()
+        self._go = threading.Event()
+        self._lock = threading.Lock()
+
+    def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if event == self.on and self.armed.is_set():
+            with self._lock:
+                hit = self.armed.is_set()
+                self.armed.clear()
+            if hit:
+                self.paused.set()
+                self._go.wait(60)
+        return self._local
+
+    def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
+        if frame.f_code is not self.code:
+            return None
+        return self._local(frame, event, arg)
+
+    def go(self) -> None:
+        self._go.set()
+
+
+@contextmanager
+def paused_in_new_threads(code: CodeType, on: str = "return") -> Iterator[Breakpoint]:
+    """A :class:`Breakpoint` in the threads started inside the block."""
+    point = Breakpoint(code, on)
+    threading.settrace(point._trace)
+    try:
+        yield point
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+        point.go()
