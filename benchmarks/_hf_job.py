@@ -30,6 +30,7 @@ vary fourfold).
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -335,17 +336,36 @@ def run_in_subprocess(
 
 
 def disk_read_bandwidth(path: Path) -> float:
-    """Bytes per second of a cold sequential read of the files of ``path``."""
+    """Bytes per second of a cold read of the files of ``path``: the better of one sequential
+    reader (16 MiB reads) and two threads reading 8 MiB chunks (a virtual disk may serve
+    concurrent requests faster, and the pool's two workers read concurrently)."""
+    files = sorted(path.glob("*.safetensors"))
     drop_page_cache(path)
-    total = 0
     buffer = bytearray(16 << 20)
     view = memoryview(buffer)
+    total = 0
     started = time.perf_counter()
-    for file in sorted(path.glob("*.safetensors")):
+    for file in files:
         with open(file, "rb", buffering=0) as handle:
             while count := handle.readinto(view):
                 total += count
-    return total / (time.perf_counter() - started)
+    sequential = total / (time.perf_counter() - started)
+
+    chunk = 8 << 20
+    pieces = [(f, o) for f in files for o in range(0, f.stat().st_size, chunk)]
+
+    def read(piece: tuple[Path, int]) -> int:
+        fd = os.open(piece[0], os.O_RDONLY)
+        try:
+            return os.preadv(fd, [bytearray(chunk)], piece[1])
+        finally:
+            os.close(fd)
+
+    drop_page_cache(path)
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(2) as readers:
+        total = sum(readers.map(read, pieces))
+    return max(sequential, total / (time.perf_counter() - started))
 
 
 def main(argv: list[str] | None = None) -> None:
