@@ -13,7 +13,15 @@ its own (``python _hf_job.py --mode MODE ...`` prints one JSON line):
   ``t2n_load_checkpoint_and_dispatch(..., "t2n_offload_disk", ...)``, generated inside
   ``pool.scope()`` with ``stream_modules`` prefetching the next module;
 - ``pool-upstream``: the same pool, the model loaded the upstream way:
-  ``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``.
+  ``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``;
+- ``pool-readahead``: the skeleton of ``pool``, generated inside ``pool.scope()`` of a pool
+  made with ``read_ahead="auto"`` (trace-driven read-ahead), no module listed.
+
+Every mode computes on one thread (``torch.set_num_threads(1)``, ``--threads``): decoding one
+token is matrix-vector work that runs on one core either way, and on a machine with few cores
+the second one is left to the pool's I/O workers instead of an OpenMP thread that spins at
+every barrier (on a shared, busy machine a spinning team makes the dense reference itself
+vary fourfold).
 
 ``--cold`` evicts the checkpoint's pages from the page cache before every token
 (``posix_fadvise(POSIX_FADV_DONTNEED)``), as if the model were bigger than the machine's RAM.
@@ -22,6 +30,7 @@ its own (``python _hf_job.py --mode MODE ...`` prints one JSON line):
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import contextlib
 import hashlib
 import json
@@ -39,7 +48,8 @@ from typing import Any
 import torch
 from torch import nn
 
-MODES = ("dense", "accelerate", "pool", "pool-upstream")
+MODES = ("dense", "accelerate", "pool", "pool-upstream", "pool-readahead")
+COMPUTE_THREADS = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_to_nnef"
 PROMPT_LENGTH = 16
 
@@ -170,18 +180,26 @@ def generate(model: nn.Module, ids: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _pool_for(model: nn.Module, budget: int, workers: int) -> Iterator[Any]:
+def _pool_for(model: nn.Module, budget: int, workers: int, mode: str = "pool") -> Iterator[Any]:
+    """The pool of ``mode``: SCHEDULED retention, with the model's modules streamed one ahead
+    (``stream_modules``), or, for ``pool-readahead``, the trace-driven read-ahead."""
     from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, stream_modules
 
-    inner = model.model  # type: ignore[attr-defined]
-    modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]  # type: ignore[attr-defined]
-    with (
-        TensorResidencyPool(
-            max_cached_bytes=budget, max_workers=workers, strategy=ResidencyStrategy.SCHEDULED
-        ) as pool,
-        stream_modules(pool, modules, depth=1),
-        pool.scope(),
-    ):
+    trace = mode == "pool-readahead"
+    with contextlib.ExitStack() as stack:
+        pool = stack.enter_context(
+            TensorResidencyPool(
+                max_cached_bytes=budget,
+                max_workers=workers,
+                strategy=ResidencyStrategy.SCHEDULED,
+                read_ahead="auto" if trace else None,
+            )
+        )
+        if not trace:
+            inner = model.model  # type: ignore[attr-defined]
+            modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]  # type: ignore[attr-defined]
+            stack.enter_context(stream_modules(pool, modules, depth=1))
+        stack.enter_context(pool.scope())
         yield pool
 
 
@@ -221,11 +239,25 @@ def run_mode(
     cold: bool = False,
     workers: int = 2,
     progress: bool = False,
+    threads: int = COMPUTE_THREADS,
 ) -> dict[str, Any]:
     """Generate ``tokens`` tokens with the checkpoint ``path`` as ``mode``; what was measured."""
     import transformers
 
     transformers.logging.set_verbosity_error()
+    previous_threads = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _measure(mode, path, budget, tokens, cold, workers, progress)
+    finally:
+        torch.set_num_threads(previous_threads)
+
+
+def _measure(
+    mode: str, path: Path, budget: int, tokens: int, cold: bool, workers: int, progress: bool
+) -> dict[str, Any]:
+    import transformers
+
     vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
     ids = torch.randint(0, vocab, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
     baseline = _rss()
@@ -241,7 +273,7 @@ def run_mode(
         with contextlib.ExitStack() as stack:
             pool = None
             if mode.startswith("pool"):
-                pool = stack.enter_context(_pool_for(model, budget, workers))
+                pool = stack.enter_context(_pool_for(model, budget, workers, mode))
             started = time.perf_counter()
             out = generate(model, ids, tokens)
             seconds = time.perf_counter() - started
@@ -304,20 +336,53 @@ def run_in_subprocess(
 
 
 def disk_read_bandwidth(path: Path) -> float:
-    """Bytes per second of a cold sequential read of the files of ``path``."""
+    """Bytes per second of a cold read of the files of ``path``: the best of one sequential
+    reader (16 MiB reads), two threads reading 8 MiB chunks (a virtual disk may serve
+    concurrent requests faster, and the pool's two workers read concurrently) and a mapped,
+    populated read of each file (``storage.map_payload``: huge folios where the kernel has
+    them, the pool's own way, last: a warm page cache then holds the files as the pool's
+    reads leave them)."""
+    files = sorted(path.glob("*.safetensors"))
     drop_page_cache(path)
-    total = 0
     buffer = bytearray(16 << 20)
     view = memoryview(buffer)
+    total = 0
     started = time.perf_counter()
-    for file in sorted(path.glob("*.safetensors")):
+    for file in files:
         with open(file, "rb", buffering=0) as handle:
             while count := handle.readinto(view):
                 total += count
-    return total / (time.perf_counter() - started)
+    sequential = total / (time.perf_counter() - started)
+
+    chunk = 8 << 20
+    pieces = [(f, o) for f in files for o in range(0, f.stat().st_size, chunk)]
+
+    def read(piece: tuple[Path, int]) -> int:
+        fd = os.open(piece[0], os.O_RDONLY)
+        try:
+            return os.preadv(fd, [bytearray(chunk)], piece[1])
+        finally:
+            os.close(fd)
+
+    drop_page_cache(path)
+    started = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(2) as readers:
+        total = sum(readers.map(read, pieces))
+    concurrent_ = total / (time.perf_counter() - started)
+
+    from torch_to_nnef.tensor import storage
+
+    drop_page_cache(path)
+    started = time.perf_counter()
+    total = 0
+    for file in files:
+        mapped = storage.map_payload(storage.read_layout(file))
+        total += sum(value.numel() * value.element_size() for value in mapped.values())
+        del mapped
+    return max(sequential, concurrent_, total / (time.perf_counter() - started))
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="one mode of the generation job, as JSON")
     parser.add_argument("--mode", choices=MODES, required=True)
     parser.add_argument("--checkpoint", type=Path, required=True)
@@ -325,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, default=24)
     parser.add_argument("--cold", action="store_true")
     parser.add_argument("--progress", action="store_true")
+    parser.add_argument("--threads", type=int, default=COMPUTE_THREADS)
     args = parser.parse_args(argv)
     result = run_mode(
         args.mode,
@@ -333,10 +399,12 @@ def main(argv: list[str] | None = None) -> int:
         tokens=args.tokens,
         cold=args.cold,
         progress=args.progress,
+        threads=args.threads,
     )
-    print(json.dumps(result))
-    return 0
+    print(json.dumps(result), flush=True)
+    sys.stderr.flush()
+    os._exit(0)  # the measure is out: skip tearing down transformers, torch and the pool
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

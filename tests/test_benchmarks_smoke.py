@@ -182,7 +182,13 @@ def test_hf_results(results: Path) -> None:
     check_summary_rows(document)
     assert set(document["results"]) == {"Llama-style", "Qwen2-style"}
     for runs in document["results"].values():
-        assert [r["mode"] for r in runs] == ["dense", "accelerate", "pool", "pool-upstream"]
+        assert [r["mode"] for r in runs] == [
+            "dense",
+            "accelerate",
+            "pool",
+            "pool-upstream",
+            "pool-readahead",
+        ]
         assert all(r["tokens"] == runs[0]["tokens"] for r in runs)
         assert all(r["s_per_token"] > 0 for r in runs)
     figures = [row["figure"] for row in document["summary"]]

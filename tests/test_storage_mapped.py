@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import gc
 import os
 from pathlib import Path
@@ -12,6 +14,7 @@ import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.storage import _mapped
 
 
 def mapped_regions(path: Path) -> int:
@@ -122,3 +125,118 @@ def test_the_switch_of_mapped_loads(
             storage.set_mapped_reads("yes")  # type: ignore[arg-type]
     finally:
         storage.set_mapped_reads(previous)
+
+
+# -- populating and placing large regions (Linux) ---------------------------------------------
+linux_only = pytest.mark.skipif(
+    _mapped._KERNEL is None or not Path("/proc/thread-self/stat").exists(),
+    reason="needs Linux's madvise and /proc",
+)
+
+
+def minor_faults() -> int:
+    """Minor page faults taken by the calling thread so far."""
+    fields = Path("/proc/thread-self/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[7])
+
+
+def touch_every_page(value: torch.Tensor) -> int:
+    """Read one element of every 4 KiB page of ``value``; the minor faults it took."""
+    flat = value.view(-1)
+    step = 4096 // value.element_size()
+    float(flat[0] + 0)  # the interpreter's first-call allocations, outside the count
+    before = minor_faults()
+    total = 0.0
+    for index in range(0, flat.numel(), step):  # element reads allocate nothing
+        total += float(flat[index])
+    return minor_faults() - before
+
+
+@pytest.fixture
+def large_payload(tmp_path: Path) -> storage.PayloadLayout:
+    """A payload of 16 MiB after a 12 KiB entry (an offset that is neither page nor huge page
+    aligned)."""
+    tensors = {"head": torch.arange(3000, dtype=torch.float32), "big": torch.randn(4 << 20)}
+    layout = storage.write_payload(tmp_path / "large.safetensors", tensors)
+    fd = os.open(layout.path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)  # read back through the mapping, cold
+    finally:
+        os.close(fd)
+    return layout
+
+
+@linux_only
+def test_a_populated_mapping_takes_no_faults_when_touched(
+    large_payload: storage.PayloadLayout,
+) -> None:
+    lazy = storage.map_payload(large_payload, names=["big"], populate=False)["big"]
+    populated = storage.map_payload(large_payload, names=["big"])["big"]
+    faults = touch_every_page(populated)
+    assert faults <= 4, f"{faults} faults on a populated mapping"
+    assert touch_every_page(lazy) > faults  # the unpopulated one faults its pages in
+    expected = storage.read_payload(large_payload, names=["big"])["big"]
+    assert torch.equal(populated, expected) and torch.equal(lazy, expected)
+
+
+@linux_only
+def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
+    large_payload: storage.PayloadLayout,
+) -> None:
+    huge = _mapped._KERNEL.huge_page if _mapped._KERNEL is not None else 0
+    if not huge:
+        pytest.skip("no transparent huge pages")
+    spec = large_payload.entries["big"]
+    value = storage.map_payload(large_payload, names=["big"])["big"]
+    # The address is congruent to the file offset modulo the huge page size: the kernel can
+    # map the page cache's huge folios with one entry each.
+    assert (value.data_ptr() - spec.start) % huge == 0
+    assert mapped_regions(large_payload.path) == 1
+    address = f"{value.data_ptr() // huge * huge:x}"
+    del value
+    gc.collect()
+    assert mapped_regions(large_payload.path) == 0
+    # The reservation around it is gone too: no mapping covers the address any more.
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    spans = [line.split()[0].split("-") for line in maps]
+    target = int(address, 16)
+    assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+
+
+@linux_only
+def test_a_kernel_without_populate_falls_back_to_readahead(
+    large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = _mapped._KERNEL
+    assert kernel is not None
+    calls: list[int] = []
+    real = kernel.madvise
+
+    def older_kernel(address: int, length: int, advice: int) -> int:
+        """madvise of a kernel before 5.14: MADV_POPULATE_READ is unknown (EINVAL)."""
+        calls.append(advice)
+        if advice == _mapped._MADV_POPULATE_READ:
+            ctypes.set_errno(errno.EINVAL)
+            return -1
+        return int(real(address, length, advice))
+
+    monkeypatch.setattr(kernel, "madvise", older_kernel)
+    monkeypatch.setattr(kernel, "populates", True)
+    expected = storage.read_payload(large_payload)
+    for _ in range(2):
+        mapped = storage.map_payload(large_payload)
+        assert all(torch.equal(mapped[k], v) for k, v in expected.items())
+    # Asked once, refused: readahead from then on, without asking again.
+    assert calls.count(_mapped._MADV_POPULATE_READ) == 1
+    assert calls.count(_mapped._MADV_WILLNEED) == 2
+    assert kernel.populates is False
+
+
+def test_without_the_c_library_mapping_goes_through_the_mmap_module(
+    large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_mapped, "_KERNEL", None)
+    expected = storage.read_payload(large_payload)
+    for populate in (True, False):
+        mapped = storage.map_payload(large_payload, populate=populate)
+        assert all(torch.equal(mapped[k], v) for k, v in expected.items())
