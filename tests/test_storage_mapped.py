@@ -14,7 +14,7 @@ import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
-from torch_to_nnef.tensor.storage import _mapped
+from torch_to_nnef.tensor.storage import _kernel
 
 
 def mapped_regions(path: Path) -> int:
@@ -129,7 +129,7 @@ def test_the_switch_of_mapped_loads(
 
 # -- populating and placing large regions (Linux) ---------------------------------------------
 linux_only = pytest.mark.skipif(
-    _mapped._KERNEL is None or not Path("/proc/thread-self/stat").exists(),
+    _kernel.KERNEL is None or not Path("/proc/thread-self/stat").exists(),
     reason="needs Linux's madvise and /proc",
 )
 
@@ -183,7 +183,7 @@ def test_a_populated_mapping_takes_no_faults_when_touched(
 def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
     large_payload: storage.PayloadLayout,
 ) -> None:
-    huge = _mapped._KERNEL.huge_page if _mapped._KERNEL is not None else 0
+    huge = _kernel.KERNEL.huge_page if _kernel.KERNEL is not None else 0
     if not huge:
         pytest.skip("no transparent huge pages")
     spec = large_payload.entries["big"]
@@ -207,7 +207,7 @@ def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
 def test_a_kernel_without_populate_falls_back_to_readahead(
     large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kernel = _mapped._KERNEL
+    kernel = _kernel.KERNEL
     assert kernel is not None
     calls: list[int] = []
     real = kernel.madvise
@@ -215,7 +215,7 @@ def test_a_kernel_without_populate_falls_back_to_readahead(
     def older_kernel(address: int, length: int, advice: int) -> int:
         """madvise of a kernel before 5.14: MADV_POPULATE_READ is unknown (EINVAL)."""
         calls.append(advice)
-        if advice == _mapped._MADV_POPULATE_READ:
+        if advice == _kernel.MADV_POPULATE_READ:
             ctypes.set_errno(errno.EINVAL)
             return -1
         return int(real(address, length, advice))
@@ -227,15 +227,15 @@ def test_a_kernel_without_populate_falls_back_to_readahead(
         mapped = storage.map_payload(large_payload)
         assert all(torch.equal(mapped[k], v) for k, v in expected.items())
     # Asked once, refused: readahead from then on, without asking again.
-    assert calls.count(_mapped._MADV_POPULATE_READ) == 1
-    assert calls.count(_mapped._MADV_WILLNEED) == 2
+    assert calls.count(_kernel.MADV_POPULATE_READ) == 1
+    assert calls.count(_kernel.MADV_WILLNEED) == 2
     assert kernel.populates is False
 
 
 def test_without_the_c_library_mapping_goes_through_the_mmap_module(
     large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(_mapped, "_KERNEL", None)
+    monkeypatch.setattr(_kernel, "KERNEL", None)
     expected = storage.read_payload(large_payload)
     for populate in (True, False):
         mapped = storage.map_payload(large_payload, populate=populate)

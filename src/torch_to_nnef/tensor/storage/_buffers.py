@@ -26,17 +26,16 @@ doubles the throughput of reads into fresh buffers.
 from __future__ import annotations
 
 import ctypes
-import functools
 import math
 import mmap
-import sys
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.opaque import OpaqueTensor
+from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._device import pin_host_memory
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout, dtype_code
 
@@ -68,17 +67,6 @@ def byte_view(tensor: torch.Tensor) -> memoryview:
     return memoryview(array).cast("B")
 
 
-@functools.cache
-def _madvise() -> Callable[[int, int, int], int] | None:
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None or not sys.platform.startswith("linux"):
-        return None
-    function = ctypes.CDLL(None, use_errno=True).madvise
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function  # type: ignore[no-any-return]
-
-
 def advise_huge_pages(tensor: torch.Tensor) -> bool:
     """Hint Linux to back the 2 MiB-aligned interior of a large CPU buffer with huge pages.
 
@@ -87,13 +75,13 @@ def advise_huge_pages(tensor: torch.Tensor) -> bool:
     Returns:
         whether the hint was given.
     """
-    madvise = _madvise()
+    kernel = _kernel.KERNEL
     nbytes = tensor.numel() * tensor.element_size()
-    if madvise is None or nbytes < HUGE_PAGE_MIN_BUFFER_BYTES or tensor.device.type != "cpu":
+    if kernel is None or nbytes < HUGE_PAGE_MIN_BUFFER_BYTES or tensor.device.type != "cpu":
         return False
     start = -(-tensor.data_ptr() // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
     end = (tensor.data_ptr() + nbytes) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
-    return end > start and madvise(start, end - start, mmap.MADV_HUGEPAGE) == 0
+    return end > start and kernel.madvise(start, end - start, _kernel.MADV_HUGEPAGE) == 0
 
 
 def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:

@@ -30,15 +30,14 @@ checkpoint changed since its layout was read is refused.
 from __future__ import annotations
 
 import ctypes
-import errno
 import mmap
 import os
-import sys
 from collections.abc import Iterable, Mapping
 
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._buffers import select_entries
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
@@ -85,64 +84,8 @@ def set_mapped_reads(enabled: bool) -> bool:
     return previous
 
 
-_MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
-_MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
-_MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
-_MAP_FIXED = 0x10  # Linux, every architecture
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE  # private: writes copy the page
 _PAGE = mmap.ALLOCATIONGRANULARITY
-
-
-def _huge_page_size() -> int:
-    """The size of a PMD-mapped huge page (0 where the kernel has no transparent huge pages)."""
-    try:
-        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as size:
-            return int(size.read())
-    except (OSError, ValueError):
-        return 0
-
-
-class _Kernel:
-    """The C library's ``mmap`` and ``madvise`` (Linux), called without the GIL."""
-
-    def __init__(self) -> None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        self.mmap = libc.mmap
-        self.mmap.restype = ctypes.c_void_p
-        self.mmap.argtypes = [
-            ctypes.c_void_p,
-            ctypes.c_size_t,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_int,
-            ctypes.c_long,
-        ]
-        self.madvise = libc.madvise
-        self.madvise.restype = ctypes.c_int
-        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        self.huge_page = _huge_page_size()
-        self.populates = True  # until the kernel refuses MADV_POPULATE_READ
-
-    def advise(self, address: int, length: int, populate: bool) -> None:
-        """Populate ``length`` bytes at ``address`` (readahead where the kernel cannot)."""
-        if populate and self.populates:
-            if self.madvise(address, length, _MADV_POPULATE_READ) == 0:
-                return
-            if ctypes.get_errno() == errno.EINVAL:  # a kernel older than 5.14
-                self.populates = False
-        self.madvise(address, length, _MADV_WILLNEED)
-
-
-def _kernel() -> _Kernel | None:
-    if sys.platform != "linux":
-        return None
-    try:
-        return _Kernel()
-    except (OSError, AttributeError):
-        return None
-
-
-_KERNEL = _kernel()
 
 
 def _span(specs: list[EntrySpec]) -> tuple[int, int]:
@@ -218,7 +161,7 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap, i
     ``POSIX_FADV_WILLNEED`` precedes it: that readahead would fill the page cache with small
     folios, where populating the ``MADV_HUGEPAGE`` mapping reads huge ones.
     """
-    kernel = _KERNEL
+    kernel = _kernel.KERNEL
     huge = 0 if kernel is None else kernel.huge_page
     if kernel is None or length < huge or huge == 0:
         if hasattr(os, "posix_fadvise"):  # one large readahead rather than one per fault
@@ -237,12 +180,14 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap, i
     )
     base = _address(region)
     shift = (start - base) % huge
-    placed = kernel.mmap(base + shift, length, _PROT, mmap.MAP_PRIVATE | _MAP_FIXED, fd, start)
+    flags = mmap.MAP_PRIVATE | _kernel.MAP_FIXED
+    placed = kernel.mmap(base + shift, length, _PROT, flags, fd, start)
     if placed != base + shift:
         code = ctypes.get_errno()
         region.close()
         raise OSError(code, os.strerror(code))
-    kernel.madvise(base + shift, length, _MADV_HUGEPAGE)  # refused where THP is off: no matter
+    # Refused where transparent huge pages are off: no matter.
+    kernel.madvise(base + shift, length, _kernel.MADV_HUGEPAGE)
     kernel.advise(base + shift, length, populate)
     return region, shift
 
@@ -257,10 +202,10 @@ def _address(region: mmap.mmap) -> int:
 
 
 def _advise_without_kernel(region: mmap.mmap, populate: bool) -> None:
-    """Populate or read ahead through ``mmap.madvise`` (platforms without ``_Kernel``)."""
+    """Populate or read ahead through ``mmap.madvise`` (platforms without ``Kernel``)."""
     if populate:
         try:
-            region.madvise(_MADV_POPULATE_READ)
+            region.madvise(_kernel.MADV_POPULATE_READ)
             return
         except (OSError, ValueError, AttributeError):
             pass  # no such advice: readahead only

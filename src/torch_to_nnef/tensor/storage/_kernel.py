@@ -1,0 +1,72 @@
+"""The few Linux calls that Python's ``mmap`` module lacks or makes hold the GIL.
+
+``mmap`` at a fixed address and ``madvise`` go through ``ctypes``, which releases the GIL
+while the kernel works: the compute thread keeps running Python while an I/O worker
+populates a mapping. :data:`KERNEL` is ``None`` off Linux; callers then use the ``mmap``
+module.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import sys
+
+MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
+MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
+MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MAP_FIXED = 0x10  # Linux, every architecture
+
+
+def _huge_page_size() -> int:
+    """The size of a PMD-mapped huge page (0 where the kernel has no transparent huge pages)."""
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size") as size:
+            return int(size.read())
+    except (OSError, ValueError):
+        return 0
+
+
+class Kernel:
+    """The C library's ``mmap`` and ``madvise`` (Linux), called without the GIL."""
+
+    def __init__(self) -> None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        self.mmap = libc.mmap
+        self.mmap.restype = ctypes.c_void_p
+        self.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
+        self.madvise = libc.madvise
+        self.madvise.restype = ctypes.c_int
+        self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self.huge_page = _huge_page_size()
+        self.populates = True  # until the kernel refuses MADV_POPULATE_READ
+
+    def advise(self, address: int, length: int, populate: bool) -> None:
+        """Populate ``length`` bytes at ``address`` (readahead where the kernel cannot)."""
+        if populate and self.populates:
+            if self.madvise(address, length, MADV_POPULATE_READ) == 0:
+                return
+            if ctypes.get_errno() == errno.EINVAL:  # a kernel older than 5.14
+                self.populates = False
+        self.madvise(address, length, MADV_WILLNEED)
+
+
+def _kernel() -> Kernel | None:
+    if sys.platform != "linux":
+        return None
+    try:
+        return Kernel()
+    except (OSError, AttributeError):
+        return None
+
+
+KERNEL = _kernel()
+"""The C library's calls, or ``None`` off Linux or where it cannot be loaded."""
