@@ -130,7 +130,9 @@ class TensorResidencyLease(Holder):
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
     ) -> None:
-        super().__init__(mode == "read_write")
+        # Holder's fields, set here rather than through its __init__: this runs on every acquire.
+        self.read_write = mode == "read_write"
+        self.slot = None
         self._pool = pool
         self._source = source
         self._device = device

@@ -350,8 +350,10 @@ class TensorResidencyPool:
             T2NErrorMisuse: ``mode`` is not ``"read"``/``"read_write"``, or ``source`` is not
                 an OffloadedTensor.
         """
-        if mode not in ("read", "read_write"):
+        if mode != "read" and mode != "read_write":
             raise T2NErrorMisuse(f"mode must be 'read' or 'read_write', got {mode!r}")
+        if device is None and isinstance(source, PoolSource):  # _target, inlined: a hit's path
+            return TensorResidencyLease(self, source, source.target_device, mode)
         return TensorResidencyLease(self, source, self._target(source, device), mode)
 
     # ------------------------------------------------------------------------------------------
