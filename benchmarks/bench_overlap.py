@@ -32,6 +32,9 @@ a server runs them); medians kept:
 
 Overlap efficiency = (sequential - pipelined) / (sequential - ideal): 1 when the pipeline hides
 every read (or all compute), 0 when it overlaps nothing. Target: >= 0.8 for both workloads.
+Each kept forward of a mode is paired with the sequential forward of the same round (moments
+apart, under the same load): the figure is the median of those per-forward efficiencies,
+reported with their quartiles (the efficiency of the medians is in the JSON too).
 Also reported: the read throughput of the pool's loads, of the sequential reads and of fresh
 reloads, and ``compute alone``: the forward over weights read long before, as in any
 pipeline, where a layer's weight was read while the previous one computed. The sequential
@@ -371,6 +374,18 @@ def efficiency(sequential: float, pipelined: float, ideal: float) -> float:
     return (sequential - pipelined) / (sequential - ideal)
 
 
+def paired_efficiency(samples: list[float]) -> dict[str, float]:
+    """The median and quartiles of per-sample efficiencies: each sample pairs a forward of a
+    mode with the sequential forward of the same round (moments apart, under the same load),
+    which a burst of load on the machine moves less than a ratio of separate medians."""
+    ordered = sorted(samples)
+    if len(ordered) < 2:
+        value = ordered[0] if ordered else float("nan")
+        return {"median": value, "q1": value, "q3": value}
+    q1, _, q3 = statistics.quantiles(ordered, n=4)
+    return {"median": statistics.median(ordered), "q1": q1, "q3": q3}
+
+
 MODES = (
     "sequential",
     "sequential_load",
@@ -490,6 +505,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         ]
         for mode in ("pool_pipeline", "pool_pipeline_cached", "prefetch_ahead", "hand_pipeline")
     }
+    paired = {mode: paired_efficiency(values) for mode, values in per_round.items()}
     recorded = timeline.as_json()
     read_time = sum(r["end"] - r["start"] for r in recorded["reads"])
     read_bytes = len(recorded["reads"]) * workload.layer_bytes
@@ -503,19 +519,16 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         "cached_budget_layers": CACHED_LAYERS,
         "seconds": seconds,
         "samples_seconds": samples,
-        "overlap_efficiency": efficiency(
-            seconds["sequential"], seconds["pool_pipeline"], seconds["ideal"]
-        ),
-        "cached_pool_efficiency": efficiency(
-            seconds["sequential"], seconds["pool_pipeline_cached"], seconds["ideal"]
-        ),
-        "prefetch_ahead_efficiency": efficiency(
-            seconds["sequential"], seconds["prefetch_ahead"], seconds["ideal"]
-        ),
-        "hand_pipeline_efficiency": efficiency(
-            seconds["sequential"], seconds["hand_pipeline"], seconds["ideal"]
-        ),
+        "overlap_efficiency": paired["pool_pipeline"]["median"],
+        "cached_pool_efficiency": paired["pool_pipeline_cached"]["median"],
+        "prefetch_ahead_efficiency": paired["prefetch_ahead"]["median"],
+        "hand_pipeline_efficiency": paired["hand_pipeline"]["median"],
         "efficiency_per_sample": per_round,
+        "efficiency_spread": paired,
+        "efficiency_of_medians": {
+            mode: efficiency(seconds["sequential"], seconds[mode], seconds["ideal"])
+            for mode in per_round
+        },
         "speedup_over_naive_reload": seconds["naive_reload"] / seconds["pool_pipeline"],
         "compute_slowdown_under_reads": seconds["compute_under_reads"] / seconds["compute_alone"],
         "read_gbps": {
@@ -597,6 +610,12 @@ def draw_timeline(runs: list[dict[str, Any]], path: Path) -> Path | None:
     return path
 
 
+def spread(run: dict[str, Any], mode: str) -> str:
+    """The quartiles of a mode's per-forward efficiencies, as text."""
+    quartiles = run["efficiency_spread"][mode]
+    return f"{quartiles['q1']:.2f}-{quartiles['q3']:.2f}"
+
+
 # ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     arguments = parse_arguments(argv)
@@ -630,7 +649,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary_row(
                 f"overlap efficiency, {run['workload']}",
                 f"{run['overlap_efficiency']:.2f} "
-                f"(pool pipeline {s['pool_pipeline'] * 1e3:.0f} ms)",
+                f"(pool pipeline {s['pool_pipeline'] * 1e3:.0f} ms; quartiles "
+                f"{spread(run, 'pool_pipeline')})",
                 f"sequential {s['sequential'] * 1e3:.0f} ms, ideal {s['ideal'] * 1e3:.0f} ms; "
                 f"hand-written pipeline {run['hand_pipeline_efficiency']:.2f}",
                 f">= {EFFICIENCY_TARGET:g}",
@@ -646,7 +666,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             summary_row(
                 f"overlap efficiency, sync prefetch(i+1) + acquire(i), budget "
                 f"{AHEAD_BUDGET_LAYERS} layers, {run['workload']}",
-                f"{run['prefetch_ahead_efficiency']:.2f} ({s['prefetch_ahead'] * 1e3:.0f} ms)",
+                f"{run['prefetch_ahead_efficiency']:.2f} ({s['prefetch_ahead'] * 1e3:.0f} ms; "
+                f"quartiles {spread(run, 'prefetch_ahead')} over "
+                f"{len(run['efficiency_per_sample']['prefetch_ahead'])} forwards)",
                 f"stream_modules {run['overlap_efficiency']:.2f}, "
                 f"hand-written pipeline {run['hand_pipeline_efficiency']:.2f}",
                 f">= {AHEAD_TARGETS.get(run['width'], EFFICIENCY_TARGET):g}",

@@ -14,9 +14,11 @@ budget that holds them all, next to a plain dict lookup of the same values in th
   main thread, beside the same op on the plain value.
 
 Each figure is the median of the timed repetitions (microseconds per call), over a random
-sequence of the pool's entries. Targets: sync resolve hit <= 3 us, and within 1.5x from 10 to
-10,000 entries, budget or not; sync acquire enter+exit <= 3 us at 10 entries and <= 4 us at
-10,000; async acquire <= 10 us.
+sequence of the pool's entries; beside the sync figures, the calling thread's CPU time per
+call (``time.thread_time``), which time spent waiting for a core on a busy machine does not
+inflate (a hit runs on the calling thread only). Targets: sync resolve hit <= 3 us, and within
+1.5x from 10 to 10,000 entries, budget or not; sync acquire enter+exit <= 3 us at 10 entries
+and <= 4 us at 10,000; async acquire <= 10 us.
 
 ``--part churn`` (``churn.json``): reads through an LRU pool whose budget holds a tenth of the
 tensors (2,000 tensors of 4 KiB, budget of 200; then 20,000 with a budget of 2,000), for a
@@ -28,7 +30,9 @@ single-threaded LRU: an ``OrderedDict`` of values, reading a miss synchronously 
 operation over the reference's, and the cost per operation at 20,000 tensors over that at
 2,000. Targets: the pool within 2x of the reference; cost per operation flat (within 1.5x)
 from 2,000 to 20,000 tensors; on the hot-set pattern, ``with pool.acquire(t)`` (sync face)
-not slower than ``pool.resolve(t)`` (within 1.1x of its cost per operation). Every payload
+not slower than ``pool.resolve(t)`` (within 1.1x of its cost per operation: the median of
+five rounds running one then the other, with the spread of the rounds and the same ratio by
+the process's CPU time, which waiting for a busy core does not inflate). Every payload
 lives in one ``.safetensors`` checkpoint read in place, and the page cache is warm.
 
 ``--part bulk`` (``bulk_prefetch.json``): 16 payloads of 32 MiB (warm page cache) prefetched
@@ -37,8 +41,19 @@ reference: two threads reading the same files with ``readinto`` into fresh buffe
 alternate, three of each. Targets: the pool's median >= 0.9x the reference's GB/s; spread of
 the pool's runs ((max - min) / median) <= 25 %.
 
-Run: ``python benchmarks/bench_residency.py --part {latency,churn,bulk} [--quick] [--output PATH]
-[--repeat N]``.
+``--part upstream`` (``churn_upstream.json``): the same LRU churn on random access (2,000
+tensors of 4 KiB, budget of 200) through this pool and through upstream torch-to-nnef
+0.24.12's, side by side in the same run: ``_churn_job.py`` runs in a fresh process with this
+project's Python, then with a scratch virtual environment where upstream's wheel is installed
+(``$T2N_UPSTREAM_WHEEL``, default ``/tmp/upstream/torch_to_nnef-0.24.12-py3-none-any.whl``;
+kept in the temporary directory for later runs, torch shared with this environment), in
+alternation, three rounds; medians kept. Each tensor is written by its own library
+(``from_original_tensor``). Target: >= 3x upstream's operations per second, sync ``resolve``
+and sync ``acquire``. Without the wheel, or when installing it fails (no network), and with
+``--quick``, the figures say "not measured".
+
+Run: ``python benchmarks/bench_residency.py --part {latency,churn,bulk,upstream} [--quick]
+[--output PATH] [--repeat N]``.
 """
 
 from __future__ import annotations
@@ -46,9 +61,14 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import hashlib
+import json
+import os
 import random
 import statistics
+import subprocess
 import sys
+import sysconfig
 import tempfile
 import threading
 import time
@@ -83,6 +103,14 @@ FILL_BATCH = 64
 """Prefetches sent at once from a foreign thread when filling a pool."""
 HOT_SHARE = 0.9
 HOT_FRACTION = 0.1
+UPSTREAM_TARGET_RATIO = 3.0
+UPSTREAM_VERSION = "0.24.12"
+UPSTREAM_WHEEL = Path(
+    os.environ.get(
+        "T2N_UPSTREAM_WHEEL", f"/tmp/upstream/torch_to_nnef-{UPSTREAM_VERSION}-py3-none-any.whl"
+    )
+)
+CHURN_JOB = Path(__file__).resolve().parent / "_churn_job.py"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -90,7 +118,7 @@ HOT_FRACTION = 0.1
 # ---------------------------------------------------------------------------------------------
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--part", choices=("latency", "churn", "bulk"), required=True)
+    parser.add_argument("--part", choices=("latency", "churn", "bulk", "upstream"), required=True)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
     parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
     parser.add_argument("--repeat", type=int, default=None, help="timed repetitions per figure")
@@ -194,7 +222,8 @@ def sync_hit_latency(
         }
         misses = pool.stats().misses - before.misses
     result: dict[str, Any] = {
-        name: {"median_us": m, "best_us": b} for name, (m, b) in figures.items()
+        name: {"median_us": m, "best_us": b, "thread_cpu_us": c}
+        for name, (m, b, c) in figures.items()
     }
     result["misses_while_timed"] = misses
     return result
@@ -255,6 +284,9 @@ def latency(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     def us(config: dict[str, Any], name: str) -> float:
         return float(config["figures"][name]["median_us"])
 
+    def cpu(config: dict[str, Any], name: str) -> str:
+        return f"thread CPU {config['figures'][name]['thread_cpu_us']:.2f} us"
+
     def label(config: dict[str, Any]) -> str:
         budget = "no budget" if config["budget_bytes"] is None else "budget"
         return f"{config['entries']} entries, {budget}"
@@ -265,7 +297,7 @@ def latency(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
         summary.append(
             summary_row(
                 f"sync resolve hit ({label(config)})",
-                f"{value:.2f} us",
+                f"{value:.2f} us ({cpu(config, 'sync resolve')})",
                 f"dict lookup {us(config, 'dict lookup'):.3f} us",
                 f"<= {RESOLVE_TARGET_US:g} us",
                 value <= RESOLVE_TARGET_US,
@@ -292,7 +324,7 @@ def latency(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
         summary.append(
             summary_row(
                 f"sync acquire enter+exit ({label(config)})",
-                f"{value:.2f} us",
+                f"{value:.2f} us ({cpu(config, 'sync acquire')})",
                 f"sync resolve {us(config, 'sync resolve'):.2f} us",
                 "" if target is None else f"<= {target:g} us",
                 None if target is None else value <= target,
@@ -382,12 +414,17 @@ class ReferenceLRU:
         return value
 
 
-def _churn_figures(seconds: float, operations: int, hits: int, misses: int) -> dict[str, float]:
-    return {
+def _churn_figures(
+    seconds: float, operations: int, hits: int, misses: int, cpu_seconds: float | None = None
+) -> dict[str, float]:
+    figures = {
         "us_per_op": seconds / operations * 1e6,
         "ops_per_s": operations / seconds,
         "hit_ratio": hits / max(1, hits + misses),
     }
+    if cpu_seconds is not None:  # the process's, all threads: insensitive to waiting for a core
+        figures["cpu_us_per_op"] = cpu_seconds / operations * 1e6
+    return figures
 
 
 def churn_reference(
@@ -415,13 +452,13 @@ def churn_sync(
             resolve(tensor)
         before = pool.stats()
         with gc_paused():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for tensor in timed:
                 resolve(tensor)
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         after = pool.stats()
     return _churn_figures(
-        seconds, len(timed), after.hits - before.hits, after.misses - before.misses
+        seconds, len(timed), after.hits - before.hits, after.misses - before.misses, cpu
     )
 
 
@@ -435,14 +472,14 @@ def churn_sync_acquire(
                 pass
         before = pool.stats()
         with gc_paused():
-            start = time.perf_counter()
+            start, cpu = time.perf_counter(), time.process_time()
             for tensor in timed:
                 with acquire(tensor):
                     pass
-            seconds = time.perf_counter() - start
+            seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         after = pool.stats()
     return _churn_figures(
-        seconds, len(timed), after.hits - before.hits, after.misses - before.misses
+        seconds, len(timed), after.hits - before.hits, after.misses - before.misses, cpu
     )
 
 
@@ -466,11 +503,33 @@ async def churn_async(
 
 
 CHURN_RUNS = ("reference", "pool, sync face", "pool, sync acquire", "pool, async face")
+ACQUIRE_PAIRS = 5
+"""Rounds of sync resolve then sync acquire on the hot-set pattern, for their ratio."""
+
+
+def acquire_over_resolve(
+    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int, pairs: int
+) -> dict[str, Any]:
+    """Cost per op of sync acquire over sync resolve: ``pairs`` rounds of one then the other
+    (fresh pools), the ratio of each round; the median, the spread, and the same by CPU time."""
+    wall, cpu = [], []
+    for _ in range(pairs):
+        resolve = churn_sync(warmup, timed, budget)
+        acquire = churn_sync_acquire(warmup, timed, budget)
+        wall.append(acquire["us_per_op"] / resolve["us_per_op"])
+        cpu.append(acquire["cpu_us_per_op"] / resolve["cpu_us_per_op"])
+    return {
+        "ratio": statistics.median(wall),
+        "per_round": sorted(wall),
+        "cpu_ratio": statistics.median(cpu),
+        "cpu_per_round": sorted(cpu),
+    }
 
 
 def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     sizes = (100, 1_000) if arguments.quick else (2_000, 20_000)
     operations, warmup_operations = (200, 100) if arguments.quick else (6_000, 2_000)
+    pairs = 2 if arguments.quick else ACQUIRE_PAIRS
     numel = 1024
     nbytes = numel * 4
     results = []
@@ -488,14 +547,15 @@ def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 "pool, sync acquire": churn_sync_acquire(warmup, timed, budget),
                 "pool, async face": asyncio.run(churn_async(warmup, timed, budget)),
             }
-            results.append(
-                {
-                    "tensors": count,
-                    "budget_tensors": capacity,
-                    "pattern": pattern,
-                    "figures": figures,
-                }
-            )
+            result: dict[str, Any] = {
+                "tensors": count,
+                "budget_tensors": capacity,
+                "pattern": pattern,
+                "figures": figures,
+            }
+            if pattern == "hot-set":
+                result["acquire_over_resolve"] = acquire_over_resolve(warmup, timed, budget, pairs)
+            results.append(result)
             print(f"  {count} tensors, {pattern}: done", flush=True)
         del tensors
 
@@ -533,14 +593,24 @@ def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 ]
             )
         for count in sizes:
-            figures = find(count, pattern)["figures"]
+            found = find(count, pattern)
+            figures = found["figures"]
             ratio = (
                 figures["pool, sync acquire"]["us_per_op"] / figures["pool, sync face"]["us_per_op"]
             )
+            value = f"{ratio:.2f}x"
+            paired = found.get("acquire_over_resolve")
+            if paired is not None:  # the median of rounds run in alternation
+                ratio = paired["ratio"]
+                rounds = paired["per_round"]
+                value = (
+                    f"{ratio:.2f}x (median of {len(rounds)} rounds, {rounds[0]:.2f}x-"
+                    f"{rounds[-1]:.2f}x; per CPU second {paired['cpu_ratio']:.2f}x)"
+                )
             summary.append(
                 summary_row(
                     f"{pattern}, {count} tensors: sync acquire over sync resolve, cost per op",
-                    f"{ratio:.2f}x",
+                    value,
                     f"resolve {figures['pool, sync face']['ops_per_s']:,.0f} ops/s",
                     f"<= {ACQUIRE_VS_RESOLVE_TARGET:g}x" if pattern == "hot-set" else "",
                     ratio <= ACQUIRE_VS_RESOLVE_TARGET if pattern == "hot-set" else None,
@@ -698,6 +768,159 @@ def bulk(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------------------------
+# Upstream side by side
+# ---------------------------------------------------------------------------------------------
+def upstream_python() -> tuple[Path | None, str]:
+    """A Python where upstream's wheel is installed, or ``None`` and why not.
+
+    A scratch virtual environment in the temporary directory (kept for later runs, one per
+    environment of this project): upstream's wheel and its light dependencies are installed
+    there with this environment's pip, torch and numpy are shared with this environment
+    through a path file (whose own path files, this project's editable install among them,
+    are not read).
+    """
+    if not UPSTREAM_WHEEL.is_file():
+        return None, f"upstream's wheel is not at {UPSTREAM_WHEEL} (set T2N_UPSTREAM_WHEEL)"
+    tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
+    scratch = Path(tempfile.gettempdir()) / f"t2n-bench-upstream-{UPSTREAM_VERSION}-{tag}"
+    python = scratch / "bin" / "python"
+    check = [
+        str(python),
+        "-c",
+        "import torch_to_nnef, torch_to_nnef.tensor.residency, sys; "
+        f"sys.exit(not torch_to_nnef.__file__.startswith({str(scratch)!r}))",
+    ]
+    try:
+        found = python.exists() and subprocess.run(
+            check, capture_output=True, timeout=120, env=_upstream_environment()
+        )
+        if found and found.returncode == 0:
+            return python, ""
+        subprocess.run(
+            [sys.executable, "-m", "venv", "--without-pip", "--clear", str(scratch)],
+            check=True,
+            capture_output=True,
+            timeout=120,
+        )
+        purelib = subprocess.run(
+            [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        ).stdout.strip()
+        Path(purelib, "t2n-shared-torch.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        pip = [sys.executable, "-m", "pip", "--python", str(python)]
+        install = subprocess.run(
+            [*pip, "install", "-q", str(UPSTREAM_WHEEL)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if install.returncode != 0:
+            last = (install.stderr.strip().splitlines() or ["?"])[-1]
+            return None, f"installing upstream's wheel failed: {last}"
+        again = subprocess.run(check, capture_output=True, timeout=120, env=_upstream_environment())
+        if again.returncode != 0:
+            return None, "upstream's package does not import in the scratch environment"
+    except (OSError, subprocess.SubprocessError) as error:
+        return None, f"no scratch environment for upstream: {error}"
+    return python, ""
+
+
+def _upstream_environment() -> dict[str, str]:
+    """This process's environment without ``PYTHONPATH``, which could put this project's
+    package before upstream's."""
+    return {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+
+
+def churn_job(python: Path | str, seed: int, upstream: bool = False) -> dict[str, Any]:
+    """One run of ``_churn_job.py`` (random access) with ``python``; its JSON document."""
+    done = subprocess.run(
+        [str(python), str(CHURN_JOB), "--seed", str(seed)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tempfile.gettempdir(),  # never this checkout: upstream must import its own package
+        env=_upstream_environment() if upstream else None,
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"{CHURN_JOB.name} failed with {python}: {done.stderr[-2000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def upstream(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
+    rounds = arguments.repeat or 3
+    faces = ("resolve", "acquire")
+    python, why = (None, "not run with --quick") if arguments.quick else upstream_python()
+    config = {"tensors": 2000, "tensor_bytes": 4096, "budget_tensors": 200, "rounds": rounds}
+    if python is None:
+        summary = [
+            summary_row(
+                f"random access, 2000 tensors, sync {face}: ops/s over upstream {UPSTREAM_VERSION}",
+                f"not measured ({why})",
+                "",
+                f">= {UPSTREAM_TARGET_RATIO:g}x",
+                None,
+            )
+            for face in faces
+        ]
+        return {
+            "config": {**config, "measured": False, "why": why},
+            "results": {},
+            "summary": summary,
+            "details": {"headers": ["library"], "rows": []},
+        }
+    runs: dict[str, list[dict[str, Any]]] = {"this pool": [], "upstream": []}
+    for round_index in range(rounds):
+        runs["this pool"].append(churn_job(sys.executable, seed=round_index))
+        runs["upstream"].append(churn_job(python, seed=round_index, upstream=True))
+        print(f"  round {round_index + 1}: done", flush=True)
+
+    def ops(library: str, face: str, clock: str = "seconds") -> list[float]:
+        return [r["faces"][face]["operations"] / r["faces"][face][clock] for r in runs[library]]
+
+    summary = []
+    rows = []
+    results: dict[str, Any] = {"runs": runs}
+    for face in faces:
+        ours, theirs = ops("this pool", face), ops("upstream", face)
+        ratio = statistics.median(ours) / statistics.median(theirs)
+        per_round = sorted(a / b for a, b in zip(ours, theirs, strict=True))
+        cpu_ratio = statistics.median(ops("this pool", face, "cpu_seconds")) / statistics.median(
+            ops("upstream", face, "cpu_seconds")
+        )
+        results[face] = {"ratio": ratio, "per_round": per_round, "cpu_ratio": cpu_ratio}
+        summary.append(
+            summary_row(
+                f"random access, 2000 tensors, sync {face}: ops/s over upstream {UPSTREAM_VERSION}",
+                f"{ratio:.1f}x ({statistics.median(ours):,.0f} ops/s; rounds "
+                f"{per_round[0]:.1f}x-{per_round[-1]:.1f}x; per CPU second {cpu_ratio:.1f}x)",
+                f"upstream {statistics.median(theirs):,.0f} ops/s, same sequence, same run",
+                f">= {UPSTREAM_TARGET_RATIO:g}x",
+                ratio >= UPSTREAM_TARGET_RATIO,
+            )
+        )
+        for library in runs:
+            rows.append([f"{library}, sync {face}", *(f"{v:,.0f}" for v in ops(library, face))])
+    return {
+        "config": {
+            **config,
+            "measured": True,
+            "lru_hit_ratio": runs["this pool"][0]["lru_hit_ratio"],
+        },
+        "results": results,
+        "summary": summary,
+        "details": {
+            "headers": ["ops/s, random access", *(f"round {i + 1}" for i in range(rounds))],
+            "rows": rows,
+        },
+    }
+
+
+# ---------------------------------------------------------------------------------------------
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     arguments = parse_arguments(argv)
     started = time.perf_counter()
@@ -705,6 +928,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "latency": ("hit_latency", latency),
         "churn": ("churn", churn),
         "bulk": ("bulk_prefetch", bulk),
+        "upstream": ("churn_upstream", upstream),
     }[arguments.part]
     with tempfile.TemporaryDirectory(prefix=f"t2n-bench-{name}-") as directory:
         document = part(arguments, Path(directory))

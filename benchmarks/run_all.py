@@ -81,6 +81,15 @@ BENCHMARKS = (
         "OrderedDict LRU reading misses synchronously.",
     ),
     Benchmark(
+        "churn_upstream",
+        "LRU churn beside upstream torch-to-nnef 0.24.12",
+        "bench_residency.py",
+        ("--part", "upstream"),
+        timeout_s=420,
+        about="2,000 tensors of 4 KiB, budget of 200, random access, each library in a fresh "
+        "process (upstream from a scratch environment), three rounds in alternation; medians.",
+    ),
+    Benchmark(
         "bulk_prefetch",
         "Bulk prefetch",
         "bench_residency.py",

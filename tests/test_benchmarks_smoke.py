@@ -24,6 +24,7 @@ BENCHMARKS = (
     "dispatch",
     "hit_latency",
     "churn",
+    "churn_upstream",
     "bulk_prefetch",
     "overlap",
     "memory",

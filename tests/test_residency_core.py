@@ -17,7 +17,7 @@ from test_residency import faces, make_tensors, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency import TensorResidencyLease, TensorResidencyPool
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -82,6 +82,46 @@ def test_a_held_lease_never_changes_while_other_threads_churn(
         assert not errors, errors
         check_invariants(pool)
         assert pool.stats().evictions > 0, "the other threads did not churn the pool"
+
+
+def _release(
+    lease: TensorResidencyLease, barrier: threading.Barrier, errors: list[BaseException]
+) -> None:
+    try:
+        barrier.wait(10)
+        lease.__exit__(None, None, None)
+    except BaseException as error:
+        errors.append(error)
+
+
+@pytest.mark.parametrize("rounds", [5])
+def test_leases_ended_at_once_by_many_threads_leave_the_pool_within_its_budget(
+    tmp_path: Path, rounds: int
+) -> None:
+    # Each thread's value was loaded for its lease (held outside the budget). The releases
+    # race: each alone would fit the budget as the actor last counted it, together they do
+    # not; the actor must hear of it (one wake-up at a time), and evict down to the budget.
+    ts = make_tensors(tmp_path, 16, numel=1024)
+    budget = 2 * 4096
+    with TensorResidencyPool(max_cached_bytes=budget, max_workers=2) as pool:
+        for round_index in range(rounds):
+            chosen = ts[round_index % 2 :: 2]
+            leases = [pool.acquire(t) for t in chosen]
+            for lease in leases:
+                lease.__enter__()
+            assert pool.resident_bytes >= len(chosen) * 4096  # all held, over the budget
+            barrier = threading.Barrier(len(leases))
+            errors: list[BaseException] = []
+            threads = [
+                threading.Thread(target=_release, args=(lease, barrier, errors)) for lease in leases
+            ]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert not errors, errors
+            assert pool.resident_bytes <= budget, "leases ended over the budget were not heard"
+            check_invariants(pool)
 
 
 def test_a_read_write_lease_taken_without_the_loop_is_written_back(tmp_path: Path) -> None:

@@ -41,6 +41,18 @@ def test_a_prefetch_evicted_before_any_request_is_a_wasted_read(tmp_path: Path) 
     assert stats.bytes_read_per_request == 3 * NBYTES / 2
 
 
+def test_a_prefetch_used_by_hits_then_written_over_is_no_wasted_read(tmp_path: Path) -> None:
+    (a,) = tensors(tmp_path, 1)
+    with TensorResidencyPool() as pool:
+        pool.prefetch(a).wait()
+        assert pool.resolve(a)[0].item() == 0.0  # a hit, served without the loop thread
+        with pool.acquire(a) as value:  # another
+            assert value[0].item() == 0.0
+        a.update_values(torch.full((NUMEL,), 5.0))  # the prefetched value is now stale
+        assert pool.resolve(a)[0].item() == 5.0  # drops it, loads the new payload
+        assert pool.stats().wasted_prefetches == 0
+
+
 def test_a_prefetch_left_unused_at_close_is_wasted_too(tmp_path: Path) -> None:
     (a,) = tensors(tmp_path, 1)
     pool = TensorResidencyPool()

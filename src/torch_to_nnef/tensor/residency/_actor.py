@@ -70,6 +70,12 @@ class Actor:
         self._touches: deque[int] = deque(maxlen=8192)
         # Slots whose leases went from none to some or back, by other threads.
         self._changed: deque[Slot] = deque()
+        # A wake-up for leases ended over the budget is on its way to the loop: later ones
+        # ride on it (its sync sees every slot queued before it ran).
+        self._wake_pending = False
+        # Bytes of values in use whose last lease other threads ended since the last sync:
+        # back in the cache as far as those threads can tell.
+        self._released_bytes = 0
         # Leased slots of values a direct write superseded: their holders keep them; new
         # requests get the new payload (see _supersede). Dropped once their leases ended.
         self.superseded: set[Slot] = set()
@@ -118,11 +124,10 @@ class Actor:
 
     def count_hit(self, slot: Slot) -> None:
         """Count a hit served from ``slot``, found in :attr:`published` (any thread)."""
-        entry = slot.entry
         with self.lock:
             self._lock_hits += 1
-            self._touches.append(entry.key)
-            entry.used = True
+            self._touches.append(slot.key)
+            slot.used = True
 
     def touch(self, key: int) -> None:
         """Note a use of a published value that is no request (a prefetch; any thread)."""
@@ -137,8 +142,8 @@ class Actor:
                 return False
             self._grant(slot, holder)
             self._lock_hits += 1
-            self._touches.append(slot.entry.key)
-            slot.entry.used = True
+            self._touches.append(slot.key)
+            slot.used = True
         return True
 
     def _grant(self, slot: Slot, holder: Holder) -> None:
@@ -154,8 +159,10 @@ class Actor:
     def release(self, holder: Holder, changed: bool) -> bool:
         """End ``holder``'s lease, if it holds one (any thread; idempotent). Return whether
         the actor must hear of it now: this was the last lease of a value it counts as in
-        use, and that value must leave (it was not retained, or back in the cache it puts the
-        pool over its budget). Otherwise the actor's next transition takes note.
+        use, that value must leave (it was not retained, or back in the cache it puts the
+        pool over its budget, with the values other threads released since the actor last
+        looked), and no wake-up for ended leases is on its way already. Otherwise the actor's
+        next transition (or the wake-up on its way) takes note.
 
         ``changed``: the holder may have changed the value (a ``read_write`` lease that was
         entered). The change becomes the latest write of the tensor before the lease ends, so
@@ -184,18 +191,23 @@ class Actor:
             slot.dirty = slot.dirty or changed
             last = not slot.leases
             tracked = slot.tracked
-            self._touches.append(slot.entry.key)
+            self._touches.append(slot.key)
             if last and not slot.changed:
                 self._changed.append(slot)
                 slot.changed = True
         if not last or not tracked:
             return False
         entry = slot.entry
-        if not entry.retained:
-            return True  # a value the policy did not retain leaves with its last holder
-        budget = self.policy.budget
-        cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
-        return budget is not None and cached + entry.nbytes > budget
+        with self.lock:  # the slot was queued before this: a pending wake-up sees it
+            self._released_bytes += entry.nbytes
+            # Else a value the policy did not retain leaves with its last holder.
+            if entry.retained:
+                budget = self.policy.budget
+                cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
+                if budget is None or cached + self._released_bytes <= budget:
+                    return False
+            pending, self._wake_pending = self._wake_pending, True
+        return not pending
 
     def drop(self, holder: Holder, changed: bool) -> None:
         """End the lease of a holder being collected, at the next transition (any thread, at
@@ -215,6 +227,8 @@ class Actor:
             self._touches.clear()
             changed = list(self._changed)
             self._changed.clear()
+            self._wake_pending = False  # what a wake-up on its way would see is taken here
+            self._released_bytes = 0
             for slot in changed:
                 slot.changed = False
         for key in keys:
@@ -234,6 +248,9 @@ class Actor:
 
     def leases_ended(self) -> None:
         """Leases ended by other threads put the pool over its budget (told without waiting)."""
+        with self.lock:  # before sync: a lease ended after this point sends its own wake-up
+            self._wake_pending = False
+            self._released_bytes = 0
         self.sync()
 
     def check_open(self) -> None:
@@ -308,6 +325,7 @@ class Actor:
             self._hold(entry, pinned=False)
         if entry.tracked:
             self._hold(entry, track=False)
+        entry.used = entry.used or slot.used  # hits served from the slot count as uses
         entry.slot = None  # the leases keep their slot; it no longer stands for the tensor
         self._remove(entry, reuse=not slot.leases)
         return True
@@ -637,7 +655,7 @@ class Actor:
         if value is not None:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
-            self._wasted_prefetches += not entry.used
+            self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
             if reuse and entry.device.type == "cpu":
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +26,15 @@ if TYPE_CHECKING:
 __all__ = ["TensorPrefetch", "TensorResidencyLease", "end_lease", "hand_over"]
 
 
-def hand_over(value: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
-    """A value leaving the pool for a consumer (the one place to make it safe to use).
+hand_over: Callable[..., torch.Tensor] = storage.handoff
+"""A value leaving the pool for a consumer (the one place to make it safe to use):
+``hand_over(value, device=None)``.
 
-    On a CUDA device the consumer's current stream waits for the value's copies and owns its
-    memory until its queued kernels ran (see ``storage.handoff``). ``device``: where the value
-    lives, when known (a slot's), which spares asking the tensor.
-    """
-    return storage.handoff(value, device)
+On a CUDA device the consumer's current stream waits for the value's copies and owns its
+memory until its queued kernels ran (see ``storage.handoff``, bound here without a wrapper:
+this runs on every hit). ``device``: where the value lives, when known (a slot's), which
+spares asking the tensor.
+"""
 
 
 def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
@@ -129,7 +130,9 @@ class TensorResidencyLease(Holder):
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
     ) -> None:
-        super().__init__(mode == "read_write")
+        # Holder's fields, set here rather than through its __init__: this runs on every acquire.
+        self.read_write = mode == "read_write"
+        self.slot = None
         self._pool = pool
         self._source = source
         self._device = device
@@ -200,7 +203,11 @@ class TensorResidencyLease(Holder):
                 begun.result()
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
-            elif not self._fast():
+            else:  # _fast and _value, inlined: the path of every hit
+                actor = self._pool._actor
+                slot = actor.fresh_slot(self._source, self._device)
+                if slot is not None and actor.try_lease(slot, self):
+                    return hand_over(slot.value, slot.device)
                 self._pool._runtime.call(self._acquire())
             return self._value()
         except BaseException:

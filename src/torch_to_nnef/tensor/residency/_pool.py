@@ -14,7 +14,7 @@ import warnings
 import weakref
 from collections.abc import Generator, Iterable
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
@@ -186,22 +186,12 @@ class TensorResidencyPool:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _check_source(source: Any) -> None:
-        if isinstance(source, PoolSource):
-            return
-        if isinstance(source, torch.nn.Module):
-            raise T2NErrorMisuse(
-                "TensorResidencyPool manages OffloadedTensor values; got a module "
-                f"({type(source).__name__}): pass its offloaded tensors (for t in "
-                "module.parameters(): pool.prefetch(t)), or stream whole layers with "
-                "stream_modules(pool, [module])"
-            )
-        raise T2NErrorMisuse(
-            "TensorResidencyPool only manages OffloadedTensor values; "
-            f"got {type(source).__name__} (plain tensors are already resident)"
-        )
+        if not isinstance(source, PoolSource):
+            _reject_source(source)
 
     def _target(self, source: Any, device: TDevice | None) -> torch.device:
-        self._check_source(source)
+        if not isinstance(source, PoolSource):  # _check_source, inlined on the hit path
+            _reject_source(source)
         if device is None:
             target: torch.device = source.target_device
             return target
@@ -360,8 +350,10 @@ class TensorResidencyPool:
             T2NErrorMisuse: ``mode`` is not ``"read"``/``"read_write"``, or ``source`` is not
                 an OffloadedTensor.
         """
-        if mode not in ("read", "read_write"):
+        if mode != "read" and mode != "read_write":
             raise T2NErrorMisuse(f"mode must be 'read' or 'read_write', got {mode!r}")
+        if device is None and isinstance(source, PoolSource):  # _target, inlined: a hit's path
+            return TensorResidencyLease(self, source, source.target_device, mode)
         return TensorResidencyLease(self, source, self._target(source, device), mode)
 
     # ------------------------------------------------------------------------------------------
@@ -593,6 +585,21 @@ class TensorResidencyPool:
             yield self
         finally:
             ACTIVE_RESIDENCY.reset(token)
+
+
+def _reject_source(source: Any) -> NoReturn:
+    """Raise the error that says what a pool manages, given ``source`` it cannot manage."""
+    if isinstance(source, torch.nn.Module):
+        raise T2NErrorMisuse(
+            "TensorResidencyPool manages OffloadedTensor values; got a module "
+            f"({type(source).__name__}): pass its offloaded tensors (for t in "
+            "module.parameters(): pool.prefetch(t)), or stream whole layers with "
+            "stream_modules(pool, [module])"
+        )
+    raise T2NErrorMisuse(
+        "TensorResidencyPool only manages OffloadedTensor values; "
+        f"got {type(source).__name__} (plain tensors are already resident)"
+    )
 
 
 def _collected(runtime: Runtime) -> None:

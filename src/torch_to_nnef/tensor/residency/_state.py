@@ -135,8 +135,9 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``value`` and ``device`` (fixed at creation) changes under the actor's
-    lock only. A thread takes or ends a lease here without the loop thread; the actor never
+    Every field but ``key``, ``value`` and ``device`` (fixed at creation) changes under the
+    actor's lock only. A thread takes or ends a lease here without the loop thread (reading
+    and writing the slot only, never its entry); the actor never
     evicts, reuses or replaces a value whose slot has leases, and closes the slot (no new
     lease) before it does. A write-back of the value never runs while a ``read_write`` lease
     is held (``writers``): one is not granted while ``writing``, and the actor sets
@@ -148,9 +149,11 @@ class Slot:
         "device",
         "dirty",
         "entry",
+        "key",
         "leases",
         "open",
         "tracked",
+        "used",
         "value",
         "version",
         "writers",
@@ -159,6 +162,7 @@ class Slot:
 
     def __init__(self, entry: Entry, value: torch.Tensor, version: object) -> None:
         self.entry = entry
+        self.key = entry.key
         self.value = value
         self.device = entry.device
         self.version = version
@@ -169,6 +173,7 @@ class Slot:
         self.tracked = False  # the actor counts leases as holding the value (outside the budget)
         self.writing = False  # a write-back runs: read_write leases go to the actor
         self.changed = False  # queued for the actor's next look at its leases
+        self.used = False  # a hit without the actor served it (the entry's ``used``)
 
 
 @dataclass(eq=False)
