@@ -105,19 +105,40 @@ def test_load_payload_maps_or_reads(
     out = {"a": torch.empty(30, 100)}
     loaded = storage.load_payload(layout, names=["a"], out=out, mapped=mapped)
     assert torch.equal(loaded["a"], tensors["a"])
-    maps = storage.mapped_reads() if mapped is None else mapped
+    maps = bool(mapped)  # when not told: 12 KB are read, below the mapping threshold
     assert (loaded["a"] is out["a"]) is not maps
     assert (mapped_regions(layout.path) == 1) is maps
 
 
-def test_the_switch_of_mapped_loads(
-    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
-) -> None:
-    layout, _ = payload
+@pytest.mark.parametrize("mapped_reads", [True, False])
+def test_loads_map_large_entries_and_read_small_ones(tmp_path: Path, mapped_reads: bool) -> None:
+    """Mutation check: mapping whatever the size (the rule before the threshold) fails the
+    small case; never mapping fails the large one."""
+    threshold = storage.MAPPED_MIN_BYTES
+    tensors = {
+        "small": torch.arange(threshold // 4 - 1, dtype=torch.float32),
+        "large": torch.arange(threshold // 4, dtype=torch.float32),
+    }
+    layout = storage.write_payload(tmp_path / "sizes.safetensors", tensors)
+    previous = storage.set_mapped_reads(mapped_reads)
+    try:
+        for name, maps in (("small", False), ("large", mapped_reads)):
+            loaded = storage.load_payload(layout, names=[name])
+            assert torch.equal(loaded[name], tensors[name])
+            assert mapped_regions(layout.path) == int(maps), name
+            del loaded
+            gc.collect()
+    finally:
+        storage.set_mapped_reads(previous)
+
+
+def test_the_switch_of_mapped_loads(tmp_path: Path) -> None:
+    large = torch.zeros(storage.MAPPED_MIN_BYTES // 4)
+    layout = storage.write_payload(tmp_path / "large.safetensors", {"a": large})
     previous = storage.set_mapped_reads(False)
     try:
         assert storage.mapped_reads() is False
-        out = {"a": torch.empty(30, 100)}
+        out = {"a": torch.empty_like(large)}
         assert storage.load_payload(layout, names=["a"], out=out)["a"] is out["a"]
         assert storage.set_mapped_reads(True) is False
         assert storage.load_payload(layout, names=["a"], out=out)["a"] is not out["a"]

@@ -12,7 +12,8 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   pinned chunks (:func:`pinned_bytes`).
 - :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
   copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
-  :func:`load_payload` maps or reads, as :func:`set_mapped_reads` chose.
+  :func:`load_payload` maps entries of :data:`MAPPED_MIN_BYTES` or more and reads smaller
+  ones, as :func:`set_mapped_reads` chose.
 - The CUDA rules of values handed to consumers: :func:`resolve_device` (``"cuda"`` resolved
   in the calling thread), :func:`handoff` (safe on the consumer's current stream),
   :func:`record_writes` / :func:`wait_for_writes` (a write-back waits for the kernels that
@@ -48,6 +49,7 @@ from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import read_to_device as read_to_device
 from torch_to_nnef.tensor.storage._io import write_payload as write_payload
+from torch_to_nnef.tensor.storage._mapped import MAPPED_MIN_BYTES as MAPPED_MIN_BYTES
 from torch_to_nnef.tensor.storage._mapped import advise_payload as advise_payload
 from torch_to_nnef.tensor.storage._mapped import load_payload as load_payload
 from torch_to_nnef.tensor.storage._mapped import map_payload as map_payload
@@ -77,6 +79,7 @@ __all__ = [
     "load_payload",
     "mapped_reads",
     "set_mapped_reads",
+    "MAPPED_MIN_BYTES",
     "allocate",
     # devices
     "resolve_device",

@@ -38,7 +38,7 @@ import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.storage import _kernel
-from torch_to_nnef.tensor.storage._buffers import select_entries
+from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, select_entries
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
     check_unchanged,
@@ -56,6 +56,12 @@ __all__ = [
 ]
 
 _MAPPED_READS = [hasattr(mmap, "MAP_PRIVATE")]  # one switch for the process
+
+MAPPED_MIN_BYTES = MAPPED_BUFFER_MIN_BYTES
+"""Loads of fewer bytes are read, not mapped, even when :func:`mapped_reads` is on: below it
+a read lands in a heap buffer and costs 0.6x the CPU time of creating and dropping a mapping
+(4 KiB to 64 KiB entries, warm page cache); above it a read needs a fresh mapping of its own
+anyway."""
 
 
 def mapped_reads() -> bool:
@@ -246,17 +252,24 @@ def load_payload(
 ) -> dict[str, torch.Tensor]:
     """Entries of a payload file as CPU tensors, mapped or read, whichever is asked or faster.
 
+    When not told, entries totalling :data:`MAPPED_MIN_BYTES` or more are mapped if
+    :func:`mapped_reads` is on; smaller ones are read.
+
     Args:
         layout: the file's layout.
         names: the entries (all when ``None``).
         out: buffers to read into when reading (ignored when mapping).
         mapped: map (:func:`map_payload`) or read (``read_payload``); ``None``: as
-            :func:`mapped_reads` says.
+            :func:`mapped_reads` and the size say.
 
     Raises:
         T2NErrorStorage: see :func:`map_payload` and ``read_payload``.
         T2NErrorMisuse: a buffer of ``out`` does not match its entry (when reading).
     """
-    if mapped_reads() if mapped is None else mapped:
+    if mapped is None:
+        names = None if names is None else list(names)  # read twice
+        nbytes = sum(spec.nbytes for spec in select_entries(layout, names))
+        mapped = mapped_reads() and nbytes >= MAPPED_MIN_BYTES
+    if mapped:
         return map_payload(layout, names=names)
     return read_payload(layout, out=out, names=names)
