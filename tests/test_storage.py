@@ -681,6 +681,7 @@ def test_public_api_is_exactly_exported() -> None:
             "load_payload",
             "mapped_reads",
             "set_mapped_reads",
+            "MAPPED_MIN_BYTES",
             "allocate",
             "resolve_device",
             "to_device",
