@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -135,6 +136,16 @@ def _peak_rss() -> int:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) * 1024
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _reset_peak_rss() -> bool:
+    """Reset ``VmHWM`` to the current RSS (Linux >= 4.0); whether it could."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def drop_page_cache(*directories: Path) -> None:
@@ -270,6 +281,9 @@ def _measure(
         ticks = _Ticks(tokens, [path, offload_dir] if cold else [], mode, progress)
         hook = model.register_forward_pre_hook(ticks)
         pool_stats = None
+        # The growth during generate counts from here: the model is loaded and has run once.
+        gc.collect()
+        generate_baseline = _rss() if _reset_peak_rss() else baseline
         with contextlib.ExitStack() as stack:
             pool = None
             if mode.startswith("pool"):
@@ -279,6 +293,7 @@ def _measure(
             seconds = time.perf_counter() - started
             if pool is not None:
                 pool_stats = pool.stats()
+            generate_peak = _peak_rss()
         hook.remove()
         ticks.close()
     offloaded = sum(p.numel() * p.element_size() for p in model.parameters() if p.is_meta)
@@ -296,6 +311,7 @@ def _measure(
         "load_s": load_s,
         "bytes_read_per_token": read_per_token,
         "peak_rss_growth": max(0, _peak_rss() - baseline),
+        "generate_rss_growth": max(0, generate_peak - generate_baseline),
         "budget": budget,
     }
 

@@ -15,8 +15,9 @@ cold physical bound.
 
 Targets: our pool >= 2x accelerate's tokens per second warm, >= 1.5x cold; within 1.3x of the
 physical bound (warm: the dense model's s/token; cold: max(bytes read per token / disk
-bandwidth, dense s/token)); the dense model's tokens in every mode; peak RSS growth <= budget
-+ the largest two consecutive streamed modules (leased at once) + 64 MiB.
+bandwidth, dense s/token)); the dense model's tokens in every mode; peak RSS growth during
+generate (from the loaded, warmed-up model; the growth since before loading is shown too)
+<= budget + the largest two consecutive streamed modules (leased at once) + 64 MiB.
 
 Run: ``python benchmarks/bench_hf.py [--quick] [--output PATH]``. ``--quick``: a model of a
 few MB, 3 tokens, warm only (a smoke test; its figures mean nothing).
@@ -110,7 +111,8 @@ def measure(
         combined = dict(samples[0])
         combined["s_per_token"] = statistics.median(r["s_per_token"] for r in samples)
         combined["s_per_token_rounds"] = [r["s_per_token"] for r in samples]
-        combined["peak_rss_growth"] = max(r["peak_rss_growth"] for r in samples)
+        for key in ("peak_rss_growth", "generate_rss_growth"):
+            combined[key] = max(r[key] for r in samples)
         combined["tokens"] = (
             samples[0]["tokens"]
             if all(r["tokens"] == samples[0]["tokens"] for r in samples)
@@ -141,6 +143,7 @@ def rows_for(
                 f"{result['s_per_token']:.3f}",
                 f"{result['bytes_read_per_token'] / MB:.0f}",
                 f"{result['peak_rss_growth'] / MIB:.0f}",
+                f"{result['generate_rss_growth'] / MIB:.0f}",
                 "yes" if _same_tokens(result, dense) else "NO",
             ]
         )
@@ -186,12 +189,13 @@ def rows_for(
     allowance = budget + leased_at_once(spec) + 64 * MIB
     summary.append(
         summary_row(
-            f"{label}: peak RSS growth of the pool (warm)",
-            f"{pool['peak_rss_growth'] / MIB:.0f} MiB",
+            f"{label}: peak RSS growth of the pool during generate (warm)",
+            f"{pool['generate_rss_growth'] / MIB:.0f} MiB"
+            f" ({pool['peak_rss_growth'] / MIB:.0f} MiB with loading)",
             f"budget {budget / MIB:.0f} MiB, accelerate "
-            f"{by[('accelerate', False)]['peak_rss_growth'] / MIB:.0f} MiB",
+            f"{by[('accelerate', False)]['generate_rss_growth'] / MIB:.0f} MiB",
             f"<= {allowance / MIB:.0f} MiB (budget + leased + 64 MiB)",
-            pool["peak_rss_growth"] <= allowance,
+            pool["generate_rss_growth"] <= allowance,
         )
     )
     return summary, detail
@@ -217,7 +221,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         summary += rows
         detail += lines
     details = {
-        "headers": ["model, mode", "cache", "s/token", "MB read/token", "peak RSS MiB", "tokens"],
+        "headers": [
+            "model, mode",
+            "cache",
+            "s/token",
+            "MB read/token",
+            "peak RSS growth MiB (with loading)",
+            "in generate MiB",
+            "tokens",
+        ],
         "rows": detail,
     }
     document = {

@@ -13,7 +13,15 @@ import torch
 from torch_to_nnef.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
-MAIN_HEADERS = ["mode", "s/token", "vs accelerate", "MB read/token", "peak RSS MiB", "RSS/budget"]
+MAIN_HEADERS = [
+    "mode",
+    "s/token",
+    "vs accelerate",
+    "MB read/token",
+    "peak RSS growth MiB (with loading)",
+    "in generate MiB",
+    "in generate / budget",
+]
 
 
 def table(output: str, first_header: str) -> list[list[str]]:
@@ -57,7 +65,7 @@ def test_the_demo_generates_the_dense_tokens_every_way(tmp_path: Path) -> None:
     assert [row[0] for row in rows] == ["dense", "accelerate", "pool"]
     assert rows[1][2] == "1.00x"  # accelerate against itself
     for row in rows:
-        assert float(row[1]) > 0 and float(row[4]) >= 0
+        assert float(row[1]) > 0 and float(row[4]) >= 0 and float(row[5]) >= 0
     assert "tokens: every way produced the dense model's tokens" in done.stdout
     header, *rows = table(done.stdout, "requests ")
     assert header == ["requests", "requests/s", "MB read"]
