@@ -281,7 +281,8 @@ def _measure(
         ticks = _Ticks(tokens, [path, offload_dir] if cold else [], mode, progress)
         hook = model.register_forward_pre_hook(ticks)
         pool_stats = None
-        # The growth during generate counts from here: the model is loaded and has run once.
+        # The growth during generate counts from here: the model is loaded and has run once
+        # (where VmHWM cannot be reset, from before loading, as the other figure).
         gc.collect()
         generate_baseline = _rss() if _reset_peak_rss() else baseline
         with contextlib.ExitStack() as stack:

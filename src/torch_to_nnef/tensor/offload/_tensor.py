@@ -962,13 +962,14 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         returned as ``{"tensor": value}`` when it is a whole, dense CPU tensor of the
         payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
         the host buffer), an opaque value, whose decoding may keep views of the read buffers
-        or transform them, so that no buffer can be safely handed out, or a value mapping the
-        file (``storage.mapped_reads()``: loads map, they reuse no buffer). The caller may
+        or transform them, so that no buffer can be safely handed out, or any value while
+        ``storage.mapped_reads()`` is on (large loads map the file and have no buffer; small
+        ones are read into heap memory, which reuse would not save). The caller may
         reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else
         references them.
         """
         binding = self._binding
-        if storage.mapped_reads():  # loads map the file: there is no buffer to reuse
+        if storage.mapped_reads():  # large loads map the file; small ones are cheap to allocate
             return None
         if binding.opaque or not _is_whole_host_buffer(value, binding.spec(_PLAIN_ENTRY)):
             return None

@@ -267,9 +267,11 @@ def load_payload(
         T2NErrorMisuse: a buffer of ``out`` does not match its entry (when reading).
     """
     if mapped is None:
-        names = None if names is None else list(names)  # read twice
-        nbytes = sum(spec.nbytes for spec in select_entries(layout, names))
-        mapped = mapped_reads() and nbytes >= MAPPED_MIN_BYTES
+        mapped = mapped_reads()
+        if mapped:  # the size decides: the entries are looked up twice, only here
+            names = None if names is None else list(names)
+            nbytes = sum(spec.nbytes for spec in select_entries(layout, names))
+            mapped = nbytes >= MAPPED_MIN_BYTES
     if mapped:
         return map_payload(layout, names=names)
     return read_payload(layout, out=out, names=names)
