@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from residency_checks import check_invariants
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     PoolStats,
@@ -614,6 +615,40 @@ print("ok", flush=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     assert time.monotonic() - start < 30
+
+
+@pytest.mark.timeout(120)
+def test_a_write_back_queued_at_interpreter_exit_runs_to_its_end(tmp_path: Path) -> None:
+    """A script that returns while the pool's workers are writing a value back exits only once
+    the write reached the file (the workers are joined at exit; the loop thread is not)."""
+    import subprocess
+    import sys
+
+    saved = tmp_path / "saved.bin"
+    script = f"""
+import atexit, shutil, threading, time
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+t = OffloadedTensor.from_original_tensor(torch.zeros(1 << 25), "w", offload_dir={str(tmp_path)!r})
+pool = TensorResidencyPool()
+with pool.acquire(t, mode="read_write") as value:
+    value.fill_(7.0)
+del value
+# Runs after the workers were stopped at exit, before the tensor's file is removed.
+atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+threading.Thread(target=pool.evict, args=(t,), daemon=True).start()
+while pool.is_resident(t):  # false once the write-back is on its way
+    time.sleep(0.001)
+print("ok", flush=True)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    (written,) = storage.read_payload(storage.read_layout(saved)).values()
+    assert torch.equal(written, torch.full((1 << 25,), 7.0))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ the slot has leases.
 
 from __future__ import annotations
 
-import concurrent.futures
 import logging
 import threading
 from collections import deque
@@ -476,8 +475,7 @@ class Actor:
         self.loading_bytes -= entry.nbytes
         if entry.load is job:
             entry.load = None
-        assert job.future is not None
-        error = _job_error(job.future)
+        error = job.failure
         if error is not None:
             self._load_errors += 1
             LOGGER.debug("load of %r failed: %r", entry.source.name, error)
@@ -486,7 +484,7 @@ class Actor:
                 self.policy.forget(entry.key, entry.nbytes, entry.retained)
             job.finish(None, error)
             return
-        value: torch.Tensor = job.future.result()
+        value: torch.Tensor = job.outcome
         self._loads += 1
         self._bytes_read += entry.nbytes
         if self.entries.get(entry.key) is entry and entry.value is None:
@@ -703,8 +701,7 @@ class Actor:
         if slot is not None:
             with self.lock:
                 slot.writing = False
-        assert job.future is not None
-        error = _job_error(job.future)
+        error = job.failure
         current = self.entries.get(entry.key) is entry
         if error is not None:
             # The value stays resident and dirty, out of the eviction order (no retry on every
@@ -720,7 +717,7 @@ class Actor:
                 self._reopen(entry)
             job.finish(None, error)
             return
-        version = job.future.result()
+        version = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
             self._write_backs += 1
             self._bytes_written += entry.nbytes
@@ -829,9 +826,3 @@ class Actor:
         self.spares.clear()
         self.closing = False
         self.closed = True
-
-
-def _job_error(future: concurrent.futures.Future[Any]) -> BaseException | None:
-    if future.cancelled():
-        return concurrent.futures.CancelledError("the pool stopped before the job ran")
-    return future.exception()

@@ -6,8 +6,9 @@ importable unless ``use_uvloop=False`` or ``T2N_RESIDENCY_UVLOOP=0``. Other back
 are not supported. Requests from other threads reach the loop with ``call_soon_threadsafe``,
 which runs them in the order they were sent; there is no other queue.
 
-**Workers.** Disk jobs run on ``max_workers`` threads; each completion is scheduled on the
-loop as the actor's transition for that job.
+**Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
+(:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
+transition for that job. A sync call on the loop thread itself waits for a job inline.
 
 **The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
 and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
@@ -28,6 +29,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
@@ -35,6 +37,7 @@ from typing import Any
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
+from torch_to_nnef.tensor.residency._workers import Workers
 
 __all__ = ["Operation", "Runtime", "uvloop_wanted"]
 
@@ -73,6 +76,23 @@ class Operation:
     def undo(self, result: Any) -> None:
         """The result was produced but its caller left: give back what it holds."""
         self.abandon()
+
+
+_private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
+"""Runtimes whose private loop thread runs."""
+
+
+def _stop_private_loops_at_exit() -> None:
+    """Stop private loop threads before the interpreter finalizes (they are daemons): each
+    runs what was posted, then its workers' jobs to their end. No daemon thread of a pool is
+    left running Python or torch code while the interpreter tears down."""
+    for runtime in list(_private_loops):
+        if runtime._pid == os.getpid():  # a forked child has none of its parent's threads
+            runtime.stop_private()
+
+
+# Registered after the workers' hook (imported above), so it runs before it.
+threading._register_atexit(_stop_private_loops_at_exit)  # type: ignore[attr-defined]
 
 
 def uvloop_wanted(use_uvloop: bool | None) -> bool:
@@ -134,7 +154,7 @@ class Runtime:
         self.thread_id: int | None = None
         self._max_workers = max_workers
         self._use_uvloop = use_uvloop
-        self._workers: concurrent.futures.ThreadPoolExecutor | None = None
+        self._workers: Workers | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # the loop's publication, against posts
         self._start_lock = threading.Lock()
@@ -167,15 +187,13 @@ class Runtime:
 
     def _attach(self, loop: asyncio.AbstractEventLoop) -> None:
         self._pid = os.getpid()
-        self._workers = concurrent.futures.ThreadPoolExecutor(
-            self._max_workers, thread_name_prefix="t2n-residency-io"
-        )
+        self._workers = Workers(self._max_workers, self._job_ended)
         self.actor.submit = self._submit
         with self._lock:
             self.thread_id = threading.get_ident()
             self.loop = loop
 
-    def _detach(self) -> concurrent.futures.ThreadPoolExecutor | None:
+    def _detach(self) -> Workers | None:
         with self._lock:
             self.loop = None
             self.thread_id = None
@@ -191,7 +209,7 @@ class Runtime:
         """Stop serving on the caller's loop (end of ``async with pool``)."""
         workers = self._detach()
         if workers is not None:
-            workers.shutdown(wait=True)  # jobs run to their end; nothing is left behind
+            workers.shutdown()  # jobs run to their end; nothing is left behind
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
@@ -221,7 +239,7 @@ class Runtime:
                 # find the pool closed and say so) rather than leave their callers waiting.
                 loop.run_until_complete(asyncio.sleep(0))
                 if workers is not None:
-                    workers.shutdown(wait=True)
+                    workers.shutdown()
                 try:
                     loop.run_until_complete(loop.shutdown_asyncgens())
                 finally:
@@ -229,6 +247,7 @@ class Runtime:
 
         thread = threading.Thread(target=run, name="t2n-residency-loop", daemon=True)
         self._thread = thread
+        _private_loops.add(self)
         thread.start()
         ready.wait()
 
@@ -238,6 +257,7 @@ class Runtime:
         thread = self._thread
         if thread is None:
             return
+        _private_loops.discard(self)
         with self._lock:
             loop = self.loop
             if loop is not None:
@@ -312,12 +332,12 @@ class Runtime:
         workers = self._workers
         if workers is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-        future = workers.submit(function, *args)
-        job = Job(kind, future, transition)
-        future.add_done_callback(partial(self._job_ended, job))
+        job = Job(kind, function, args, transition)
+        workers.submit(job)
         return job
 
-    def _job_ended(self, job: Job, future: concurrent.futures.Future[Any]) -> None:
+    def _job_ended(self, job: Job) -> None:
+        """A worker ran ``job`` (worker thread): its transition goes to the loop."""
         with contextlib.suppress(T2NErrorMisuse):  # the loop is gone: nobody to tell
             self.post(job.complete)
 
@@ -369,8 +389,9 @@ class Runtime:
                 "`await anyio.to_thread.run_sync(...)`",
                 operation.inline,
             )
-        if job.future is not None:
-            concurrent.futures.wait([job.future])
+        workers = self._workers
+        if workers is not None:
+            workers.wait(job)
         job.complete()
 
     def call(self, operation: Operation) -> Any:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import concurrent.futures
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -67,30 +67,42 @@ def as_storage_error(error: BaseException) -> BaseException:
 class Job:
     """One disk job (a load or a write-back) on an I/O worker, and who waits for its end.
 
-    The worker's future completes on the worker thread; :meth:`complete` runs the actor's
+    A worker runs ``function(*args)`` (:meth:`run`) and stores its outcome here (``outcome``,
+    or the error in ``failure``), then sets ``ran``; :meth:`complete` runs the actor's
     transition for it on the loop thread, once (scheduled by the runtime, or run at once by
     an inline wait on the loop thread itself).
     """
 
     __slots__ = (
+        "_args",
         "_callbacks",
+        "_function",
         "_transition",
         "done",
         "error",
-        "future",
+        "failure",
         "kind",
+        "outcome",
+        "ran",
         "value",
         "version",
+        "waiter",
     )
 
     def __init__(
         self,
         kind: str,
-        future: concurrent.futures.Future[Any],
+        function: Callable[..., Any],
+        args: tuple[Any, ...],
         transition: Callable[[Job], None],
     ) -> None:
         self.kind = kind
-        self.future: concurrent.futures.Future[Any] | None = future
+        self._function: Callable[..., Any] | None = function
+        self._args = args
+        self.outcome: Any = None
+        self.failure: BaseException | None = None
+        self.ran = False  # set by the worker (under its lock) once the outcome is stored
+        self.waiter: threading.Event | None = None  # an inline wait on the loop thread
         self.done = False
         self.value: torch.Tensor | None = None
         self.error: BaseException | None = None
@@ -98,16 +110,26 @@ class Job:
         self._transition: Callable[[Job], None] | None = transition
         self._callbacks: list[Callable[[], None]] = []
 
+    def run(self) -> None:
+        """Run the job's function and keep its outcome (a worker thread, once)."""
+        function, args = self._function, self._args
+        self._function, self._args = None, ()
+        assert function is not None
+        try:
+            self.outcome = function(*args)
+        except BaseException as error:  # reported by the transition, on the loop thread
+            self.failure = error
+
     def complete(self) -> None:
         """Run the transition of the ended worker job (loop thread; only the first call acts).
 
-        The worker's future is dropped then: it and its callback refer to each other, and
-        would keep the loaded value alive until the cycle collector runs.
+        The outcome is dropped then: the transition handed it on (``value``, or the
+        entry's state).
         """
         transition, self._transition = self._transition, None
         if transition is not None:
             transition(self)
-            self.future = None
+            self.outcome = None
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop thread once the job ended (at once if it has)."""
