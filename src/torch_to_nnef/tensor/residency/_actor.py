@@ -517,12 +517,9 @@ class Actor:
     # ------------------------------------------------------------------------------------------
     @staticmethod
     def _in_use(entry: Entry) -> bool:
-        """Whether a resident value is in use (leased or awaited) rather than cached.
-
-        In-use values are outside the budget, which bounds what is kept for reuse; a pinned
-        value counts toward it even while leased.
-        """
-        return entry.value is not None and not entry.pinned and bool(entry.waiters or entry.tracked)
+        """Whether a resident value is in use (leased or awaited) rather than cached
+        (:meth:`Entry.holds`)."""
+        return entry.holds()[1]
 
     def _hold(
         self,
@@ -534,23 +531,25 @@ class Actor:
     ) -> None:
         """Change what holds ``entry`` (waiters, its pin, counted leases), keeping every
         count right."""
-        was_in_use, was_held = self._in_use(entry), entry.held
+        was_held, was_in_use = entry.holds()
         entry.waiters += waiters
         if pinned is not None:
             entry.pinned = pinned
-        if track is not None and entry.slot is not None:
+        slot = entry.slot
+        if track is not None and slot is not None:
             with self.lock:
-                entry.slot.tracked = track
+                slot.tracked = track
                 self._take_dirty(entry)
-        if self._in_use(entry) != was_in_use:
-            self.in_use_bytes += -entry.nbytes if was_in_use else entry.nbytes
+        held, in_use = entry.holds()
+        if in_use != was_in_use:
+            self.in_use_bytes += entry.nbytes if in_use else -entry.nbytes
             self._note_active()
-        if entry.held and not was_held:
+        if held and not was_held:
             self.policy.hold(entry.key)
             if entry.evicting:  # a value on its way out is wanted again
                 self._set_evicting(entry, False)
                 self._reopen(entry)
-        elif was_held and not entry.held:
+        elif was_held and not held:
             self._maybe_release(entry)
 
     def _maybe_release(self, entry: Entry) -> None:

@@ -33,7 +33,8 @@ hand_over: Callable[..., torch.Tensor] = storage.handoff
 On a CUDA device the consumer's current stream waits for the value's copies and owns its
 memory until its queued kernels ran (see ``storage.handoff``, bound here without a wrapper:
 this runs on every hit). ``device``: where the value lives, when known (a slot's), which
-spares asking the tensor.
+spares asking the tensor. A hit on a slot whose ``as_is`` is set (a value off CUDA, where
+this does nothing) skips the call.
 """
 
 
@@ -164,7 +165,7 @@ class TensorResidencyLease(Holder):
         """The value of the lease just granted, handed over to the caller."""
         slot = self.slot
         assert slot is not None
-        return hand_over(slot.value, slot.device)
+        return slot.value if slot.as_is else hand_over(slot.value, slot.device)
 
     def _begin(self) -> bool:
         """Start acquiring without waiting, so that ``__enter__`` later finds the value loaded.
@@ -195,20 +196,22 @@ class TensorResidencyLease(Holder):
 
     def __enter__(self) -> torch.Tensor:
         begun, request = self._begun, self._request
-        self._check_unused()
+        if self._used:
+            self._check_unused()  # raises
+        self._used = True
         try:
-            if begun is not None:
+            if begun is None:  # _fast and _value, inlined: the path of every hit
+                actor = self._pool._actor
+                slot = actor.fresh_slot(self._source, self._device)
+                if slot is not None and actor.try_lease(slot, self):
+                    return slot.value if slot.as_is else hand_over(slot.value, slot.device)
+                self._pool._runtime.call(self._acquire())
+            else:
                 self._begun = self._request = None
                 started = time.perf_counter()
                 begun.result()
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
-            else:  # _fast and _value, inlined: the path of every hit
-                actor = self._pool._actor
-                slot = actor.fresh_slot(self._source, self._device)
-                if slot is not None and actor.try_lease(slot, self):
-                    return hand_over(slot.value, slot.device)
-                self._pool._runtime.call(self._acquire())
             return self._value()
         except BaseException:
             if request is not None:

@@ -296,7 +296,7 @@ class TensorResidencyPool:
         slot = self._actor.fresh_slot(source, target)
         if slot is not None and slot.open:
             self._actor.count_hit(slot)
-            return hand_over(slot.value, slot.device)
+            return slot.value if slot.as_is else hand_over(slot.value, slot.device)
         return hand_over(self._runtime.call(Resolve(self._actor, source, target)))
 
     def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:

@@ -118,8 +118,6 @@ def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
 
 
 def _set_result(done: Completion, value: Any) -> bool:
-    if done.done():
-        return False
     try:
         done.set_result(value)
     except _INVALID_STATE:  # cancelled by its waiter meanwhile

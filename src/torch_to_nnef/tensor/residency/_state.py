@@ -157,16 +157,17 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``key``, ``value`` and ``device`` (fixed at creation) changes under the
-    actor's lock only. A thread takes or ends a lease here without the loop thread (reading
-    and writing the slot only, never its entry); the actor never
-    evicts, reuses or replaces a value whose slot has leases, and closes the slot (no new
-    lease) before it does. A write-back of the value never runs while a ``read_write`` lease
+    Every field but ``key``, ``value``, ``device`` and ``as_is`` (fixed at creation) changes
+    under the actor's lock only. A thread takes or ends a lease here without the loop thread
+    (reading and writing the slot only, never its entry); the actor never evicts, reuses or
+    replaces a value whose slot has leases, and closes the slot (no new lease) before it
+    does. A write-back of the value never runs while a ``read_write`` lease
     is held (``writers``): one is not granted while ``writing``, and the actor sets
     ``writing`` (under the lock, seeing no writer) before the write-back starts copying.
     """
 
     __slots__ = (
+        "as_is",
         "changed",
         "device",
         "dirty",
@@ -187,6 +188,9 @@ class Slot:
         self.key = entry.key
         self.value = value
         self.device = entry.device
+        # Handed over as it is: ``hand_over`` has work on CUDA devices only (their streams),
+        # and reading ``device.type`` on every hit costs more than the rest of a hit's checks.
+        self.as_is = entry.device.type != "cuda"
         self.version = version
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
@@ -223,9 +227,20 @@ class Entry:
     def tracked(self) -> bool:
         return self.slot is not None and self.slot.tracked
 
+    def holds(self) -> tuple[bool, bool]:
+        """Whether something holds the value (waiters, its pin, a failed write-back, counted
+        leases: it is not evictable), and whether it is *in use* (a resident value leased or
+        awaited, outside the budget, which bounds what is kept for reuse; a pinned value
+        counts toward it even while leased)."""
+        slot = self.slot
+        leased = slot is not None and slot.tracked
+        waited = bool(self.waiters or leased)
+        held = waited or self.pinned or self.stuck
+        return held, waited and self.value is not None and not self.pinned
+
     @property
     def held(self) -> bool:
-        return bool(self.waiters or self.pinned or self.stuck or self.tracked)
+        return self.holds()[0]
 
     @property
     def resident(self) -> bool:
