@@ -279,24 +279,26 @@ class Runtime:
     def notify(self, callback: Callable[..., Any], *args: Any) -> None:
         """Tell the actor something without waiting (any thread); reads of the pool's state
         from other threads see it (:meth:`catch_up`)."""
-        if self.on_loop_thread() or not self.running:
+        if self.on_loop_thread() or not self.running or os.getpid() != self._pid:
             callback(*args)
             return
         with self._lock:
-            self._sent += 1
-
-        def counted() -> None:
-            try:
-                callback(*args)
-            finally:
-                self._ran += 1
-
-        try:
-            self.post(counted)
-        except T2NErrorMisuse:
-            with self._lock:
-                self._sent -= 1
+            loop = self.loop
+            if loop is not None:
+                self._sent += 1
+                try:
+                    loop.call_soon_threadsafe(self._counted, callback, args)
+                except RuntimeError:  # loop closed underneath us
+                    self._sent -= 1
+                    loop = None
+        if loop is None:
             callback(*args)  # the loop is gone: nothing runs concurrently any more
+
+    def _counted(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        try:
+            callback(*args)
+        finally:
+            self._ran += 1
 
     def wake(self) -> None:
         """Have the actor take note of other threads soon (any thread, at any moment: takes
