@@ -145,13 +145,15 @@ class Actor:
             slot.used = True
         return True
 
-    def _grant(self, slot: Slot, holder: Holder) -> None:
+    def _grant(self, slot: Slot, holder: Holder, note: bool = True) -> None:
         """Give ``holder`` a lease on ``slot`` (under the lock). The count and the holder
-        change together, before any call an interrupt could land on."""
+        change together, before any call an interrupt could land on. ``note``: queue the
+        slot for the actor's next look at its leases (the actor granting on its own thread
+        tracks the lease at once instead)."""
         slot.leases += 1
         slot.writers += holder.read_write
         holder.slot = slot
-        if not slot.changed:
+        if note and not slot.changed:
             self._changed.append(slot)
             slot.changed = True
 
@@ -396,7 +398,7 @@ class Actor:
             slot = entry.slot
             assert slot is not None
             with self.lock:
-                self._grant(slot, ticket.holder)
+                self._grant(slot, ticket.holder, note=False)
             self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
             self.policy.touch(entry.key)
