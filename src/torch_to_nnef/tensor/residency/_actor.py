@@ -57,6 +57,14 @@ class Actor:
         self.closing = False
         self.closed = False
         self.submit: SubmitJob | None = None  # set by the runtime while it serves
+        # Set by the runtime while it serves: have the actor look at ended leases within
+        # RELEASE_GRACE seconds (a timer of the loop; loop thread).
+        self.expect_releases: Callable[[], None] | None = None
+        # Such a look is due (under the lock): a release over the budget sends no wake-up.
+        self.expecting = False
+        # Releases over the budget rode on that look and it has not come yet (under the
+        # lock): reads of the state from other threads have it run first.
+        self.deferred = False
         self.jobs: set[Job] = set()
         self.spares = SpareBuffers()
         self._hits = self._misses = self._loads = self._bytes_read = 0
@@ -190,16 +198,16 @@ class Actor:
             slot.leases -= 1
             slot.writers -= holder.read_write
             slot.dirty = slot.dirty or changed
-            last = not slot.leases
-            tracked = slot.tracked
             self._touches.append(slot.key)
-            if last and not slot.changed:
+            if slot.leases:
+                return False
+            if not slot.changed:
                 self._changed.append(slot)
                 slot.changed = True
-        if not last or not tracked:
-            return False
-        entry = slot.entry
-        with self.lock:  # the slot was queued before this: a pending wake-up sees it
+            if not slot.tracked:
+                return False
+            # The slot was queued before this: a pending wake-up sees it.
+            entry = slot.entry
             self._released_bytes += entry.nbytes
             # Else a value the policy did not retain leaves with its last holder.
             if entry.retained:
@@ -208,6 +216,9 @@ class Actor:
                 if budget is None or cached + self._released_bytes <= budget:
                     return False
             pending, self._wake_pending = self._wake_pending, True
+            if not pending and self.expecting:  # the look that is due takes note
+                self.deferred = True
+                return False
         return not pending
 
     def drop(self, holder: Holder, changed: bool) -> None:
@@ -229,6 +240,7 @@ class Actor:
             changed = list(self._changed)
             self._changed.clear()
             self._wake_pending = False  # what a wake-up on its way would see is taken here
+            self.deferred = False
             self._released_bytes = 0
             for slot in changed:
                 slot.changed = False
@@ -251,8 +263,20 @@ class Actor:
         """Leases ended by other threads put the pool over its budget (told without waiting)."""
         with self.lock:  # before sync: a lease ended after this point sends its own wake-up
             self._wake_pending = False
+            self.deferred = False
             self._released_bytes = 0
         self.sync()
+
+    def look_at_releases(self) -> None:
+        """The look at ended leases that :attr:`expect_releases` scheduled (loop thread):
+        releases from now on send their own wake-up again."""
+        with self.lock:
+            self.expecting = False
+        self.leases_ended()
+
+    def set_expecting(self, expecting: bool) -> None:
+        with self.lock:
+            self.expecting = expecting
 
     def check_open(self) -> None:
         if self.closed:
@@ -397,10 +421,21 @@ class Actor:
                 self._hits += 1
             slot = entry.slot
             assert slot is not None
-            with self.lock:
-                self._grant(slot, ticket.holder, note=False)
-            self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
+            if ticket.waiting and entry.waiters == 1 and not slot.tracked:
+                # Its reservation becomes the lease: the value stays held and in use, so
+                # only the slot's tracking changes hands (what _hold would conclude).
+                with self.lock:
+                    self._grant(slot, ticket.holder, note=False)
+                    slot.tracked = True
+                    self._take_dirty(entry)
+                entry.waiters = 0
+            else:
+                with self.lock:
+                    self._grant(slot, ticket.holder, note=False)
+                self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
+            if self.expect_releases is not None:
+                self.expect_releases()
             self.policy.touch(entry.key)
             return entry.value
         if ticket.first:
@@ -417,8 +452,8 @@ class Actor:
         """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
         unchanged, or its reservation."""
         self.sync()
-        if self.release(ticket.holder, changed=False):
-            self.sync()
+        if self.release(ticket.holder, changed=False) or self.deferred:
+            self.leases_ended()
         elif ticket.waiting:
             ticket.waiting = False
             held = ticket.entry
@@ -545,7 +580,8 @@ class Actor:
         held, in_use = entry.holds()
         if in_use != was_in_use:
             self.in_use_bytes += entry.nbytes if in_use else -entry.nbytes
-            self._note_active()
+            if in_use:  # less in use changes neither the peak nor the spares' room
+                self._note_active()
         if held and not was_held:
             self.policy.hold(entry.key)
             if entry.evicting:  # a value on its way out is wanted again

@@ -40,7 +40,8 @@ this does nothing) skips the call.
 
 def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
     """End ``holder``'s lease if it holds one (any thread; idempotent); when that puts the
-    pool over its budget, the actor hears of it without waiting. ``changed``: a
+    pool over its budget, the actor hears of it without waiting (a wake-up, or the look at
+    ended leases it has due within ``RELEASE_GRACE``). ``changed``: a
     ``read_write`` lease that was entered, whose change is kept; on a CUDA value it records
     an event on the caller's current stream, which the write-back waits for."""
     slot = holder.slot
@@ -48,8 +49,11 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
         return
     if changed and holder.read_write:
         storage.record_writes(slot.value, slot.device)
-    if pool._actor.release(holder, changed):
-        pool._runtime.notify(pool._actor.leases_ended)
+    actor = pool._actor
+    if actor.release(holder, changed):
+        pool._runtime.notify(actor.leases_ended)
+    elif actor.deferred and pool._runtime.on_loop_thread():
+        actor.leases_ended()  # it rode on the actor's next look: on its thread, look now
 
 
 class TensorPrefetch:

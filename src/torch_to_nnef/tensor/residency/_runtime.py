@@ -78,6 +78,11 @@ class Operation:
         self.abandon()
 
 
+RELEASE_GRACE = 0.001
+"""Seconds after granting a lease within which the actor looks at ended leases by itself:
+a lease that ends before then and puts the pool over its budget sends no wake-up (the look,
+or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time."""
+
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
 
@@ -161,6 +166,7 @@ class Runtime:
         self._sent = 0
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
+        self._grace: asyncio.TimerHandle | None = None  # the actor's look at releases
 
     # ------------------------------------------------------------------------------------------
     # The loop
@@ -187,6 +193,7 @@ class Runtime:
         self._pid = os.getpid()
         self._workers = Workers(self._max_workers, self._job_ended)
         self.actor.submit = self._submit
+        self.actor.expect_releases = self._expect_releases
         with self._lock:
             self.thread_id = threading.get_ident()
             self.loop = loop
@@ -196,6 +203,11 @@ class Runtime:
             self.loop = None
             self.thread_id = None
         self.actor.submit = None
+        self.actor.expect_releases = None
+        timer, self._grace = self._grace, None
+        if timer is not None:
+            timer.cancel()
+        self.actor.set_expecting(False)
         workers, self._workers = self._workers, None
         return workers
 
@@ -309,15 +321,33 @@ class Runtime:
                 loop.call_soon_threadsafe(self.actor.sync)
 
     def catch_up(self) -> None:
-        """Wait until the notifications sent so far ran (reads of state from other threads)."""
-        if self._sent == self._ran or not self.running:
+        """Wait until the notifications sent so far ran, and releases that rode on the
+        actor's next look at them were seen (reads of state from other threads)."""
+        if (self._sent == self._ran and not self.actor.deferred) or not self.running:
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with contextlib.suppress(T2NErrorMisuse):
-            self.post(done.set_result, None)
+            self.post(self._caught_up, done)
             done.result()
+
+    def _caught_up(self, done: concurrent.futures.Future[None]) -> None:
+        if self.actor.deferred:
+            self.actor.leases_ended()
+        done.set_result(None)
+
+    def _expect_releases(self) -> None:
+        """A lease was granted (loop thread): look at ended leases within
+        :data:`RELEASE_GRACE` seconds, and let releases over the budget until then ride on
+        that look instead of each waking the loop. A request sent meanwhile looks first."""
+        if self._grace is None and self.loop is not None:
+            self.actor.set_expecting(True)
+            self._grace = self.loop.call_later(RELEASE_GRACE, self._look_at_releases)
+
+    def _look_at_releases(self) -> None:
+        self._grace = None
+        self.actor.look_at_releases()
 
     # ------------------------------------------------------------------------------------------
     # Workers
