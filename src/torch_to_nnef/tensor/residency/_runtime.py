@@ -8,7 +8,15 @@ which runs them in the order they were sent; there is no other queue.
 
 **Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
 (:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
-transition for that job. A sync call on the loop thread itself waits for a job inline.
+transition for that job. A sync call on the loop thread itself waits for a job inline. At
+interpreter exit a ``threading`` hook stops private loops (each runs what was posted, then its
+workers' queued jobs to their end) before the interpreter tears down.
+
+**Ended leases.** A thread ending a lease the actor counts as in use wakes the loop when the
+value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
+leases due: one is scheduled (a timer, :data:`RELEASE_GRACE` after a grant) whenever the actor
+grants a lease, so that a lease ended soon after its grant rides on it. Reads of the state
+from other threads (:meth:`Runtime.catch_up`) have that look run first.
 
 **The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
 and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
