@@ -15,6 +15,7 @@ write-backs queued then still reach their files.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import weakref
@@ -34,7 +35,8 @@ def _stop_all_at_exit() -> None:
     global _exiting
     _exiting = True
     for workers in list(_running):
-        workers.shutdown()
+        if workers.pid == os.getpid():  # a forked child has none of its parent's threads
+            workers.shutdown()
 
 
 threading._register_atexit(_stop_all_at_exit)  # type: ignore[attr-defined]
@@ -51,6 +53,7 @@ class Workers:
         self._lock = threading.Lock()  # the idle count, and a job's end against its waiter
         self._idle = 0
         self._stopped = False
+        self.pid = os.getpid()
         _running.add(self)
 
     def submit(self, job: Job) -> None:
