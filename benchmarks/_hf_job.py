@@ -53,6 +53,7 @@ MODES = ("dense", "accelerate", "pool", "pool-upstream", "pool-readahead")
 COMPUTE_THREADS = 1
 DEFAULT_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "torch_to_nnef"
 PROMPT_LENGTH = 16
+STREAM_DEPTH = 1
 
 
 @dataclass(frozen=True)
@@ -191,7 +192,9 @@ def generate(model: nn.Module, ids: torch.Tensor, tokens: int) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _pool_for(model: nn.Module, budget: int, workers: int, mode: str = "pool") -> Iterator[Any]:
+def _pool_for(
+    model: nn.Module, budget: int, workers: int, mode: str = "pool", depth: int | None = None
+) -> Iterator[Any]:
     """The pool of ``mode``: SCHEDULED retention, with the model's modules streamed one ahead
     (``stream_modules``), or, for ``pool-readahead``, the trace-driven read-ahead."""
     from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, stream_modules
@@ -209,7 +212,8 @@ def _pool_for(model: nn.Module, budget: int, workers: int, mode: str = "pool") -
         if not trace:
             inner = model.model  # type: ignore[attr-defined]
             modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]  # type: ignore[attr-defined]
-            stack.enter_context(stream_modules(pool, modules, depth=1))
+            depth = STREAM_DEPTH if depth is None else depth
+            stack.enter_context(stream_modules(pool, modules, depth=depth))
         stack.enter_context(pool.scope())
         yield pool
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import mmap
 import os
 from pathlib import Path
 
@@ -222,6 +223,47 @@ def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
     spans = [line.split()[0].split("-") for line in maps]
     target = int(address, 16)
     assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+
+
+def file_mappings(path: Path) -> list[tuple[int, int]]:
+    """(file offset, length) of each mapping of ``path`` the process holds."""
+    found = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if line.endswith(str(path)):
+            low, high = (int(bound, 16) for bound in fields[0].split("-"))
+            found.append((int(fields[2], 16), high - low))
+    return found
+
+
+@linux_only
+def test_a_large_entry_is_mapped_with_the_whole_huge_pages_it_touches(tmp_path: Path) -> None:
+    huge = _kernel.KERNEL.huge_page if _kernel.KERNEL is not None else 0
+    if not huge:
+        pytest.skip("no transparent huge pages")
+    floats = huge // 4
+    tensors = {
+        "head": torch.arange(3000, dtype=torch.float32),
+        "big": torch.randn(2 * floats + 1000),
+        "tail": torch.randn(floats * 3 // 2),
+    }
+    layout = storage.write_payload(tmp_path / "p.safetensors", tensors)
+    spec = layout.entries["big"]
+    assert spec.start % huge and (spec.start + spec.nbytes) % huge  # both ends inside a page
+    value = storage.map_payload(layout, names=["big"])["big"]
+    first = spec.start // huge * huge
+    end = -(-(spec.start + spec.nbytes) // huge) * huge
+    assert end < layout.file_size  # the tail entry: the mapping stops at a huge page boundary
+    assert file_mappings(layout.path) == [(first, end - first)]
+    assert torch.equal(value, tensors["big"])
+    # At the end of the file, the mapping stops where the file does.
+    last = storage.map_payload(layout, names=["tail"])["tail"]
+    tail = layout.entries["tail"]
+    start = tail.start // huge * huge
+    assert (start, -(-(layout.file_size - start) // mmap.PAGESIZE) * mmap.PAGESIZE) in (
+        file_mappings(layout.path)
+    )
+    assert torch.equal(last, tensors["tail"])
 
 
 @linux_only
