@@ -5,7 +5,7 @@ about 1 GB of float32 weights each (random, built once into the cache), 12 token
 decoding (6 on a cold cache) with a budget of a quarter of the model, each mode in a fresh
 process on one compute thread, two rounds alternating the modes (the median s/token, the
 highest peak RSS) (see ``_hf_job.py``): dense, accelerate's disk offload, our pool (``pool``:
-skeleton + ``t2n_load_checkpoint_and_dispatch``, modules streamed one ahead, SCHEDULED
+skeleton + ``t2n_load_checkpoint_and_dispatch``, modules streamed two ahead, SCHEDULED
 retention), on a warm page cache and on a cold one (the checkpoint's pages evicted before
 every token); in the first round only, two variants whose figures inform: ``pool-upstream``
 (``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``) and
@@ -17,7 +17,9 @@ Targets: our pool >= 2x accelerate's tokens per second warm, >= 1.5x cold; withi
 physical bound (warm: the dense model's s/token; cold: max(bytes read per token / disk
 bandwidth, dense s/token)); the dense model's tokens in every mode; peak RSS growth during
 generate (from the loaded, warmed-up model; the growth since before loading is shown too)
-<= budget + the largest two consecutive streamed modules (leased at once) + 64 MiB.
+<= budget + the largest three consecutive streamed modules (leased at once: the one that
+computes and the two read ahead) + 64 MiB. Every warm run starts from the same page-cache
+state: the checkpoint evicted, then read once sequentially (``_hf_job.reset_page_cache``).
 
 Run: ``python benchmarks/bench_hf.py [--quick] [--output PATH]``. ``--quick``: a model of a
 few MB, 3 tokens, warm only (a smoke test; its figures mean nothing).
@@ -63,15 +65,19 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def leased_at_once(spec: job.ModelSpec) -> int:
-    """Bytes the stream leases at once, at most: a module that computes and the next one,
-    read meanwhile. The order is cyclic: while ``lm_head`` computes, the next forward's
-    embedding is read (a tied head is that embedding: one tensor)."""
+def leased_at_once(spec: job.ModelSpec, depth: int = job.STREAM_DEPTH) -> int:
+    """Bytes the stream leases at once, at most: a module that computes and the ``depth``
+    next ones, read meanwhile. The order is cyclic: while ``lm_head`` computes, the next
+    forward's first modules are read (a tied head is the embedding: one tensor)."""
     h, i, v = spec.hidden, spec.intermediate, spec.vocab
     layer = 4 * (4 * h * h + 3 * h * i)
     table = 4 * v * h
     modules = [table, *[layer] * spec.layers, 4 * h, 0 if spec.tied else table]
-    return max(a + b for a, b in zip(modules, modules[1:] + modules[:1], strict=True))
+    count = len(modules)
+    return max(
+        sum(modules[(start + step) % count] for step in range(depth + 1))
+        for start in range(count)
+    )
 
 
 def measure(

@@ -1,0 +1,83 @@
+"""Pieces of the generation benchmark (``benchmarks/_hf_job.py``, ``bench_hf.py``) whose
+mistakes would make its figures wrong without failing it: the page-cache state warm runs
+start from, and the bound on the pool's memory."""
+
+from __future__ import annotations
+
+import errno
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def modules() -> Iterator[tuple[object, object]]:
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        import _hf_job
+        import bench_hf
+
+        yield _hf_job, bench_hf
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+def cached(path: Path) -> bool:
+    """Whether every page of ``path`` is in the page cache (a read that may not wait)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        buffer = bytearray(path.stat().st_size)
+        try:
+            return os.preadv(fd, [buffer], 0, os.RWF_NOWAIT) == len(buffer)
+        except BlockingIOError:
+            return False
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not hasattr(os, "RWF_NOWAIT"), reason="needs preadv's RWF_NOWAIT")
+def test_warm_runs_start_with_the_checkpoint_read_once(
+    tmp_path: Path, modules: tuple[object, object]
+) -> None:
+    job = modules[0]
+    files = [tmp_path / "a.safetensors", tmp_path / "sub" / "b.safetensors"]
+    files[1].parent.mkdir()
+    for index, file in enumerate(files):
+        file.write_bytes(os.urandom((4 << 20) + index * 4096))
+        os.sync()
+    job.drop_page_cache(tmp_path)  # type: ignore[attr-defined]
+    try:
+        if cached(files[0]):
+            pytest.skip("this file system keeps the pages (or ignores RWF_NOWAIT)")
+    except OSError as exc:
+        if exc.errno in (errno.EOPNOTSUPP, errno.EINVAL):
+            pytest.skip("this file system has no RWF_NOWAIT reads")
+        raise
+    job.reset_page_cache(tmp_path)  # type: ignore[attr-defined]
+    assert all(cached(file) for file in files)
+
+
+@pytest.mark.timeout(30)
+def test_the_memory_bound_counts_the_modules_leased_at_once(
+    modules: tuple[object, object],
+) -> None:
+    job, bench = modules
+    spec = job.ModelSpec(hidden=64, intermediate=160, layers=4, heads=4, vocab=512)  # type: ignore[attr-defined]
+    layer = 4 * (4 * 64 * 64 + 3 * 64 * 160)
+    table = 4 * 512 * 64
+    leased = bench.leased_at_once  # type: ignore[attr-defined]
+    assert leased(spec, 1) == 2 * layer  # the module that computes and the next
+    assert leased(spec, 2) == 3 * layer  # and the two next
+    assert leased(spec, 0) == layer
+    big_head = job.ModelSpec(hidden=64, intermediate=160, layers=4, heads=4, vocab=8192)  # type: ignore[attr-defined]
+    head = 4 * 8192 * 64
+    # Cyclic: lm_head computes while the next forward's embedding and first layer are read.
+    assert leased(big_head, 2) == 2 * head + layer
+    assert head > 2 * layer and table < layer
+    assert leased(big_head, 2) > bench.leased_at_once(big_head, 1)  # type: ignore[attr-defined]
