@@ -75,8 +75,7 @@ def leased_at_once(spec: job.ModelSpec, depth: int = job.STREAM_DEPTH) -> int:
     modules = [table, *[layer] * spec.layers, 4 * h, 0 if spec.tied else table]
     count = len(modules)
     return max(
-        sum(modules[(start + step) % count] for step in range(depth + 1))
-        for start in range(count)
+        sum(modules[(start + step) % count] for step in range(depth + 1)) for start in range(count)
     )
 
 

@@ -236,34 +236,47 @@ def file_mappings(path: Path) -> list[tuple[int, int]]:
     return found
 
 
+def page_span(start: int, end: int, unit: int) -> tuple[int, int]:
+    """(offset, length) of the ``unit``-aligned span holding bytes ``start`` to ``end``."""
+    first = start // unit * unit
+    return first, -(-end // unit) * unit - first
+
+
 @linux_only
-def test_a_large_entry_is_mapped_with_the_whole_huge_pages_it_touches(tmp_path: Path) -> None:
+def test_the_ends_of_a_large_entry_covering_most_of_a_huge_page_are_widened_to_it(
+    tmp_path: Path,
+) -> None:
     huge = _kernel.KERNEL.huge_page if _kernel.KERNEL is not None else 0
     if not huge:
         pytest.skip("no transparent huge pages")
-    floats = huge // 4
-    tensors = {
-        "head": torch.arange(3000, dtype=torch.float32),
-        "big": torch.randn(2 * floats + 1000),
-        "tail": torch.randn(floats * 3 // 2),
-    }
-    layout = storage.write_payload(tmp_path / "p.safetensors", tensors)
-    spec = layout.entries["big"]
-    assert spec.start % huge and (spec.start + spec.nbytes) % huge  # both ends inside a page
+    # "big" starts just after a small entry (its first huge page mostly covered) and ends 3/4
+    # into a huge page; "tail" starts there (1/4 of that page covered) and ends the file 1/4
+    # into another one.
+    start = 0
+    for _ in range(3):
+        tensors = {
+            "head": torch.arange(3000, dtype=torch.float32),
+            "big": torch.randn((2 * huge + huge * 3 // 4 - start) // 4),
+            "tail": torch.randn(huge * 3 // 8),
+        }
+        layout = storage.write_payload(tmp_path / "p.safetensors", tensors)
+        if layout.entries["big"].start == start:
+            break
+        start = layout.entries["big"].start
+    big, tail = layout.entries["big"], layout.entries["tail"]
+    assert 0 < big.start % huge < huge // 2 and (big.start + big.nbytes) % huge == huge * 3 // 4
+    assert layout.file_size % huge == huge // 4
+
     value = storage.map_payload(layout, names=["big"])["big"]
-    first = spec.start // huge * huge
-    end = -(-(spec.start + spec.nbytes) // huge) * huge
-    assert end < layout.file_size  # the tail entry: the mapping stops at a huge page boundary
-    assert file_mappings(layout.path) == [(first, end - first)]
+    assert file_mappings(layout.path) == [page_span(big.start, big.start + big.nbytes, huge)]
     assert torch.equal(value, tensors["big"])
-    # At the end of the file, the mapping stops where the file does.
-    last = storage.map_payload(layout, names=["tail"])["tail"]
-    tail = layout.entries["tail"]
-    start = tail.start // huge * huge
-    assert (start, -(-(layout.file_size - start) // mmap.PAGESIZE) * mmap.PAGESIZE) in (
-        file_mappings(layout.path)
-    )
-    assert torch.equal(last, tensors["tail"])
+    del value
+    gc.collect()
+    # The ends of "tail" cover a quarter of their huge pages: mapped as they are.
+    value = storage.map_payload(layout, names=["tail"])["tail"]
+    page = mmap.PAGESIZE
+    assert file_mappings(layout.path) == [page_span(tail.start, layout.file_size, page)]
+    assert torch.equal(value, tensors["tail"])
 
 
 @linux_only

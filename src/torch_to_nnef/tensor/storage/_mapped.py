@@ -10,15 +10,15 @@ tensor of a mapping is freed the region is unmapped and its pages leave the proc
 
 Setting up and tearing down page tables is the cost of a mapped read on a warm page cache,
 and it is paid per page: 4 KiB pages cost about 15 ms per 188 MB to populate and 5 ms to
-unmap. On Linux a region of at least one huge page is therefore widened to the whole huge
-pages it touches and mapped at an address congruent to its file offset modulo the huge page
-size (2 MiB), with ``MADV_HUGEPAGE``: the kernel then maps each huge folio of the page cache
-with one entry (populating and unmapping 188 MB take a fraction of a millisecond) and reads
-a cold file in huge folios, which also reads it twice as fast as ``POSIX_FADV_WILLNEED``
-readahead did (measured on the generation job of ``benchmarks/bench_hf.py``, cold: 0.35
-against 0.95 s per 800 MB). The system calls that populate go through ``ctypes``, which
-releases the GIL: the compute thread runs Python while an I/O worker waits for the kernel
-(``mmap.madvise`` holds the GIL throughout).
+unmap. On Linux a region of at least one huge page is therefore widened at each end that
+covers most of a huge page to that whole page, and mapped at an address congruent to its
+file offset modulo the huge page size (2 MiB), with ``MADV_HUGEPAGE``: the kernel then maps
+each huge folio of the page cache with one entry (populating and unmapping 188 MB take a
+fraction of a millisecond) and reads a cold file in huge folios, which also reads it twice
+as fast as ``POSIX_FADV_WILLNEED`` readahead did (measured on the generation job of
+``benchmarks/bench_hf.py``, cold: 0.35 against 0.95 s per 800 MB). The system calls that
+populate go through ``ctypes``, which releases the GIL: the compute thread runs Python while
+an I/O worker waits for the kernel (``mmap.madvise`` holds the GIL throughout).
 
 :func:`advise_payload` starts the kernel's readahead of entries without mapping them (a
 prefetch that costs no memory of the process).
@@ -159,24 +159,32 @@ def map_payload(
     }
 
 
+_WIDEN_AT_MOST = 2  # an end of a region is widened by at most 1/2 of a huge page
+
+
 def _whole_huge_pages(start: int, length: int, file_size: int) -> tuple[int, int]:
-    """The region ``start``, ``length`` widened to the huge pages of the file it touches
-    (not past the file's end); unchanged below a huge page or without the kernel's calls.
+    """The region ``start``, ``length`` widened, at each end that covers half a huge page of
+    the file or more, to that whole page (not past the file's end); unchanged below a huge
+    page or without the kernel's calls.
 
     The kernel maps a huge folio of the page cache with one entry only where the mapping
     covers it whole: the partial huge pages at the two ends of an entry's region would be
-    populated, and later unmapped, 4 KiB at a time. Widening costs the process at most two
-    huge pages of resident file pages per mapping (pages of the page cache, not anonymous
-    memory) and halves the cost of populating and unmapping a 4 to 10 MiB entry (measured
-    on the checkpoint of ``benchmarks/bench_hf.py``, warm page cache: 200 to 97 us).
+    populated, and later unmapped, 4 KiB at a time. Widening an end that covers half a huge
+    page or more saves most of those 4 KiB entries (the ends that cover less have fewer) for
+    at most half a huge page of resident file pages per end (pages of the page cache, not
+    anonymous memory; a quarter of a huge page per mapping on average).
     """
     kernel = _kernel.KERNEL
     huge = 0 if kernel is None else kernel.huge_page
     if huge == 0 or length < huge:
         return start, length
-    first = start // huge * huge
-    end = min(-(-(start + length) // huge) * huge, file_size)
-    return first, end - first
+    most = huge // _WIDEN_AT_MOST
+    end = start + length
+    if 0 < start % huge <= most:
+        start -= start % huge
+    if 0 < -end % huge <= most:
+        end = min(end + -end % huge, file_size)
+    return start, end - start
 
 
 def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap, int]:
