@@ -5,10 +5,10 @@ about 1 GB of float32 weights each (random, built once into the cache), 12 token
 decoding (6 on a cold cache) with a budget of a quarter of the model, each mode in a fresh
 process on one compute thread, two rounds alternating the modes (the median s/token, the
 highest peak RSS) (see ``_hf_job.py``): dense, accelerate's disk offload, our pool (``pool``:
-skeleton + ``t2n_load_checkpoint_and_dispatch``, modules streamed two ahead, SCHEDULED
-retention), on a warm page cache and on a cold one (the checkpoint's pages evicted before
-every token); in the first round only, two variants whose figures inform: ``pool-upstream``
-(``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``) and
+skeleton + ``t2n_load_checkpoint_and_dispatch``, modules streamed two ahead, small tensors
+pinned, SCHEDULED retention), on a warm page cache and on a cold one (the checkpoint's pages
+evicted before every token); in the first round only, two variants whose figures inform:
+``pool-upstream`` (``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``) and
 ``pool-readahead`` (``read_ahead="auto"``, no module listed). The disk's read bandwidth (the
 better of one sequential reader and two concurrent ones) is measured in the same run, for the
 cold physical bound.

@@ -4,10 +4,10 @@
    and saved as safetensors shards on first run, then reused from the cache.
 2. Greedy decoding of the same prompt, each way in a fresh process on one compute thread:
    dense (the whole model in memory), accelerate's disk offload and our residency pool
-   (modules streamed two ahead, SCHEDULED retention), both with a budget of a quarter of
-   the model. A table gives s/token, the speed-up over accelerate, the bytes read
-   per token and the peak RSS growth against the budget; every way must produce the dense
-   model's tokens.
+   (modules streamed two ahead, small tensors pinned, SCHEDULED retention), both with a
+   budget of a quarter of the model. A table gives s/token, the speed-up over accelerate,
+   the bytes read per token and the peak RSS growth against the budget; every way must
+   produce the dense model's tokens.
 3. A few requests served concurrently from async code through one pool (each forward in a
    worker thread, as ``async with pool`` users do), against the same requests one at a time:
    requests/s and how many reads the concurrent requests shared.
@@ -101,6 +101,7 @@ def serve(path: Path, budget: int, requests: int, tokens: int) -> Serving:
         async with TensorResidencyPool(
             max_cached_bytes=budget, max_workers=2, strategy=ResidencyStrategy.SCHEDULED
         ) as pool:
+            job.pin_small_tensors(pool, model)
             with stream_modules(pool, modules, depth=job.STREAM_DEPTH):
 
                 async def one(index: int) -> None:

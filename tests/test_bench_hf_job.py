@@ -81,3 +81,27 @@ def test_the_memory_bound_counts_the_modules_leased_at_once(
     assert leased(big_head, 2) == 2 * head + layer
     assert head > 2 * layer and table < layer
     assert leased(big_head, 2) > bench.leased_at_once(big_head, 1)  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(180)
+def test_the_pool_of_the_job_pins_the_small_tensors(
+    tmp_path: Path, modules: tuple[object, object]
+) -> None:
+    import torch
+
+    from torch_to_nnef.tensor import OffloadedTensor
+
+    job = modules[0]
+    path = job.checkpoint(job.TINY, tmp_path / "cache", log=lambda *_: None)  # type: ignore[attr-defined]
+    model = job.load("pool", path, 1 << 20, tmp_path / "offload")  # type: ignore[attr-defined]
+    dense = job.load("dense", path, 0, tmp_path / "unused")  # type: ignore[attr-defined]
+    ids = torch.arange(1, 9).unsqueeze(0)
+    tensors = [t for t in model.parameters() if isinstance(t, OffloadedTensor)]
+    small = [t for t in tensors if t.payload_nbytes < job.PINNED_BELOW]  # type: ignore[attr-defined]
+    large = [t for t in tensors if t.payload_nbytes >= job.PINNED_BELOW]  # type: ignore[attr-defined]
+    assert small and large  # norms and layers; the embedding and the head
+    with job._pool_for(model, 1 << 20, 2) as pool:  # type: ignore[attr-defined]
+        assert all(pool.is_pinned(t) for t in small)
+        assert not any(pool.is_pinned(t) for t in large)
+        tokens = job.generate(model, ids, 3)  # type: ignore[attr-defined]
+    assert torch.equal(tokens, job.generate(dense, ids, 3))  # type: ignore[attr-defined]
