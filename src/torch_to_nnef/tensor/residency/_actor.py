@@ -415,7 +415,7 @@ class Actor:
         entry.used = True
         if ticket.first:
             self.policy.access(entry.key)
-        waits_for_write = ticket.read_write or self._superseded_write(entry) is not None
+        waits_for_write = ticket.holder.read_write or self._superseded_write(entry) is not None
         if entry.value is not None and not (waits_for_write and entry.write is not None):
             if ticket.first:
                 self._hits += 1

@@ -269,7 +269,6 @@ class Ticket:
     def __init__(self, source: PoolSource, device: torch.device, holder: Holder) -> None:
         self.source = source
         self.device = device
-        self.read_write = holder.read_write
         self.holder = holder
         self.entry: Entry | None = None
         self.waiting = False  # counted in the entry's waiters
