@@ -60,6 +60,11 @@ PROMPT_LENGTH = 16
 STREAM_DEPTH = 2
 """Modules ``stream_modules`` reads ahead of the one that computes: with one, the compute
 thread still waited 6 to 9 ms per token for values (warm, Llama-style); with two, under 2."""
+WORKERS = 3
+"""The pool's I/O workers (``max_workers``). A populate of a cold mapping reads one huge folio
+at a time per worker, so the workers are the reads in flight: cold, three read the Llama-style
+checkpoint at 3.8 to 3.9 GB/s where two read 3.3 to 3.4 (the disk's sequential read: 4.2);
+warm, three cost no more than two."""
 PINNED_BELOW = 128 * 1024
 """Offloaded tensors under this size are pinned in the pool (see :func:`pin_small_tensors`)."""
 
@@ -304,7 +309,7 @@ def run_mode(
     budget: int,
     tokens: int,
     cold: bool = False,
-    workers: int = 2,
+    workers: int = WORKERS,
     progress: bool = False,
     threads: int = COMPUTE_THREADS,
 ) -> dict[str, Any]:
@@ -412,8 +417,8 @@ def run_in_subprocess(
 
 def disk_read_bandwidth(path: Path) -> float:
     """Bytes per second of a cold read of the files of ``path``: the best of one sequential
-    reader (16 MiB reads), two threads reading 8 MiB chunks (a virtual disk may serve
-    concurrent requests faster, and the pool's two workers read concurrently) and a mapped,
+    reader (16 MiB reads), :data:`WORKERS` threads reading 8 MiB chunks (a virtual disk may
+    serve concurrent requests faster, and the pool's workers read concurrently) and a mapped,
     populated read of each file (``storage.map_payload``: huge folios where the kernel has
     them, the pool's own way, last: a warm page cache then holds the files as the pool's
     reads leave them)."""
@@ -441,7 +446,7 @@ def disk_read_bandwidth(path: Path) -> float:
 
     drop_page_cache(path)
     started = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(2) as readers:
+    with concurrent.futures.ThreadPoolExecutor(WORKERS) as readers:
         total = sum(readers.map(read, pieces))
     concurrent_ = total / (time.perf_counter() - started)
 

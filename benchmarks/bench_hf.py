@@ -10,9 +10,9 @@ pinned, SCHEDULED retention), on a warm page cache and on a cold one (the checkp
 evicted before every token); in the first round only, two variants whose figures inform:
 ``pool-upstream`` (``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``) and
 ``pool-readahead`` (``read_ahead="auto"``, no module listed). The disk's read bandwidth (the
-best of one sequential reader, two concurrent ones and a mapped read) is measured in the same
-run with each checkpoint, and the best of those measurements is the disk's figure for the
-cold physical bound of every model.
+best of one sequential reader, as many concurrent ones as the pool has workers and a mapped
+read) is measured in the same run with each checkpoint, and the best of those measurements
+is the disk's figure for the cold physical bound of every model.
 
 Targets: our pool >= 2x accelerate's tokens per second warm, >= 1.5x cold; within 1.3x of the
 physical bound (warm: the dense model's s/token; cold: max(bytes read per token / disk

@@ -99,7 +99,7 @@ def serve(path: Path, budget: int, requests: int, tokens: int) -> Serving:
     async def run(concurrently: bool) -> tuple[float, int, list[list[int]]]:
         outputs: list[list[int]] = [[] for _ in prompts]
         async with TensorResidencyPool(
-            max_cached_bytes=budget, max_workers=2, strategy=ResidencyStrategy.SCHEDULED
+            max_cached_bytes=budget, max_workers=job.WORKERS, strategy=ResidencyStrategy.SCHEDULED
         ) as pool:
             job.pin_small_tensors(pool, model)
             with stream_modules(pool, modules, depth=job.STREAM_DEPTH):

@@ -85,7 +85,7 @@ def main() -> None:
         modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]
         with (
             TensorResidencyPool(
-                max_cached_bytes=budget, max_workers=2, strategy=ResidencyStrategy.SCHEDULED
+                max_cached_bytes=budget, max_workers=3, strategy=ResidencyStrategy.SCHEDULED
             ) as pool,
             stream_modules(pool, modules, depth=1),
             pool.scope(),
