@@ -127,6 +127,11 @@ def test_overlap_results_and_timeline(results: Path) -> None:
         }
         assert isinstance(run["overlap_efficiency"], float)
         assert isinstance(run["cached_pool_efficiency"], float)
+        # The ceiling replaces the ideal's compute by that on weights read long before.
+        seconds = run["seconds"]
+        slower = max(seconds["sequential_load"], seconds["compute_alone"])
+        expected = (seconds["sequential"] - slower) / (seconds["sequential"] - seconds["ideal"])
+        assert run["efficiency_ceiling"] == pytest.approx(expected)
         # Without a cache, every layer of every streamed forward is read.
         assert run["pool_stats"]["loads"] >= run["layers"] * 3
         timeline = run["timeline"]
