@@ -143,13 +143,13 @@ class Actor:
 
     def try_lease(self, slot: Slot, holder: Holder) -> bool:
         """Take a lease on an open slot for ``holder`` without the actor (any thread); counts
-        the hit. A ``read_write`` lease waits for a write-back of the value (refused here)."""
+        the hit (its recency is the lease's end: :meth:`release` notes it). A ``read_write``
+        lease waits for a write-back of the value (refused here)."""
         with self.lock:
             if not slot.open or (holder.read_write and slot.writing):
                 return False
             self._grant(slot, holder)
             self._lock_hits += 1
-            self._touches.append(slot.key)
             slot.used = True
         return True
 
@@ -197,7 +197,8 @@ class Actor:
                 return False
             slot.leases -= 1
             slot.writers -= holder.read_write
-            slot.dirty = slot.dirty or changed
+            if changed:
+                slot.dirty = True
             self._touches.append(slot.key)
             if slot.leases:
                 return False
@@ -244,18 +245,21 @@ class Actor:
             self._released_bytes = 0
             for slot in changed:
                 slot.changed = False
+        touch = self.policy.touch
         for key in keys:
-            self.policy.touch(key)
+            touch(key)
         released = False
+        superseded = self.superseded
         for slot in changed:
+            leased = slot.leases > 0  # as of now: a later change is queued behind
+            if superseded and not leased:
+                superseded.discard(slot)
+            if leased == slot.tracked:
+                continue  # e.g. a lease taken and ended since the last look
             entry = slot.entry
-            if slot in self.superseded and not slot.leases:
-                self.superseded.discard(slot)
             if self.entries.get(entry.key) is entry and entry.slot is slot:
-                leased = slot.leases > 0  # as of now: a later change is queued behind
-                if leased != slot.tracked:
-                    self._hold(entry, track=leased)
-                    released = released or not leased
+                self._hold(entry, track=leased)
+                released = released or not leased
         if released:
             self.enforce()
 
@@ -415,8 +419,11 @@ class Actor:
         entry.used = True
         if ticket.first:
             self.policy.access(entry.key)
-        waits_for_write = ticket.holder.read_write or self._superseded_write(entry) is not None
-        if entry.value is not None and not (waits_for_write and entry.write is not None):
+        write = entry.write
+        if entry.value is not None and (
+            write is None
+            or not (ticket.holder.read_write or self._superseded_write(entry) is not None)
+        ):
             if ticket.first:
                 self._hits += 1
             slot = entry.slot
@@ -436,7 +443,7 @@ class Actor:
             ticket.waiting = False
             if self.expect_releases is not None:
                 self.expect_releases()
-            self.policy.touch(entry.key)
+            # No touch: a held value is out of the eviction order; its release touches it.
             return entry.value
         if ticket.first:
             self._misses += 1
@@ -444,7 +451,7 @@ class Actor:
         if not ticket.waiting:
             ticket.waiting = True
             self._hold(entry, waiters=1)
-        pending = entry.write if entry.value is not None else entry.load
+        pending = write if entry.value is not None else entry.load
         assert pending is not None
         return pending
 
@@ -535,7 +542,8 @@ class Actor:
         entry.value = value
         entry.slot = Slot(entry, value, entry.version)
         self.resident_bytes += entry.nbytes
-        if self._in_use(entry):
+        held, in_use = entry.holds()
+        if in_use:
             self.in_use_bytes += entry.nbytes
         self._note_active()
         self.published[entry.key] = entry.slot
@@ -547,7 +555,8 @@ class Actor:
                 entry.nbytes,
                 self.policy.strategy.name,
             )
-        self._maybe_release(entry)
+        if not held:
+            self.policy.release(entry.key, entry.nbytes, entry.retained)
 
     # ------------------------------------------------------------------------------------------
     # Holds and byte accounting
@@ -568,6 +577,11 @@ class Actor:
     ) -> None:
         """Change what holds ``entry`` (waiters, its pin, counted leases), keeping every
         count right."""
+        if entry.value is None:  # not loaded yet: neither in use nor known to the policy
+            entry.waiters += waiters
+            if pinned is not None:
+                entry.pinned = pinned
+            return
         was_held, was_in_use = entry.holds()
         entry.waiters += waiters
         if pinned is not None:
@@ -582,13 +596,15 @@ class Actor:
             self.in_use_bytes += entry.nbytes if in_use else -entry.nbytes
             if in_use:  # less in use changes neither the peak nor the spares' room
                 self._note_active()
-        if held and not was_held:
+        if held == was_held:
+            return
+        if held:
             self.policy.hold(entry.key)
             if entry.evicting:  # a value on its way out is wanted again
                 self._set_evicting(entry, False)
                 self._reopen(entry)
-        elif was_held and not held:
-            self._maybe_release(entry)
+        else:
+            self.policy.release(entry.key, entry.nbytes, entry.retained)
 
     def _maybe_release(self, entry: Entry) -> None:
         if entry.value is not None and not entry.held:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import time
 from collections.abc import Callable, Generator
+from threading import get_ident
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -52,7 +53,7 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
     actor = pool._actor
     if actor.release(holder, changed):
         pool._runtime.notify(actor.leases_ended)
-    elif actor.deferred and pool._runtime.on_loop_thread():
+    elif actor.deferred and pool._runtime.thread_id == get_ident():
         actor.leases_ended()  # it rode on the actor's next look: on its thread, look now
 
 
@@ -251,9 +252,13 @@ class TensorResidencyLease(Holder):
 
     def __del__(self) -> None:
         # An interrupt landed where its owner could not end it (or before it was built).
-        if getattr(self, "slot", None) is not None:
+        try:
+            slot = self.slot
+        except AttributeError:
+            return
+        if slot is not None:
             dropped = Holder(self.read_write)
-            dropped.slot, self.slot = self.slot, None
+            dropped.slot, self.slot = slot, None
             self._pool._actor.drop(dropped, self._used)
             self._pool._runtime.wake()
 

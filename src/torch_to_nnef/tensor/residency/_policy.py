@@ -95,6 +95,8 @@ class RetentionPolicy:
     def victims(self, excess: int) -> list[int]:
         """Keys to evict now: every unretained evictable value, then enough retained ones to
         free ``excess`` bytes (``excess <= 0``: none)."""
+        if excess <= 0 and not self._doomed:
+            return []
         chosen = list(self._doomed)
         freed = sum(self._doomed.values())
         self._doomed.clear()

@@ -86,7 +86,7 @@ class Operation:
         self.abandon()
 
 
-RELEASE_GRACE = 0.001
+RELEASE_GRACE = 0.005
 """Seconds after granting a lease within which the actor looks at ended leases by itself:
 a lease that ends before then and puts the pool over its budget sends no wake-up (the look,
 or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time."""
