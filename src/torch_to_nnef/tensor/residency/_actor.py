@@ -411,7 +411,10 @@ class Actor:
         if not ticket.waiting:
             self.check_open()
         entry: Entry | None = ticket.entry
-        if entry is not None and (self.entries.get(entry.key) is not entry or self._stale(entry)):
+        if entry is not None and (
+            self.entries.get(entry.key) is not entry
+            or (entry.version is not entry.source.payload_version and self._stale(entry))
+        ):
             ticket.waiting = False  # its reservation left with that value
             entry = None
         if entry is None:
@@ -434,15 +437,16 @@ class Actor:
                 with self.lock:
                     self._grant(slot, ticket.holder, note=False)
                     slot.tracked = True
-                    self._take_dirty(entry)
+                    if slot.dirty:
+                        self._take_dirty(entry)
                 entry.waiters = 0
             else:
                 with self.lock:
                     self._grant(slot, ticket.holder, note=False)
                 self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
-            if self.expect_releases is not None:
-                self.expect_releases()
+            if not self.expecting and self.expect_releases is not None:
+                self.expect_releases()  # a look at ended leases is due (none is yet)
             # No touch: a held value is out of the eviction order; its release touches it.
             return entry.value
         if ticket.first:

@@ -131,7 +131,7 @@ class TensorResidencyLease(Holder):
     :class:`T2NErrorMisuse` when the lease is already held.
     """
 
-    __slots__ = ("_begun", "_device", "_mode", "_pool", "_request", "_source", "_used")
+    __slots__ = ("_begun", "_device", "_pool", "_request", "_source", "_used")
 
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
@@ -142,7 +142,6 @@ class TensorResidencyLease(Holder):
         self._pool = pool
         self._source = source
         self._device = device
-        self._mode = mode
         self._used = False
         self._request: Acquire | None = None  # begun and not entered yet
         self._begun: concurrent.futures.Future[Any] | None = None
@@ -150,7 +149,7 @@ class TensorResidencyLease(Holder):
     @property
     def mode(self) -> str:
         """``"read"`` or ``"read_write"``."""
-        return self._mode
+        return "read_write" if self.read_write else "read"
 
     def _check_unused(self) -> None:
         if self._used:
@@ -264,7 +263,7 @@ class TensorResidencyLease(Holder):
 
     def __repr__(self) -> str:
         state = "held" if self.slot is not None else "idle"
-        return f"<TensorResidencyLease {self._source.name!r} mode={self._mode} {state}>"
+        return f"<TensorResidencyLease {self._source.name!r} mode={self.mode} {state}>"
 
 
 _GRANTED: concurrent.futures.Future[Any] = concurrent.futures.Future()
