@@ -144,6 +144,33 @@ def test_a_lease_ended_over_the_budget_is_heard_with_no_request_after_it(tmp_pat
         check_invariants(pool)
 
 
+def test_a_lease_ended_over_the_budget_after_the_look_is_heard_with_no_request_after_it(
+    tmp_path: Path,
+) -> None:
+    # The look at ended leases comes RELEASE_GRACE after a grant. A lease that outlives it
+    # and ends over the budget wakes the actor itself: with nothing asked of the pool after
+    # it, the pool still comes back within its budget.
+    ts = make_tensors(tmp_path, 3, numel=1024)
+    budget = 2 * 4096
+    with TensorResidencyPool(max_cached_bytes=budget) as pool:
+        for t in ts[:2]:
+            pool.resolve(t)
+        actor = pool._actor  # read as is: what the actor did unasked
+        with pool.acquire(ts[2]):  # a miss: granted by the actor, held outside the budget
+            assert actor.expecting, "no look at ended leases is due after a grant"
+            deadline = time.monotonic() + 30
+            while actor.expecting and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert not actor.expecting, "the look at ended leases never came"
+            assert actor.resident_bytes == 3 * 4096  # the leased value is on top of the budget
+        deadline = time.monotonic() + 30
+        while actor.resident_bytes > budget and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert actor.resident_bytes <= budget, "a lease ended after the look was never heard"
+        assert not pool.is_resident(ts[0])  # the least recently used value left
+        check_invariants(pool)
+
+
 @pytest.mark.asyncio
 @pytest.mark.parametrize("face_name", ["thread", "loop"])
 async def test_state_read_right_after_a_lease_ended_sees_its_eviction(

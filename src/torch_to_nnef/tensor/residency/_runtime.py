@@ -89,7 +89,10 @@ class Operation:
 RELEASE_GRACE = 0.005
 """Seconds after granting a lease within which the actor looks at ended leases by itself:
 a lease that ends before then and puts the pool over its budget sends no wake-up (the look,
-or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time."""
+or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time, armed
+by the first grant after the last look: a busy pool's loop wakes for it at most once per
+grace (uvloop's timers count whole milliseconds, so a shorter grace would fire more often
+than it says)."""
 
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
@@ -376,8 +379,10 @@ class Runtime:
 
     def _job_ended(self, job: Job) -> None:
         """A worker ran ``job`` (worker thread): its transition goes to the loop."""
-        with contextlib.suppress(T2NErrorMisuse):  # the loop is gone: nobody to tell
+        try:  # noqa: SIM105 (contextlib.suppress costs a context manager on every job)
             self.post(job.complete)
+        except T2NErrorMisuse:  # the loop is gone: nobody to tell
+            pass
 
     # ------------------------------------------------------------------------------------------
     # The driver
@@ -448,7 +453,8 @@ class Runtime:
             return done.result()
         self.ensure_running()
         started = time.perf_counter()
-        done = self.start(operation)
+        done = concurrent.futures.Future()
+        self.post(self.drive, operation, done)  # start(), knowing the thread
         try:
             result = done.result()
             self.count_stall(operation, started)
