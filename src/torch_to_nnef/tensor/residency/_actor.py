@@ -657,8 +657,11 @@ class Actor:
 
     def _note_active(self) -> None:
         """After values or loads were added: raise the peak in use, shrink the spares' room."""
-        self.active_peak = max(self.active_peak, self.in_use_bytes + self.loading_bytes)
-        self.spares.shrink(self.spare_room())
+        active = self.in_use_bytes + self.loading_bytes
+        if active > self.active_peak:
+            self.active_peak = active
+        if self.spares.nbytes:
+            self.spares.shrink(self.spare_room())
 
     def spare_room(self) -> int:
         """How many bytes of spare buffers the pool may keep.
