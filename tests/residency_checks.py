@@ -91,6 +91,7 @@ class _Settle(Operation):
         self.actor = actor
 
     def step(self) -> Job | None:
+        self.actor.sync()  # as every request: leases ended before it start their write-backs
         return next((job for job in self.actor.jobs if not job.done), None)
 
 

@@ -699,12 +699,13 @@ class Actor:
 
     def _remove(self, entry: Entry, reuse: bool = True) -> None:
         """Forget ``entry``; with ``reuse``, its CPU buffers may serve a later load."""
-        self._set_evicting(entry, False)
+        if entry.evicting:
+            self._set_evicting(entry, False)
         if self._in_use(entry):
             self.in_use_bytes -= entry.nbytes
         del self.entries[entry.key]
         slot, entry.slot = entry.slot, None  # the slot refers to the entry: no cycle left
-        if slot is not None:
+        if slot is not None and slot.open:  # (an eviction closed it already)
             with self.lock:
                 slot.open = False
                 self.published.pop(entry.key, None)
