@@ -225,6 +225,49 @@ def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
     assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
 
 
+@linux_only
+def test_where_the_file_system_places_mappings_anywhere_a_reservation_places_the_region(
+    large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel = _kernel.KERNEL
+    assert kernel is not None
+    huge = kernel.huge_page
+    if not huge:
+        pytest.skip("no transparent huge pages")
+    real = kernel.mmap
+    misplaced: list[int] = []
+
+    def anywhere(address: int | None, length: int, prot: int, flags: int, fd: int, off: int) -> int:
+        """mmap of a file system without placement for huge pages: a file mapping the
+        kernel places lands one page past an address congruent to its offset."""
+        if address is not None or fd < 0:
+            return int(real(address, length, prot, flags, fd, off))
+        room = length + 2 * huge
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _kernel.MAP_NORESERVE
+        base = int(real(None, room, prot, anonymous, -1, 0))
+        target = base + (off - base) % huge + mmap.PAGESIZE
+        placed = int(real(target, length, prot, flags | _kernel.MAP_FIXED, fd, off))
+        kernel.munmap(base, target - base)
+        kernel.munmap(target + length, base + room - target - length)
+        misplaced.append(placed)
+        return placed
+
+    monkeypatch.setattr(kernel, "mmap", anywhere)
+    spec = large_payload.entries["big"]
+    value = storage.map_payload(large_payload, names=["big"])["big"]
+    assert misplaced and (misplaced[0] - spec.start) % huge  # the first placement was wrong
+    assert (value.data_ptr() - spec.start) % huge == 0
+    assert mapped_regions(large_payload.path) == 1  # the misplaced mapping is gone
+    assert torch.equal(value, storage.read_payload(large_payload, names=["big"])["big"])
+    target = value.data_ptr()
+    del value
+    gc.collect()
+    assert mapped_regions(large_payload.path) == 0
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    spans = [line.split()[0].split("-") for line in maps]
+    assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+
+
 def file_mappings(path: Path) -> list[tuple[int, int]]:
     """(file offset, length) of each mapping of ``path`` the process holds."""
     found = []
