@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import time
 import weakref
 from collections.abc import Iterable, Mapping
 
@@ -50,7 +51,8 @@ import torch
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, select_entries
-from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS
+from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, Kept
+from torch_to_nnef.tensor.storage._folios import SLOW_REGIONS, evict
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
 from torch_to_nnef.tensor.storage._io import open_for_reading, os_error_message, read_payload
 
@@ -150,7 +152,7 @@ def _map_entries(
                 f"{start + length} its entries need (truncated file)"
             )
         start, length = _whole_huge_pages(start, length, file_size)
-        region, shift = _map(kept.fd, start, length, populate)
+        region, shift = _map_refolding(kept, start, length, populate, file_size)
     except OSError as exc:
         raise T2NErrorStorage(
             f"cannot map payload file '{layout.path}': {os_error_message(exc)}"
@@ -169,6 +171,25 @@ def _map_entries(
         else torch.empty(spec.shape, dtype=spec.dtype)
         for spec in specs
     }
+
+
+def _map_refolding(
+    kept: Kept, start: int, length: int, populate: bool, file_size: int
+) -> tuple[mmap.mmap | memoryview, int]:
+    """:func:`_map`; a large region whose populate took the CPU time of small page cache
+    folios is unmapped, evicted and mapped again, once: read in huge folios (``_folios``)."""
+    kernel = _kernel.KERNEL
+    huge = 0 if kernel is None else kernel.huge_page
+    if not populate or huge == 0 or length < huge or not hasattr(os, "posix_fadvise"):
+        return _map(kept.fd, start, length, populate)
+    began = time.thread_time_ns()
+    mapped = _map(kept.fd, start, length, populate)
+    spent = time.thread_time_ns() - began
+    if not SLOW_REGIONS.first_slow((kept.identity, start, length), -(-length // huge), spent):
+        return mapped
+    del mapped  # no tensor uses the mapping yet: unmapped here
+    evict(kept.fd, start, length, huge, file_size)
+    return _map(kept.fd, start, length, populate)
 
 
 _WIDEN_AT_MOST = 2  # an end of a region is widened by at most 1/2 of a huge page
