@@ -15,7 +15,7 @@ import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
-from torch_to_nnef.tensor.storage import _kernel
+from torch_to_nnef.tensor.storage import _folios, _kernel, _mapped
 
 
 def mapped_regions(path: Path) -> int:
@@ -359,3 +359,88 @@ def test_without_the_c_library_mapping_goes_through_the_mmap_module(
     for populate in (True, False):
         mapped = storage.map_payload(large_payload, populate=populate)
         assert all(torch.equal(mapped[k], v) for k, v in expected.items())
+
+
+# -- regions held in small page cache folios ---------------------------------------------------
+def pmd_mapped_bytes(address: int) -> int:
+    """``FilePmdMapped`` of the mapping holding ``address``: bytes mapped by huge entries."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "FilePmdMapped:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def in_small_folios(path: Path) -> None:
+    """Put ``path`` in the page cache in 4 KiB folios: evicted, then read page by page
+    without readahead."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset in range(0, path.stat().st_size, mmap.PAGESIZE):
+            os.pread(fd, 1, offset)
+    finally:
+        os.close(fd)
+
+
+def region_of(layout: storage.PayloadLayout, name: str) -> _folios.Region:
+    """The region a load of entry ``name`` maps (page aligned, widened to huge pages)."""
+    spec = layout.entries[name]
+    start = spec.start // mmap.PAGESIZE * mmap.PAGESIZE
+    length = spec.start + spec.nbytes - start
+    start, length = _mapped._whole_huge_pages(start, length, layout.file_size)
+    assert layout.identity is not None
+    return layout.identity, start, length
+
+
+@linux_only
+def test_a_region_in_small_folios_is_read_again_once_in_huge_ones(tmp_path: Path) -> None:
+    huge = _kernel.KERNEL.huge_page if _kernel.KERNEL is not None else 0
+    if not huge:
+        pytest.skip("no transparent huge pages")
+    tensors = {"head": torch.arange(3000, dtype=torch.float32), "big": torch.randn(3 << 20)}
+    cold = storage.write_payload(tmp_path / "cold.safetensors", tensors)
+    fd = os.open(cold.path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    value = storage.map_payload(cold, names=["big"])["big"]
+    if not pmd_mapped_bytes(value.data_ptr()):
+        pytest.skip("this file system reads no huge folios through a mapping")
+    del value
+
+    kept, fresh = (
+        storage.write_payload(tmp_path / f"{name}.safetensors", tensors)
+        for name in ("kept", "fresh")
+    )
+    for layout in (kept, fresh):
+        in_small_folios(layout.path)
+    # A region already read again once is not read again: it stays in small folios.
+    assert _folios.SLOW_REGIONS.first_slow(region_of(kept, "big"), 1, 1 << 40)
+    value = storage.map_payload(kept, names=["big"])["big"]
+    if pmd_mapped_bytes(value.data_ptr()):
+        pytest.skip("the page cache did not keep the file in small folios")
+    assert torch.equal(value, tensors["big"])
+    del value
+    # Another one is read again as it is mapped: its tensor maps huge folios.
+    value = storage.map_payload(fresh, names=["big"])["big"]
+    assert pmd_mapped_bytes(value.data_ptr()) >= huge
+    assert torch.equal(value, tensors["big"])
+    assert not _folios.SLOW_REGIONS.first_slow(region_of(fresh, "big"), 1, 1 << 40)  # noted
+
+
+def test_slow_regions_are_remembered_once_and_bounded() -> None:
+    regions = _folios.SlowRegions(capacity=2)
+    identity = (1, 2, 3, 4)
+    fast = _folios.SMALL_FOLIO_NS * 3
+    assert not regions.first_slow((identity, 0, 1), 3, fast)  # huge folios: not noted
+    assert regions.first_slow((identity, 0, 1), 3, fast + 1)
+    assert not regions.first_slow((identity, 0, 1), 3, fast + 1)  # once
+    assert regions.first_slow((identity, 4, 1), 3, fast + 1)
+    assert regions.first_slow((identity, 8, 1), 3, fast + 1)  # over capacity: the oldest goes
+    assert regions.first_slow((identity, 0, 1), 3, fast + 1)
+    assert not regions.first_slow((identity, 8, 1), 3, fast + 1)
