@@ -236,9 +236,9 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | 
     if kernel is None:
         if hasattr(os, "posix_fadvise"):  # one large readahead rather than one per fault
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
-        region = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
-        _advise_without_kernel(region, populate)
-        return region, 0
+        mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
+        _advise_without_kernel(mapping, populate)
+        return mapping, 0
     huge = kernel.huge_page
     large = huge != 0 and length >= huge
     if not large and hasattr(os, "posix_fadvise"):
