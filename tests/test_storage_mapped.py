@@ -174,6 +174,22 @@ def touch_every_page(value: torch.Tensor) -> int:
     return minor_faults() - before
 
 
+def is_mapped(address: int) -> bool:
+    """Whether a mapping of the process covers ``address``."""
+    spans = [
+        line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines()
+    ]
+    return any(int(low, 16) <= address < int(high, 16) for low, high in spans)
+
+
+def kernel_with_huge_pages() -> tuple[_kernel.Kernel, int]:
+    """The C library's calls and the huge page size; the test is skipped without them."""
+    kernel = _kernel.KERNEL
+    if kernel is None or not kernel.huge_page:
+        pytest.skip("no transparent huge pages")
+    return kernel, kernel.huge_page
+
+
 @pytest.fixture
 def large_payload(tmp_path: Path) -> storage.PayloadLayout:
     """A payload of 16 MiB after a 12 KiB entry (an offset that is neither page nor huge page
@@ -219,21 +235,14 @@ def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
     gc.collect()
     assert mapped_regions(large_payload.path) == 0
     # The reservation around it is gone too: no mapping covers the address any more.
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    spans = [line.split()[0].split("-") for line in maps]
-    target = int(address, 16)
-    assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+    assert not is_mapped(int(address, 16))
 
 
 @linux_only
 def test_where_the_file_system_places_mappings_anywhere_a_reservation_places_the_region(
     large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    kernel = _kernel.KERNEL
-    assert kernel is not None
-    huge = kernel.huge_page
-    if not huge:
-        pytest.skip("no transparent huge pages")
+    kernel, huge = kernel_with_huge_pages()
     real = kernel.mmap
     misplaced: list[int] = []
 
@@ -263,9 +272,7 @@ def test_where_the_file_system_places_mappings_anywhere_a_reservation_places_the
     del value
     gc.collect()
     assert mapped_regions(large_payload.path) == 0
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    spans = [line.split()[0].split("-") for line in maps]
-    assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+    assert not is_mapped(target)  # the reservation around it too
 
 
 def file_mappings(path: Path) -> list[tuple[int, int]]:
