@@ -15,7 +15,7 @@ import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
-from torch_to_nnef.tensor.storage import _kernel
+from torch_to_nnef.tensor.storage import _folios, _kernel, _mapped
 
 
 def mapped_regions(path: Path) -> int:
@@ -174,6 +174,22 @@ def touch_every_page(value: torch.Tensor) -> int:
     return minor_faults() - before
 
 
+def is_mapped(address: int) -> bool:
+    """Whether a mapping of the process covers ``address``."""
+    spans = [
+        line.split()[0].split("-") for line in Path("/proc/self/maps").read_text().splitlines()
+    ]
+    return any(int(low, 16) <= address < int(high, 16) for low, high in spans)
+
+
+def kernel_with_huge_pages() -> tuple[_kernel.Kernel, int]:
+    """The C library's calls and the huge page size; the test is skipped without them."""
+    kernel = _kernel.KERNEL
+    if kernel is None or not kernel.huge_page:
+        pytest.skip("no transparent huge pages")
+    return kernel, kernel.huge_page
+
+
 @pytest.fixture
 def large_payload(tmp_path: Path) -> storage.PayloadLayout:
     """A payload of 16 MiB after a 12 KiB entry (an offset that is neither page nor huge page
@@ -219,10 +235,44 @@ def test_a_large_region_is_placed_for_huge_pages_and_unmapped_whole(
     gc.collect()
     assert mapped_regions(large_payload.path) == 0
     # The reservation around it is gone too: no mapping covers the address any more.
-    maps = Path("/proc/self/maps").read_text().splitlines()
-    spans = [line.split()[0].split("-") for line in maps]
-    target = int(address, 16)
-    assert not any(int(lo, 16) <= target < int(hi, 16) for lo, hi in spans)
+    assert not is_mapped(int(address, 16))
+
+
+@linux_only
+def test_where_the_file_system_places_mappings_anywhere_a_reservation_places_the_region(
+    large_payload: storage.PayloadLayout, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    kernel, huge = kernel_with_huge_pages()
+    real = kernel.mmap
+    misplaced: list[int] = []
+
+    def anywhere(address: int | None, length: int, prot: int, flags: int, fd: int, off: int) -> int:
+        """mmap of a file system without placement for huge pages: a file mapping the
+        kernel places lands one page past an address congruent to its offset."""
+        if address is not None or fd < 0:
+            return int(real(address, length, prot, flags, fd, off))
+        room = length + 2 * huge
+        anonymous = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _kernel.MAP_NORESERVE
+        base = int(real(None, room, prot, anonymous, -1, 0))
+        target = base + (off - base) % huge + mmap.PAGESIZE
+        placed = int(real(target, length, prot, flags | _kernel.MAP_FIXED, fd, off))
+        kernel.munmap(base, target - base)
+        kernel.munmap(target + length, base + room - target - length)
+        misplaced.append(placed)
+        return placed
+
+    monkeypatch.setattr(kernel, "mmap", anywhere)
+    spec = large_payload.entries["big"]
+    value = storage.map_payload(large_payload, names=["big"])["big"]
+    assert misplaced and (misplaced[0] - spec.start) % huge  # the first placement was wrong
+    assert (value.data_ptr() - spec.start) % huge == 0
+    assert mapped_regions(large_payload.path) == 1  # the misplaced mapping is gone
+    assert torch.equal(value, storage.read_payload(large_payload, names=["big"])["big"])
+    target = value.data_ptr()
+    del value
+    gc.collect()
+    assert mapped_regions(large_payload.path) == 0
+    assert not is_mapped(target)  # the reservation around it too
 
 
 def file_mappings(path: Path) -> list[tuple[int, int]]:
@@ -316,3 +366,88 @@ def test_without_the_c_library_mapping_goes_through_the_mmap_module(
     for populate in (True, False):
         mapped = storage.map_payload(large_payload, populate=populate)
         assert all(torch.equal(mapped[k], v) for k, v in expected.items())
+
+
+# -- regions held in small page cache folios ---------------------------------------------------
+def pmd_mapped_bytes(address: int) -> int:
+    """``FilePmdMapped`` of the mapping holding ``address``: bytes mapped by huge entries."""
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            low, high = (int(bound, 16) for bound in head.split("-"))
+            inside = low <= address < high
+        elif inside and head == "FilePmdMapped:":
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def in_small_folios(path: Path) -> None:
+    """Put ``path`` in the page cache in 4 KiB folios: evicted, then read page by page
+    without readahead."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+        for offset in range(0, path.stat().st_size, mmap.PAGESIZE):
+            os.pread(fd, 1, offset)
+    finally:
+        os.close(fd)
+
+
+def region_of(layout: storage.PayloadLayout, name: str) -> _folios.Region:
+    """The region a load of entry ``name`` maps (page aligned, widened to huge pages)."""
+    spec = layout.entries[name]
+    start = spec.start // mmap.PAGESIZE * mmap.PAGESIZE
+    length = spec.start + spec.nbytes - start
+    start, length = _mapped._whole_huge_pages(start, length, layout.file_size)
+    assert layout.identity is not None
+    return layout.identity, start, length
+
+
+@linux_only
+def test_a_region_in_small_folios_is_read_again_once_in_huge_ones(tmp_path: Path) -> None:
+    huge = _kernel.KERNEL.huge_page if _kernel.KERNEL is not None else 0
+    if not huge:
+        pytest.skip("no transparent huge pages")
+    tensors = {"head": torch.arange(3000, dtype=torch.float32), "big": torch.randn(3 << 20)}
+    cold = storage.write_payload(tmp_path / "cold.safetensors", tensors)
+    fd = os.open(cold.path, os.O_RDONLY)
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    os.close(fd)
+    value = storage.map_payload(cold, names=["big"])["big"]
+    if not pmd_mapped_bytes(value.data_ptr()):
+        pytest.skip("this file system reads no huge folios through a mapping")
+    del value
+
+    kept, fresh = (
+        storage.write_payload(tmp_path / f"{name}.safetensors", tensors)
+        for name in ("kept", "fresh")
+    )
+    for layout in (kept, fresh):
+        in_small_folios(layout.path)
+    # A region already read again once is not read again: it stays in small folios.
+    assert _folios.SLOW_REGIONS.first_slow(region_of(kept, "big"), 1, 1 << 40)
+    value = storage.map_payload(kept, names=["big"])["big"]
+    if pmd_mapped_bytes(value.data_ptr()):
+        pytest.skip("the page cache did not keep the file in small folios")
+    assert torch.equal(value, tensors["big"])
+    del value
+    # Another one is read again as it is mapped: its tensor maps huge folios.
+    value = storage.map_payload(fresh, names=["big"])["big"]
+    assert pmd_mapped_bytes(value.data_ptr()) >= huge
+    assert torch.equal(value, tensors["big"])
+    assert not _folios.SLOW_REGIONS.first_slow(region_of(fresh, "big"), 1, 1 << 40)  # noted
+
+
+def test_slow_regions_are_remembered_once_and_bounded() -> None:
+    regions = _folios.SlowRegions(capacity=2)
+    identity = (1, 2, 3, 4)
+    fast = _folios.SMALL_FOLIO_NS * 3
+    assert not regions.first_slow((identity, 0, 1), 3, fast)  # huge folios: not noted
+    assert regions.first_slow((identity, 0, 1), 3, fast + 1)
+    assert not regions.first_slow((identity, 0, 1), 3, fast + 1)  # once
+    assert regions.first_slow((identity, 4, 1), 3, fast + 1)
+    assert regions.first_slow((identity, 8, 1), 3, fast + 1)  # over capacity: the oldest goes
+    assert regions.first_slow((identity, 0, 1), 3, fast + 1)
+    assert not regions.first_slow((identity, 8, 1), 3, fast + 1)

@@ -80,6 +80,11 @@ def os_error_message(exc: OSError) -> str:
     return exc.strerror or str(exc)
 
 
+def open_error(path: Path, exc: OSError) -> T2NErrorStorage:
+    """The error for a payload file that cannot be opened (or found)."""
+    return T2NErrorStorage(f"cannot open payload file '{path}': {os_error_message(exc)}")
+
+
 def open_for_reading(path: Path) -> tuple[int, os.stat_result]:
     """Open ``path`` read-only and check that it is a regular file.
 
@@ -92,9 +97,7 @@ def open_for_reading(path: Path) -> tuple[int, os.stat_result]:
     try:
         fd = os.open(path, READ_FLAGS)
     except OSError as exc:
-        raise T2NErrorStorage(
-            f"cannot open payload file '{path}': {os_error_message(exc)}"
-        ) from exc
+        raise open_error(path, exc) from exc
     try:
         stat = check_regular_file(path, fd)
     except BaseException:
@@ -111,10 +114,15 @@ def check_regular_file(path: Path, fd: int) -> os.stat_result:
         raise T2NErrorStorage(
             f"cannot inspect payload file '{path}': {os_error_message(exc)}"
         ) from exc
+    check_regular(path, stat)
+    return stat
+
+
+def check_regular(path: Path, stat: os.stat_result) -> None:
+    """Raise :class:`T2NErrorStorage` unless ``stat`` is that of a regular file."""
     if not stat_module.S_ISREG(stat.st_mode):
         kind = "a directory" if stat_module.S_ISDIR(stat.st_mode) else "not a regular file"
         raise T2NErrorStorage(f"payload path '{path}' is {kind}; a payload must be a regular file")
-    return stat
 
 
 def check_unchanged(layout: PayloadLayout, stat: os.stat_result) -> None:

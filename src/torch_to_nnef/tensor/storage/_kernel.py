@@ -1,8 +1,10 @@
 """The few Linux calls that Python's ``mmap`` module lacks or makes hold the GIL.
 
-``mmap`` at a fixed address and ``madvise`` go through ``ctypes``, which releases the GIL
-while the kernel works: the compute thread keeps running Python while an I/O worker
-populates a mapping. :data:`KERNEL` is ``None`` off Linux; callers then use the ``mmap``
+``mmap``, ``munmap`` and ``madvise`` go through ``ctypes``, which releases the GIL while the
+kernel works: the compute thread keeps running Python while an I/O worker maps and
+populates a region. :meth:`Kernel.view` makes the writable ``memoryview`` of such a region
+that tensors are built on (through Python's C API: no buffer object of its own, no ``ctypes``
+array type per length). :data:`KERNEL` is ``None`` off Linux; callers then use the ``mmap``
 module.
 """
 
@@ -11,12 +13,16 @@ from __future__ import annotations
 import ctypes
 import errno
 import mmap
+import os
 import sys
 
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
 MAP_FIXED = 0x10  # Linux, every architecture
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux, x86 and arm64
+_MAP_FAILED = ctypes.c_void_p(-1).value
+_PYBUF_WRITE = 0x200
 
 
 def _huge_page_size() -> int:
@@ -29,7 +35,7 @@ def _huge_page_size() -> int:
 
 
 class Kernel:
-    """The C library's ``mmap`` and ``madvise`` (Linux), called without the GIL."""
+    """The C library's ``mmap``, ``munmap`` and ``madvise`` (Linux), called without the GIL."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -43,11 +49,38 @@ class Kernel:
             ctypes.c_int,
             ctypes.c_long,
         ]
+        self.munmap = libc.munmap
+        self.munmap.restype = ctypes.c_int
+        self.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         self.madvise = libc.madvise
         self.madvise.restype = ctypes.c_int
         self.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        memory = ctypes.pythonapi.PyMemoryView_FromMemory
+        memory.restype = ctypes.py_object
+        memory.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+        self._memory = memory
         self.huge_page = _huge_page_size()
         self.populates = True  # until the kernel refuses MADV_POPULATE_READ
+
+    def map(
+        self, address: int | None, length: int, prot: int, flags: int, fd: int, offset: int
+    ) -> int:
+        """``mmap``: the address of the new mapping.
+
+        Raises:
+            OSError: the kernel refused (its ``errno``).
+        """
+        placed = self.mmap(address, length, prot, flags, fd, offset)
+        if placed is None or placed == _MAP_FAILED:
+            code = ctypes.get_errno()
+            raise OSError(code, os.strerror(code))
+        return int(placed)
+
+    def view(self, address: int, length: int) -> memoryview:
+        """A writable ``memoryview`` of ``length`` bytes at ``address`` (it owns nothing:
+        the caller unmaps the memory once the view and its exports are gone)."""
+        view: memoryview = self._memory(address, length, _PYBUF_WRITE)
+        return view
 
     def advise(self, address: int, length: int, populate: bool) -> None:
         """Populate ``length`` bytes at ``address`` (readahead where the kernel cannot)."""

@@ -16,9 +16,19 @@ file offset modulo the huge page size (2 MiB), with ``MADV_HUGEPAGE``: the kerne
 each huge folio of the page cache with one entry (populating and unmapping 188 MB take a
 fraction of a millisecond) and reads a cold file in huge folios, which also reads it twice
 as fast as ``POSIX_FADV_WILLNEED`` readahead did (measured on the generation job of
-``benchmarks/bench_hf.py``, cold: 0.35 against 0.95 s per 800 MB). The system calls that
-populate go through ``ctypes``, which releases the GIL: the compute thread runs Python while
-an I/O worker waits for the kernel (``mmap.madvise`` holds the GIL throughout).
+``benchmarks/bench_hf.py``, cold: 0.35 against 0.95 s per 800 MB). Where the page cache
+holds a region in smaller folios (the first ~30 MB of a file read sequentially, while the
+kernel's readahead grows), it is still mapped 4 KiB at a time: 0.45 to 0.7 ms per 10 MB.
+
+A load is otherwise a handful of system calls, all through ``ctypes`` (which releases the
+GIL: the compute thread runs Python while an I/O worker waits for the kernel; ``mmap``
+objects hold it): a ``stat`` of the path against the layout's identity, with the file's
+descriptor kept open (``_descriptors``); one ``mmap``, placed by the kernel (file systems
+with huge page support place it congruent to its offset; elsewhere it is remapped over an
+anonymous reservation); ``madvise`` twice; the ``munmap`` when its last tensor is freed (a
+finalizer of the ``memoryview`` the tensors are built on). Opening and closing the file per
+load and always going through a reservation cost 15 to 20 us more per load (65 against 80
+us of a worker's CPU per 4 to 10 MB entry mapped from huge folios).
 
 :func:`advise_payload` starts the kernel's readahead of entries without mapping them (a
 prefetch that costs no memory of the process).
@@ -30,9 +40,10 @@ checkpoint changed since its layout was read is refused.
 
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
+import time
+import weakref
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -40,13 +51,10 @@ import torch
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, select_entries
+from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, Kept
+from torch_to_nnef.tensor.storage._folios import SLOW_REGIONS, evict
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
-from torch_to_nnef.tensor.storage._io import (
-    check_unchanged,
-    open_for_reading,
-    os_error_message,
-    read_payload,
-)
+from torch_to_nnef.tensor.storage._io import open_for_reading, os_error_message, read_payload
 
 __all__ = [
     "advise_payload",
@@ -125,38 +133,63 @@ def map_payload(
         T2NErrorStorage: the file is missing, changed since ``layout`` was read, shorter
             than its layout says, or cannot be mapped; or it lacks a requested entry.
     """
-    specs = select_entries(layout, names)
+    return _map_entries(layout, select_entries(layout, names), populate)
+
+
+def _map_entries(
+    layout: PayloadLayout, specs: list[EntrySpec], populate: bool
+) -> dict[str, torch.Tensor]:
+    """:func:`map_payload` of the entries ``specs`` of ``layout``."""
     present = [spec for spec in specs if spec.nbytes]
     if not present:
         return {spec.name: torch.empty(spec.shape, dtype=spec.dtype) for spec in specs}
     start, length = _span(present)
-    fd, stat = open_for_reading(layout.path)
+    kept, file_size = DESCRIPTORS.acquire(layout)
     try:
-        check_unchanged(layout, stat)
-        if stat.st_size < start + length:
+        if file_size < start + length:
             raise T2NErrorStorage(
-                f"payload file '{layout.path}' has {stat.st_size} bytes, fewer than the "
+                f"payload file '{layout.path}' has {file_size} bytes, fewer than the "
                 f"{start + length} its entries need (truncated file)"
             )
-        start, length = _whole_huge_pages(start, length, stat.st_size)
-        region, shift = _map(fd, start, length, populate)
+        start, length = _whole_huge_pages(start, length, file_size)
+        region, shift = _map_refolding(kept, start, length, populate, file_size)
     except OSError as exc:
         raise T2NErrorStorage(
             f"cannot map payload file '{layout.path}': {os_error_message(exc)}"
         ) from exc
     finally:
-        os.close(fd)
+        DESCRIPTORS.release(kept)
+    shift -= start
     return {
         spec.name: torch.frombuffer(
             region,
             dtype=spec.dtype,
             count=spec.nbytes // spec.dtype.itemsize,
-            offset=shift + spec.start - start,
+            offset=shift + spec.start,
         ).view(spec.shape)
         if spec.nbytes
         else torch.empty(spec.shape, dtype=spec.dtype)
         for spec in specs
     }
+
+
+def _map_refolding(
+    kept: Kept, start: int, length: int, populate: bool, file_size: int
+) -> tuple[mmap.mmap | memoryview, int]:
+    """:func:`_map`; a large region whose populate took the CPU time of small page cache
+    folios is unmapped, evicted and mapped again, once: read in huge folios (``_folios``)."""
+    kernel = _kernel.KERNEL
+    huge = 0 if kernel is None else kernel.huge_page
+    if not populate or huge == 0 or length < huge or not hasattr(os, "posix_fadvise"):
+        return _map(kept.fd, start, length, populate)
+    began = time.thread_time_ns()
+    mapped = _map(kept.fd, start, length, populate)
+    spent = time.thread_time_ns() - began
+    if not SLOW_REGIONS.first_slow((kept.identity, start, length), -(-length // huge), spent):
+        return mapped
+    del mapped  # no tensor uses the mapping yet: unmapped here
+    evict(kept.fd, start, length, huge, file_size)
+    return _map(kept.fd, start, length, populate)
 
 
 _WIDEN_AT_MOST = 2  # an end of a region is widened by at most 1/2 of a huge page
@@ -187,54 +220,56 @@ def _whole_huge_pages(start: int, length: int, file_size: int) -> tuple[int, int
     return start, end - start
 
 
-def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap, int]:
+def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | memoryview, int]:
     """Map ``length`` bytes of ``fd`` from ``start`` (private), populated or read ahead.
 
-    Returns the mapping and where the file region starts in it. A region of a huge page or
-    more is mapped over an anonymous reservation one huge page longer, at the first address
-    congruent to ``start`` modulo the huge page size (the reservation's mapping object owns
-    the whole range: freeing it unmaps the file region with its slack). No
-    ``POSIX_FADV_WILLNEED`` precedes it: that readahead would fill the page cache with small
-    folios, where populating the ``MADV_HUGEPAGE`` mapping reads huge ones.
+    Returns the mapping (a buffer whose last export unmaps it) and where the file region
+    starts in it. A region of a huge page or more must start at an address congruent to
+    ``start`` modulo the huge page size: file systems that place mappings for huge pages
+    (``thp_get_unmapped_area``: ext4, xfs, tmpfs, ...) do so, and the mapping is used as it
+    is; elsewhere it is remapped over an anonymous reservation one huge page longer, at the
+    first such address (the reservation's range is unmapped whole). No
+    ``POSIX_FADV_WILLNEED`` precedes a large region: that readahead would fill the page
+    cache with small folios, where populating the ``MADV_HUGEPAGE`` mapping reads huge ones.
     """
     kernel = _kernel.KERNEL
-    huge = 0 if kernel is None else kernel.huge_page
-    if kernel is None or length < huge or huge == 0:
+    if kernel is None:
         if hasattr(os, "posix_fadvise"):  # one large readahead rather than one per fault
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
-        region = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
-        if kernel is None:
-            _advise_without_kernel(region, populate)
-        else:
-            kernel.advise(_address(region), length, populate)
-        return region, 0
-    region = mmap.mmap(
-        -1,
-        length + huge,
-        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0),
-        prot=_PROT,
-    )
-    base = _address(region)
-    shift = (start - base) % huge
-    flags = mmap.MAP_PRIVATE | _kernel.MAP_FIXED
-    placed = kernel.mmap(base + shift, length, _PROT, flags, fd, start)
-    if placed != base + shift:
-        code = ctypes.get_errno()
-        region.close()
-        raise OSError(code, os.strerror(code))
-    # Refused where transparent huge pages are off: no matter.
-    kernel.madvise(base + shift, length, _kernel.MADV_HUGEPAGE)
-    kernel.advise(base + shift, length, populate)
-    return region, shift
-
-
-def _address(region: mmap.mmap) -> int:
-    """The address of a writable mapping's first byte."""
-    view = ctypes.c_char.from_buffer(region)
+        mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
+        _advise_without_kernel(mapping, populate)
+        return mapping, 0
+    huge = kernel.huge_page
+    large = huge != 0 and length >= huge
+    if not large and hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
+    address = kernel.map(None, length, _PROT, mmap.MAP_PRIVATE, fd, start)
+    base, span = address, length
+    if large and (address - start) % huge:
+        kernel.munmap(address, length)
+        base, span = _reserve(kernel, length + huge), length + huge
+        address = base + (start - base) % huge
+        try:
+            kernel.map(address, length, _PROT, mmap.MAP_PRIVATE | _kernel.MAP_FIXED, fd, start)
+        except BaseException:
+            kernel.munmap(base, span)
+            raise
     try:
-        return ctypes.addressof(view)
-    finally:
-        del view  # the buffer export ends: the mapping can be closed
+        region = kernel.view(base, span)
+        weakref.finalize(region, kernel.munmap, base, span).atexit = False
+    except BaseException:
+        kernel.munmap(base, span)
+        raise
+    if large:  # refused where transparent huge pages are off: no matter
+        kernel.madvise(address, length, _kernel.MADV_HUGEPAGE)
+    kernel.advise(address, length, populate)
+    return region, address - base
+
+
+def _reserve(kernel: _kernel.Kernel, length: int) -> int:
+    """The address of ``length`` bytes of anonymous address space, no memory committed."""
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _kernel.MAP_NORESERVE
+    return kernel.map(None, length, _PROT, flags, -1, 0)
 
 
 def _advise_without_kernel(region: mmap.mmap, populate: bool) -> None:
@@ -296,12 +331,10 @@ def load_payload(
         T2NErrorStorage: see :func:`map_payload` and ``read_payload``.
         T2NErrorMisuse: a buffer of ``out`` does not match its entry (when reading).
     """
-    if mapped is None:
-        mapped = mapped_reads()
-        if mapped:  # the size decides: the entries are looked up twice, only here
-            names = None if names is None else list(names)
-            nbytes = sum(spec.nbytes for spec in select_entries(layout, names))
-            mapped = nbytes >= MAPPED_MIN_BYTES
-    if mapped:
-        return map_payload(layout, names=names)
-    return read_payload(layout, out=out, names=names)
+    if mapped is False or (mapped is None and not mapped_reads()):
+        return read_payload(layout, out=out, names=names)
+    names = None if names is None else list(names)
+    specs = select_entries(layout, names)
+    if mapped is None and sum(spec.nbytes for spec in specs) < MAPPED_MIN_BYTES:
+        return read_payload(layout, out=out, names=names)
+    return _map_entries(layout, specs, populate=True)

@@ -1,0 +1,145 @@
+"""Descriptors kept open for mapped loads: a replaced or changed file is never read through
+an old one, they are bounded, closed once unused, and maps from threads never tear."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, KEPT_FILES, Descriptors
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
+
+
+def open_descriptors(path: Path) -> list[str]:
+    """What the process's open descriptors of ``path`` (current or replaced) point to."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith(str(path)):
+            found.append(target)
+    return found
+
+
+def write(path: Path, value: float, count: int = 1024) -> storage.PayloadLayout:
+    return storage.write_payload(path, {"x": torch.full((count,), value)})
+
+
+@needs_proc
+def test_a_replaced_file_is_refused_for_its_old_layout_and_its_descriptor_closed(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "p.safetensors"
+    old = write(path, 1.0)
+    assert torch.equal(storage.map_payload(old)["x"], torch.full((1024,), 1.0))
+    assert open_descriptors(path) == [str(path)]  # kept for the next load
+    new = write(path, 2.0)  # atomically replaced: same path, same size, another inode
+    with pytest.raises(T2NErrorStorage, match="replaced or modified"):
+        storage.map_payload(old)
+    assert torch.equal(storage.map_payload(new)["x"], torch.full((1024,), 2.0))
+    # The replaced file's descriptor is closed: the new file's alone is open.
+    assert open_descriptors(path) == [str(path)]
+
+
+def test_a_file_modified_in_place_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    layout = write(path, 1.0)
+    storage.map_payload(layout)
+    with path.open("r+b") as file:  # same inode, same size, new bytes and mtime
+        file.seek(layout.entries["x"].start)
+        file.write(b"\xff" * 8)
+    os.utime(path, ns=(layout.identity[3] + 1, layout.identity[3] + 1))  # type: ignore[index]
+    with pytest.raises(T2NErrorStorage, match="replaced or modified"):
+        storage.map_payload(layout)
+
+
+@needs_proc
+def test_kept_descriptors_are_bounded_and_a_removed_file_is_forgotten(tmp_path: Path) -> None:
+    layouts = [write(tmp_path / f"p{index}.safetensors", index) for index in range(KEPT_FILES + 4)]
+    for index, layout in enumerate(layouts):
+        assert float(storage.map_payload(layout)["x"][0]) == index
+    assert len(open_descriptors(tmp_path)) == KEPT_FILES
+    last = layouts[-1].path
+    os.unlink(last)
+    with pytest.raises(T2NErrorStorage, match="cannot open"):
+        storage.map_payload(layouts[-1])
+    assert not any(target.startswith(str(last)) for target in open_descriptors(tmp_path))
+
+
+def test_a_retired_descriptor_is_closed_when_its_last_load_releases_it(tmp_path: Path) -> None:
+    first, second = write(tmp_path / "a.safetensors", 1.0), write(tmp_path / "b.safetensors", 2.0)
+    descriptors = Descriptors(capacity=1)
+    kept, size = descriptors.acquire(first)
+    assert size == first.file_size and kept.identity == first.identity
+    again, _ = descriptors.acquire(first)
+    assert again is kept and kept.users == 2  # one descriptor, two loads
+    other, _ = descriptors.acquire(second)  # over capacity: the first is retired, in use
+    assert kept.retired and os.fstat(kept.fd).st_ino == first.identity[1]  # type: ignore[index]
+    descriptors.release(kept)
+    assert os.fstat(kept.fd).st_ino == first.identity[1]  # type: ignore[index]
+    descriptors.release(kept)  # its last load: closed (the number may name another file now)
+    try:
+        still = os.fstat(kept.fd).st_ino == first.identity[1]  # type: ignore[index]
+    except OSError:
+        still = False
+    assert not still
+    descriptors.release(other)
+    assert not other.retired and os.fstat(other.fd).st_ino == second.identity[1]  # type: ignore[index]
+
+
+@pytest.mark.timeout(60)
+def test_maps_from_threads_while_the_file_is_replaced_never_tear(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    count = 256 * 1024  # 1 MiB: mapped, not read
+    current = [write(path, 0.0, count)]
+    stop = threading.Event()
+    torn: list[str] = []
+    served = [0, 0]
+
+    def load(slot: int) -> None:
+        while not stop.is_set():
+            layout = current[0]
+            try:
+                value = storage.map_payload(layout)["x"]
+            except T2NErrorStorage as exc:
+                if "replaced or modified" not in str(exc) and "cannot open" not in str(exc):
+                    torn.append(str(exc))
+                continue
+            low, high = float(value.min()), float(value.max())
+            if low != high:
+                torn.append(f"a mapping holds {low} and {high}")
+            served[slot] += 1
+
+    threads = [threading.Thread(target=load, args=(slot,)) for slot in range(2)]
+    for thread in threads:
+        thread.start()
+    try:
+        for version in range(1, 40):
+            current[0] = write(path, float(version), count)
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+    assert not torn
+    assert all(served)
+
+
+def test_the_kept_descriptor_of_the_process_is_shared_by_loads(tmp_path: Path) -> None:
+    layout = write(tmp_path / "p.safetensors", 3.0)
+    storage.map_payload(layout)
+    kept, _ = DESCRIPTORS.acquire(layout)
+    try:
+        again, _ = DESCRIPTORS.acquire(layout)
+        DESCRIPTORS.release(again)
+        assert again is kept
+    finally:
+        DESCRIPTORS.release(kept)
