@@ -86,13 +86,15 @@ class Operation:
         self.abandon()
 
 
-RELEASE_GRACE = 0.005
+RELEASE_GRACE = 0.002
 """Seconds after granting a lease within which the actor looks at ended leases by itself:
 a lease that ends before then and puts the pool over its budget sends no wake-up (the look,
 or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time, armed
 by the first grant after the last look: a busy pool's loop wakes for it at most once per
-grace (uvloop's timers count whole milliseconds, so a shorter grace would fire more often
-than it says)."""
+grace (uvloop's timers count whole milliseconds, so 1 ms fired on about every fourth miss of
+the churn benchmark). A longer grace wakes the loop less but keeps ended leases over the
+budget longer: with 5 ms, streaming 384 MiB through a 96 MiB budget peaked 1 to 2 MiB
+higher (benchmarks/bench_memory.py)."""
 
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
