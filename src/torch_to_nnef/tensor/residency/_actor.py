@@ -560,7 +560,7 @@ class Actor:
                 self.policy.strategy.name,
             )
         if not held:
-            self.policy.release(entry.key, entry.nbytes, entry.retained)
+            self._to_eviction_order(entry)
 
     # ------------------------------------------------------------------------------------------
     # Holds and byte accounting
@@ -608,11 +608,15 @@ class Actor:
                 self._set_evicting(entry, False)
                 self._reopen(entry)
         else:
-            self.policy.release(entry.key, entry.nbytes, entry.retained)
+            self._to_eviction_order(entry)
 
     def _maybe_release(self, entry: Entry) -> None:
         if entry.value is not None and not entry.held:
-            self.policy.release(entry.key, entry.nbytes, entry.retained)
+            self._to_eviction_order(entry)
+
+    def _to_eviction_order(self, entry: Entry) -> None:
+        """A resident value no longer held goes (back) into the policy's eviction order."""
+        self.policy.release(entry.key, entry.nbytes, entry.retained)
 
     @staticmethod
     def _take_dirty(entry: Entry) -> None:
