@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import anyio
@@ -173,4 +174,132 @@ def test_a_forward_after_the_pool_closed_fails_clearly(tmp_path: Path) -> None:
         pool.close()
         with pytest.raises(T2NErrorMisuse, match="closed"):
             model(torch.randn(2, WIDTH))
+    assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# Values bound in place of their tensors while a streamed module runs
+# ---------------------------------------------------------------------------------------------
+class Probe(torch.nn.Module):
+    """A linear layer that records what its weight is while it runs, and may change it in
+    place, wait for an event, or raise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH), requires_grad=False)
+        self.seen: list[type] = []
+        self.add_in_place = 0.0
+        self.entered: threading.Event | None = None
+        self.go_on: threading.Event | None = None
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen.append(type(self.weight))
+        if self.entered is not None and self.go_on is not None:
+            self.entered.set()
+            assert self.go_on.wait(10)
+        if self.add_in_place:
+            self.weight.add_(self.add_in_place)
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return x @ self.weight.t()
+
+
+def offloaded_probe(tmp_path: Path) -> tuple[Probe, OffloadedTensor]:
+    probe = Probe()
+    offload_module(probe, tmp_path)
+    weight = probe.weight
+    assert isinstance(weight, OffloadedTensor)
+    return probe, weight
+
+
+def test_a_streamed_module_runs_on_plain_values_and_gets_its_tensors_back(
+    tmp_path: Path,
+) -> None:
+    probe, weight = offloaded_probe(tmp_path)
+    expected = weight.reload()
+    x = torch.randn(2, WIDTH)
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [probe]):
+        assert torch.equal(probe(x), x @ expected.t())
+        with pool.scope():
+            assert torch.equal(probe(x), x @ expected.t())
+        with TensorResidencyPool() as other, other.scope():  # the scope's pool serves its ops
+            assert torch.equal(probe(x), x @ expected.t())
+            assert other.stats().hits + other.stats().misses == 1
+    assert probe.seen[:2] == [torch.Tensor, torch.Tensor]
+    assert issubclass(probe.seen[2], OffloadedTensor)
+    assert probe.weight is weight  # the tensor is back once the module returned
+
+
+def test_a_change_in_place_during_a_streamed_forward_is_written_back(tmp_path: Path) -> None:
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    probe.add_in_place = 1.0
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [probe]):
+        probe(torch.randn(2, WIDTH))
+        assert torch.equal(weight.reload(), before + 1)  # read-your-writes, pool still open
+        probe(torch.randn(2, WIDTH))
+    assert torch.equal(weight.reload(), before + 1 + 1)  # on disk once the pool closed
+    assert probe.weight is weight
+
+
+def test_a_forward_after_a_write_reads_the_new_value_while_another_runs_on_the_old(
+    tmp_path: Path,
+) -> None:
+    """Two forwards in one module, a write between their reads: the later one computes with
+    the written value, the earlier one finishes with one of the two, and the module gets its
+    tensor back."""
+    probe, weight = offloaded_probe(tmp_path)
+    old = weight.reload()
+    new = torch.randn(WIDTH, WIDTH)
+    x = torch.randn(2, WIDTH)
+    go_on = threading.Event()
+    probe.entered, probe.go_on = threading.Event(), go_on
+    results: dict[str, torch.Tensor] = {}
+    with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
+        first = threading.Thread(target=lambda: results.setdefault("first", probe(x)))
+        first.start()
+        assert probe.entered.wait(10)
+        probe.entered = probe.go_on = None  # the second forward runs straight through
+        weight.update_values(new)
+        results["second"] = probe(x)
+        go_on.set()
+        first.join(10)
+        assert not first.is_alive()
+        assert "leased: 0," in repr(pool)
+    assert torch.equal(results["second"], x @ new.t())
+    assert any(torch.equal(results["first"], x @ w.t()) for w in (old, new))
+    assert probe.weight is weight
+
+
+def test_a_parameter_replaced_by_its_owner_is_left_alone(tmp_path: Path) -> None:
+    probe, weight = offloaded_probe(tmp_path)
+    x = torch.randn(2, WIDTH)
+    with TensorResidencyPool() as pool, stream_modules(pool, [probe]):
+        probe(x)
+        assert probe.weight is weight
+        replacement = torch.nn.Parameter(torch.ones(WIDTH, WIDTH), requires_grad=False)
+        probe.weight = replacement
+        assert torch.equal(probe(x), x @ replacement.t())
+        assert probe.weight is replacement
+
+
+def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path: Path) -> None:
+    """Ctrl-C inside a streamed module skips its hooks (torch runs them on ``Exception``
+    only): the stream's close still gives the module its tensor back and ends the leases,
+    and the pool closes."""
+    probe, weight = offloaded_probe(tmp_path)
+    probe.interrupt = True
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    stream = stream_modules(pool, [probe])
+    with pytest.raises(KeyboardInterrupt):
+        probe(torch.randn(2, WIDTH))
+    assert type(probe.weight) is torch.Tensor  # bound when the interrupt landed
+    assert active_tensor_residency() is not None  # the scope the stream opened for it
+    stream.close()
+    assert probe.weight is weight
+    assert "leased: 0," in repr(pool)
+    assert active_tensor_residency() is None
+    pool.close()
     assert pool.closed

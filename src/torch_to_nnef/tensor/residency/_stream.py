@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import sys
 import threading
 import weakref
@@ -15,6 +16,7 @@ import torch
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
+from torch_to_nnef.tensor.residency._handles import end_lease
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -22,6 +24,8 @@ if TYPE_CHECKING:
     from torch_to_nnef.tensor.residency._pool import TDevice, TensorResidencyPool
 
 __all__ = ["ModuleStream", "stream_modules"]
+
+LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
 
 def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
@@ -32,6 +36,42 @@ def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
     return list(found.values())
 
 
+_Place = tuple[dict[str, Any], str, "OffloadedTensor"]
+"""Where a module holds an offloaded tensor: ``table[name]`` is the tensor, ``table`` the
+``_parameters`` or ``_buffers`` of the module or of one of its submodules."""
+
+
+_Watched = tuple["OffloadedTensor", torch.Tensor, int]
+"""A value bound for a forward, with its version then (``Tensor._version``)."""
+
+
+def _places(module: torch.nn.Module, tensors: list[OffloadedTensor]) -> list[_Place]:
+    wanted = {id(tensor): tensor for tensor in tensors}
+    tables: list[dict[str, Any]] = [
+        table
+        for submodule in module.modules()
+        for table in (submodule._parameters, submodule._buffers)
+    ]
+    return [
+        (table, name, wanted[id(tensor)])
+        for table in tables
+        for name, tensor in table.items()
+        if id(tensor) in wanted
+    ]
+
+
+class _Held:
+    """What a forward holds while one module runs: the leases it entered, the values bound
+    for it that it may change in place, and the residency scope it opened (if any)."""
+
+    __slots__ = ("leases", "token", "watched")
+
+    def __init__(
+        self, token: Any, leases: list[TensorResidencyLease], watched: list[_Watched]
+    ) -> None:
+        self.token, self.leases, self.watched = token, leases, watched
+
+
 class _ThreadState:
     """What one thread's forwards hold through a stream (the stream keeps it only weakly:
     when the thread ends, its begun leases are dropped)."""
@@ -39,7 +79,7 @@ class _ThreadState:
     __slots__ = ("__weakref__", "begun", "held", "last")
 
     def __init__(self) -> None:
-        self.held: dict[int, list[Any]] = {}
+        self.held: dict[int, list[_Held]] = {}
         self.begun: dict[int, list[TensorResidencyLease]] = {}
         self.last = -1  # the module this thread entered last
 
@@ -89,6 +129,9 @@ class ModuleStream:
         # whose current CUDA device may be another.
         self.device = None if device is None else storage.resolve_device(device)
         self.groups = [_offloaded_tensors(m) for m in modules]
+        self._places = [_places(m, g) for m, g in zip(modules, self.groups, strict=True)]
+        # The places that hold a value in place of their tensor now, and that value.
+        self._bound: dict[tuple[int, str], tuple[_Place, torch.Tensor]] = {}
         self._local = threading.local()
         self._lock = threading.Lock()
         # The state of each thread that ran a forward, while the thread lives.
@@ -173,9 +216,11 @@ class ModuleStream:
                 _cancel_begun(begun, keep=range(index, index + self.depth + 1))
             state.last = index
             token = None
-            if ACTIVE_RESIDENCY.get() is None:  # a forward outside `pool.scope()`
+            scope = ACTIVE_RESIDENCY.get()
+            if scope is None:  # a forward outside `pool.scope()`
                 token = ACTIVE_RESIDENCY.set((pool, self.device))
             entered: list[TensorResidencyLease] = []
+            values: dict[int, torch.Tensor] = {}
             try:
                 # Queue this module's loads, then those ahead, before waiting for any: a late
                 # value does not delay the reads behind it.
@@ -188,15 +233,19 @@ class ModuleStream:
                     else:
                         self._begin_next_forward(ahead - count)
                 for lease in begun.pop(index):
-                    lease.__enter__()
+                    value = lease.__enter__()
                     entered.append(lease)
+                    values[id(lease._source)] = value
+                # Its ops run on the values themselves where the tensors would serve the same.
+                same = scope is None or (scope[0] is pool and scope[1] == self.device)
+                watched = self._bind(index, values) if same else []
             except BaseException:
                 for lease in entered:
                     lease.__exit__(None, None, None)
                 if token is not None:
                     ACTIVE_RESIDENCY.reset(token)
                 raise
-            held.setdefault(index, []).append((token, entered))
+            held.setdefault(index, []).append(_Held(token, entered, watched))
 
         return hook
 
@@ -213,25 +262,112 @@ class ModuleStream:
             stack = held.get(index)
             if not stack:
                 return  # the pre-hook failed: nothing is held
-            token, entered = stack.pop()
-            for lease in entered:
-                lease.__exit__(None, None, None)
-            if token is not None:
-                ACTIVE_RESIDENCY.reset(token)
+            ended = stack.pop()
+            try:
+                self._unbind(index)
+                self._keep_changes(ended.watched)
+            finally:
+                for lease in ended.leases:
+                    lease.__exit__(None, None, None)
+                if ended.token is not None:
+                    ACTIVE_RESIDENCY.reset(ended.token)
 
         return hook
 
+    # -- values bound in place of their tensors ------------------------------------------------
+    def _bind(self, index: int, values: dict[int, torch.Tensor]) -> list[_Watched]:
+        """Put the plain values that module ``index``'s leases hold where the module holds
+        their tensors, so that its ops run on plain tensors rather than through the tensors'
+        dispatch. Return the values the forward may change in place, with their versions.
+
+        A place another forward bound to a different value (a write came between their reads)
+        gets its tensor back: both forwards read through the tensor, which serves the latest
+        value. A place its owner set to something else meanwhile is left alone."""
+        watched: dict[int, _Watched] = {}
+        bound = self._bound
+        with self._lock:
+            for place in self._places[index]:
+                table, name, tensor = place
+                value = values.get(id(tensor))
+                if type(value) is not torch.Tensor or value.is_inference():
+                    continue  # an opaque value: the tensor serves its ops
+                key = (id(table), name)
+                current = table.get(name)
+                if current is tensor:
+                    table[name] = value
+                    bound[key] = (place, value)
+                elif key not in bound or bound[key][1] is not current:
+                    continue  # replaced by its owner: no longer the stream's to bind
+                elif current is not value:
+                    table[name] = tensor
+                    del bound[key]
+                watched[id(tensor)] = (tensor, value, value._version)
+        return list(watched.values())
+
+    def _unbind(self, index: int) -> None:
+        """Give module ``index``'s places their tensors back (a forward leaving it: another
+        one still inside reads through the tensors from now on)."""
+        bound = self._bound
+        with self._lock:
+            for place in self._places[index]:
+                table, name, tensor = place
+                found = bound.pop((id(table), name), None)
+                if found is not None and table.get(name) is found[1]:
+                    table[name] = tensor
+
+    def _keep_changes(self, watched: list[_Watched]) -> None:
+        """Keep what the forward changed in place in the values bound for it, as a
+        ``read_write`` lease keeps its change: the value becomes dirty, and is written back."""
+        for tensor, value, version in watched:
+            if value._version == version:
+                continue
+            lease = self.pool.acquire(tensor, self.device, mode="read_write")
+            current = lease.__enter__()
+            kept = current is value
+            if not kept:
+                LOGGER.warning(
+                    "%r was written while a streamed forward changed its older value in "
+                    "place: the forward's change is dropped, the later write stands",
+                    tensor.name,
+                )
+            end_lease(self.pool, lease, kept)
+
     # -- lifetime ----------------------------------------------------------------------------
     def close(self) -> None:
-        """Remove the hooks and drop leases begun for modules that did not run (idempotent)."""
+        """Remove the hooks and drop leases begun for modules that did not run (idempotent).
+
+        A forward that Ctrl-C interrupted inside a module (torch runs the hooks that end its
+        leases on errors only) has its leases ended, its modules given their tensors back,
+        and, closed from its thread, the residency scope the stream opened for it reset.
+        """
         with self._lock:
             handles, self._handles = self._handles, []
             threads = list(self._threads)
             self._threads = weakref.WeakSet()
         for handle in handles:
             handle.remove()
+        with self._lock:  # a forward interrupted where its module's hook could not run
+            bound, self._bound = self._bound, {}
+            for (table, name, tensor), value in bound.values():
+                if table.get(name) is value:
+                    table[name] = tensor
         for state in threads:
             _cancel_begun(state.begun, keep=())
+            # A forward interrupted where its modules' hooks could not run (Ctrl-C: torch runs
+            # them on errors only) still holds leases: end them, keeping its changes.
+            for stack in list(state.held.values()):
+                for held in list(stack):
+                    watched, held.watched = held.watched, []
+                    leases, held.leases = held.leases, []
+                    try:
+                        self._keep_changes(watched)
+                    finally:
+                        for lease in leases:
+                            lease.__exit__(None, None, None)
+                        if held.token is not None:
+                            with contextlib.suppress(ValueError):  # another thread's context
+                                ACTIVE_RESIDENCY.reset(held.token)
+                                held.token = None
         self._release_next_forward()
         self.pool._streams.discard(self)
 
@@ -277,6 +413,15 @@ def stream_modules(
     without waiting, and stay held until it runs them. Between forwards the pool thus holds
     them on top of its budget (``pool.evict`` refuses them); closing the stream or the pool
     releases them.
+
+    While a module runs, the places where it (or a submodule) holds its offloaded tensors
+    hold the plain values its leases hold instead, and get their tensors back when it returns:
+    its operations run on plain tensors, without an offloaded tensor's dispatch on each
+    (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
+    lease keeps it. Opaque values (``QTensor``), a place its owner set to another tensor, and
+    forwards inside another pool's scope (or the same pool's on another device) read through
+    the tensors as before; so do concurrent forwards in one module once a write came between
+    their reads.
 
     The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
     the first pass. A forward outside a ``pool.scope()`` is served by the pool too. Works for
