@@ -106,6 +106,7 @@ def test_leases_are_released_when_a_layer_raises(tmp_path: Path) -> None:
             model(torch.randn(2, WIDTH + 1))
         assert type(raised.value) is RuntimeError
         assert "leased: 0," in repr(pool)
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
 @pytest.mark.parametrize("strategy", list(ResidencyStrategy))
@@ -303,3 +304,16 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
     assert active_tensor_residency() is None
     pool.close()
     assert pool.closed
+
+
+def test_nested_streamed_modules_and_a_trace_read_the_right_values(tmp_path: Path) -> None:
+    """A module listed inside another listed one: the inner one's return gives the places
+    their tensors back, and the outer one goes on through them; a trace records the
+    tensors' expansion, not their values."""
+    dense, model = offloaded_blocks(tmp_path, count=3)
+    x = torch.randn(2, WIDTH)
+    with TensorResidencyPool() as pool, stream_modules(pool, [model, model.blocks[1]]):
+        assert torch.allclose(model(x), dense(x), atol=1e-6)
+        traced = torch.jit.trace(model, x, check_trace=False)
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+    assert "t2n::opaque_tensor_expand" in str(traced.inlined_graph)

@@ -16,6 +16,7 @@ import torch
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
+from torch_to_nnef.tensor.opaque import _is_tracing
 from torch_to_nnef.tensor.residency._handles import end_lease
 
 if TYPE_CHECKING:
@@ -236,9 +237,10 @@ class ModuleStream:
                     value = lease.__enter__()
                     entered.append(lease)
                     values[id(lease._source)] = value
-                # Its ops run on the values themselves where the tensors would serve the same.
+                # Its ops run on the values themselves where the tensors would serve the same
+                # (a trace records the tensors, not their values).
                 same = scope is None or (scope[0] is pool and scope[1] == self.device)
-                watched = self._bind(index, values) if same else []
+                watched = self._bind(index, values) if same and not _is_tracing() else []
             except BaseException:
                 for lease in entered:
                     lease.__exit__(None, None, None)
@@ -418,10 +420,10 @@ def stream_modules(
     hold the plain values its leases hold instead, and get their tensors back when it returns:
     its operations run on plain tensors, without an offloaded tensor's dispatch on each
     (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
-    lease keeps it. Opaque values (``QTensor``), a place its owner set to another tensor, and
-    forwards inside another pool's scope (or the same pool's on another device) read through
-    the tensors as before; so do concurrent forwards in one module once a write came between
-    their reads.
+    lease keeps it. Opaque values (``QTensor``), a place its owner set to another tensor,
+    forwards inside another pool's scope (or the same pool's on another device) and traces
+    (``torch.jit.trace``, ``torch.compile``) read through the tensors as before; so do
+    concurrent forwards in one module once a write came between their reads.
 
     The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
     the first pass. A forward outside a ``pool.scope()`` is served by the pool too. Works for
