@@ -317,3 +317,61 @@ def test_nested_streamed_modules_and_a_trace_read_the_right_values(tmp_path: Pat
         traced = torch.jit.trace(model, x, check_trace=False)
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
     assert "t2n::opaque_tensor_expand" in str(traced.inlined_graph)
+
+
+def test_concurrent_streamed_forwards_while_the_weights_are_rewritten(tmp_path: Path) -> None:
+    """Three threads run forwards through streamed layers while a fourth rewrites every
+    layer's weight, again and again: each forward computes with values that were written,
+    nothing is left leased or bound, and the last writes stand."""
+    width, versions = 16, 12
+    layers = torch.nn.ModuleList(torch.nn.Linear(width, width, bias=False) for _ in range(3))
+    for layer in layers:
+        torch.nn.init.constant_(layer.weight, 1.0)
+    offload_module(layers, tmp_path)
+    weights = [layer.weight for layer in layers]
+    x = torch.full((1, width), 1.0 / width)
+    # With constant weights c1, c2, c3 (each a written version), every output is
+    # width**2 * c1 * c2 * c3.
+    possible = {
+        float(width**2 * a * b * c)
+        for a in range(1, versions + 1)
+        for b in range(1, versions + 1)
+        for c in range(1, versions + 1)
+    }
+    errors: list[BaseException] = []
+    outputs: list[float] = []
+
+    def forwards() -> None:
+        try:
+            for _ in range(40):
+                y = x
+                for layer in layers:
+                    y = layer(y)
+                outputs.extend(y.flatten().tolist())
+        except BaseException as error:  # reported below
+            errors.append(error)
+
+    def writes() -> None:
+        try:
+            for version in range(2, versions + 1):
+                for weight in weights:
+                    weight.update_values(torch.full((width, width), float(version)))
+        except BaseException as error:
+            errors.append(error)
+
+    with TensorResidencyPool(max_cached_bytes=2 * width * width * 4) as pool:
+        with stream_modules(pool, layers, depth=1):
+            threads = [threading.Thread(target=forwards) for _ in range(3)]
+            threads.append(threading.Thread(target=writes))
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(30)
+            assert not any(thread.is_alive() for thread in threads)
+        assert not errors, errors
+        assert "leased: 0," in repr(pool)
+    assert len(outputs) == 3 * 40 * width
+    assert set(outputs) <= possible, sorted(set(outputs) - possible)[:5]
+    assert all(layer.weight is weight for layer, weight in zip(layers, weights, strict=True))
+    for weight in weights:
+        assert torch.equal(weight.reload(), torch.full((width, width), float(versions)))
