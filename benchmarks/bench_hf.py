@@ -3,11 +3,12 @@
 For a Llama-style model (untied) and a Qwen2-style model (tied embeddings, attention biases),
 about 1 GB of float32 weights each (random, built once into the cache), 12 tokens of greedy
 decoding (6 on a cold cache) with a budget of a quarter of the model, each mode in a fresh
-process on one compute thread, two rounds alternating the modes (the median s/token, the
-highest peak RSS) (see ``_hf_job.py``): dense, accelerate's disk offload, our pool (``pool``:
-skeleton + ``t2n_load_checkpoint_and_dispatch``, modules streamed two ahead, small tensors
-pinned, SCHEDULED retention), on a warm page cache and on a cold one (the checkpoint's pages
-evicted before every token); in the first round only, two variants whose figures inform:
+process on one compute thread, three rounds alternating the modes (the median s/token, the
+highest peak RSS: one round disturbed by the machine moves neither) (see ``_hf_job.py``):
+dense, accelerate's disk offload, our pool (``pool``: skeleton +
+``t2n_load_checkpoint_and_dispatch``, modules streamed two ahead, small tensors pinned,
+SCHEDULED retention), on a warm page cache and on a cold one (the checkpoint's pages evicted
+before every token); in the first round only, two variants whose figures inform:
 ``pool-upstream`` (``from_pretrained`` inside ``ctx_maybe_load_from_disk_as_offloaded``) and
 ``pool-readahead`` (``read_ahead="auto"``, no module listed). The disk's read bandwidth (the
 best of one sequential reader, as many concurrent ones as the pool has workers and a mapped
@@ -60,7 +61,7 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--output", type=Path, default=None, help="where to write the JSON")
     parser.add_argument("--tokens", type=int, default=12, help="tokens per run (default 12)")
     parser.add_argument(
-        "--rounds", type=int, default=2, help="alternating rounds of every mode (default 2)"
+        "--rounds", type=int, default=3, help="alternating rounds of every mode (default 3)"
     )
     parser.add_argument("--cache", type=Path, default=job.DEFAULT_CACHE, help="model cache")
     return parser.parse_args(argv)

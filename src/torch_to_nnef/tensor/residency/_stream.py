@@ -242,6 +242,7 @@ class ModuleStream:
                 same = scope is None or (scope[0] is pool and scope[1] == self.device)
                 watched = self._bind(index, values) if same and not _is_tracing() else []
             except BaseException:
+                self._unbind(index)
                 for lease in entered:
                     lease.__exit__(None, None, None)
                 if token is not None:
@@ -295,9 +296,11 @@ class ModuleStream:
                     continue  # an opaque value: the tensor serves its ops
                 key = (id(table), name)
                 current = table.get(name)
+                # Each change is recorded before it is made and forgotten after it is undone:
+                # an interrupt in between leaves nothing bound that the stream cannot undo.
                 if current is tensor:
-                    table[name] = value
                     bound[key] = (place, value)
+                    table[name] = value
                 elif key not in bound or bound[key][1] is not current:
                     continue  # replaced by its owner: no longer the stream's to bind
                 elif current is not value:
@@ -313,9 +316,12 @@ class ModuleStream:
         with self._lock:
             for place in self._places[index]:
                 table, name, tensor = place
-                found = bound.pop((id(table), name), None)
-                if found is not None and table.get(name) is found[1]:
-                    table[name] = tensor
+                key = (id(table), name)
+                found = bound.get(key)
+                if found is not None:
+                    if table.get(name) is found[1]:
+                        table[name] = tensor
+                    del bound[key]
 
     def _keep_changes(self, watched: list[_Watched]) -> None:
         """Keep what the forward changed in place in the values bound for it, as a
