@@ -13,11 +13,13 @@ from typing import Any
 
 class Breakpoint:
     """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
-    ``code`` once armed, until :meth:`go`."""
+    ``code`` once armed, until :meth:`go`; with ``caller``, only a call made from that
+    function's code."""
 
-    def __init__(self, code: CodeType, on: str) -> None:
+    def __init__(self, code: CodeType, on: str, caller: CodeType | None = None) -> None:
         self.code = code
         self.on = on
+        self.caller = caller
         self.armed = threading.Event()
         self.paused = threading.Event()
         self._go = threading.Event()
@@ -36,6 +38,10 @@ class Breakpoint:
     def _trace(self, frame: FrameType, event: str, arg: Any) -> Any:
         if frame.f_code is not self.code:
             return None
+        if self.caller is not None and (
+            frame.f_back is None or frame.f_back.f_code is not self.caller
+        ):
+            return None
         return self._local(frame, event, arg)
 
     def go(self) -> None:
@@ -43,9 +49,11 @@ class Breakpoint:
 
 
 @contextmanager
-def paused_in_new_threads(code: CodeType, on: str = "return") -> Iterator[Breakpoint]:
+def paused_in_new_threads(
+    code: CodeType, on: str = "return", caller: CodeType | None = None
+) -> Iterator[Breakpoint]:
     """A :class:`Breakpoint` in the threads started inside the block."""
-    point = Breakpoint(code, on)
+    point = Breakpoint(code, on, caller)
     threading.settrace(point._trace)
     try:
         yield point

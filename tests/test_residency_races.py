@@ -27,7 +27,7 @@ from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency import TensorResidencyPool, _runtime
 from torch_to_nnef.tensor.residency._actor import Actor
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -156,6 +156,37 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
         for steps in range(400):
             asyncio.run(cancel_after(steps))
             assert _leased(pool) == 0, f"a lease is left after a cancellation at step {steps}"
+
+
+def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An acquire waiting for its load is abandoned; while the loop thread gives back what it
+    holds, another thread ends a lease over the budget, whose release rides on the look at
+    ended leases that is due. The reservation is given back all the same: nothing is left
+    awaited, and the pool closes."""
+    monkeypatch.setattr(_runtime, "RELEASE_GRACE", 60.0)  # the look stays due all along
+    held, wanted = _tensor(tmp_path, "held"), _tensor(tmp_path, "wanted")
+    code, caller = Actor.sync.__code__, Actor.abandon_acquire.__code__
+    with paused_in_new_threads(code, caller=caller) as point:
+        pool = TensorResidencyPool(max_cached_bytes=0)
+        owned = pool.acquire(held)
+        owned.__enter__()  # granted by the loop thread: a look at ended leases is due
+        gate = threading.Event()
+        assert pool._runtime.loop is not None
+        pool._runtime.loop.call_soon_threadsafe(gate.wait, 30)  # the loop waits for the gate
+        abandoned = pool.acquire(wanted)
+        abandoned._begin()  # queued: the acquire reserves the value and waits for its load
+        abandoned._cancel()  # queued behind it, before the load's end
+        point.armed.set()
+        gate.set()
+        assert point.paused.wait(30)  # the loop thread is giving back what the acquire holds
+        owned.__exit__(None, None, None)  # over the budget: rides on the look that is due
+        point.go()
+        settle(pool)
+    assert _leased(pool) == 0
+    pool.close()  # refused while a value is still awaited by an acquire
+    assert pool.closed
 
 
 # ---------------------------------------------------------------------------------------------

@@ -463,9 +463,11 @@ class Actor:
         """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
         unchanged, or its reservation."""
         self.sync()
+        # Another thread's release may have ridden on a look at ended leases meanwhile
+        # (``deferred``): looking now does not replace giving back the reservation.
         if self.release(ticket.holder, changed=False) or self.deferred:
             self.leases_ended()
-        elif ticket.waiting:
+        if ticket.waiting:
             ticket.waiting = False
             held = ticket.entry
             if held is not None and self.entries.get(held.key) is held:
