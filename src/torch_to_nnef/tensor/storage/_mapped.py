@@ -185,6 +185,10 @@ def _map_refolding(
     began = time.thread_time_ns()
     mapped = _map(kept.fd, start, length, populate)
     spent = time.thread_time_ns() - began
+    # Only a populate's time tells the folios apart: readahead, where the kernel refuses to
+    # populate, costs what the disk costs.
+    if kernel is None or not kernel.populates:
+        return mapped
     if not SLOW_REGIONS.first_slow((kept.identity, start, length), -(-length // huge), spent):
         return mapped
     del mapped  # no tensor uses the mapping yet: unmapped here
