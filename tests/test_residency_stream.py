@@ -298,6 +298,8 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
         probe(torch.randn(2, WIDTH))
     assert type(probe.weight) is torch.Tensor  # bound when the interrupt landed
     assert active_tensor_residency() is not None  # the scope the stream opened for it
+    with pytest.raises(T2NErrorMisuse, match="until its stream is closed"):
+        pool.close()  # the interrupted forward still holds its module's lease
     stream.close()
     assert probe.weight is weight
     assert "leased: 0," in repr(pool)
