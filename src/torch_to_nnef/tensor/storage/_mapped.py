@@ -180,16 +180,23 @@ def _map_refolding(
     folios is unmapped, evicted and mapped again, once: read in huge folios (``_folios``)."""
     kernel = _kernel.KERNEL
     huge = 0 if kernel is None else kernel.huge_page
-    if not populate or huge == 0 or length < huge or not hasattr(os, "posix_fadvise"):
+    if (
+        kernel is None
+        or huge == 0
+        or length < huge
+        or not populate
+        or not hasattr(os, "posix_fadvise")
+    ):
         return _map(kept.fd, start, length, populate)
     began = time.thread_time_ns()
     mapped = _map(kept.fd, start, length, populate)
     spent = time.thread_time_ns() - began
-    # Only a populate's time tells the folios apart: readahead, where the kernel refuses to
-    # populate, costs what the disk costs.
-    if kernel is None or not kernel.populates:
-        return mapped
-    if not SLOW_REGIONS.first_slow((kept.identity, start, length), -(-length // huge), spent):
+    # Only a populate's time tells the folios apart (asked after the call: the kernel may
+    # have just refused it); readahead costs what the disk costs.
+    huge_pages = -(-length // huge)
+    if not kernel.populates or not SLOW_REGIONS.first_slow(
+        (kept.identity, start, length), huge_pages, spent
+    ):
         return mapped
     del mapped  # no tensor uses the mapping yet: unmapped here
     evict(kept.fd, start, length, huge, file_size)
