@@ -211,6 +211,40 @@ def test_a_request_never_takes_a_load_that_read_before_a_direct_write(tmp_path: 
         assert float(handle.wait()[0]) in (1.0, 2.0)  # the prefetch came before the write
         with pool.acquire(t) as value:
             assert float(value[0]) == 2.0
+        stats = pool.stats()
+        assert (stats.hits, stats.misses) == (1, 1), "a request retried was counted twice"
+
+
+def test_a_resolve_abandoned_while_a_write_back_commits_is_counted_once(tmp_path: Path) -> None:
+    """A resolve arriving once a write-back replaced the payload, and before the pool heard
+    of it, waits for that write-back; cancelled meanwhile, it still counts as one request."""
+    t = _tensor(tmp_path, "t")
+    code = OffloadedTensor._write_back.__code__
+    with paused_in_new_threads(code) as point, TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # dirty
+        point.armed.set()
+        flusher = threading.Thread(target=pool.flush)
+        flusher.start()  # the write-back commits, then its worker pauses
+        assert point.paused.wait(30)
+
+        async def resolve_then_cancel() -> None:
+            task = asyncio.ensure_future(pool.aresolve(t))
+            for _ in range(500):  # until the pool has counted it (or 5 s)
+                if pool.stats().misses > 1:  # the first: the acquire above
+                    break
+                await asyncio.sleep(0.01)
+            task.cancel()
+            with suppress(asyncio.CancelledError):
+                await task
+
+        asyncio.run(resolve_then_cancel())
+        point.go()
+        flusher.join(30)
+        stats = pool.stats()
+        assert (stats.hits, stats.misses) == (0, 2), f"two requests, counted {stats}"
+        assert float(pool.resolve(t)[0]) == 1.0
+        assert pool.stats().hits == 1
 
 
 # ---------------------------------------------------------------------------------------------

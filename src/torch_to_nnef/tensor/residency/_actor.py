@@ -367,21 +367,28 @@ class Actor:
             return entry.write
         return None
 
-    def resolve_step(self, source: PoolSource, device: torch.device) -> torch.Tensor | Job:
-        """Serve a resident value, or return the load to wait for (counting a miss)."""
+    def resolve_step(
+        self, source: PoolSource, device: torch.device, first: bool
+    ) -> torch.Tensor | Job:
+        """Serve a resident value, or return the job to wait for. ``first``: the request's
+        first step, which counts it once, whatever comes after (a hit when it serves the
+        value at once, else a miss) and notes the access."""
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device)
         write = self._superseded_write(entry)
+        entry.used = True
+        if first:
+            if write is None and entry.value is not None:
+                self._hits += 1
+            else:
+                self._misses += 1
+            self.policy.access(entry.key)
         if write is not None:
             return write
-        entry.used = True
-        self.policy.access(entry.key)
         if entry.value is not None:
-            self._hits += 1
             self.policy.touch(entry.key)
             return entry.value
-        self._misses += 1
         assert entry.load is not None
         return entry.load
 

@@ -29,12 +29,14 @@ class Resolve(Operation):
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device) -> None:
         super().__init__()
         self.actor, self.source, self.device = actor, source, device
+        self.first = True  # its first step counts it (abandoned or retried after)
 
     def step(self) -> torch.Tensor | Job:
         loaded = _loaded(self.waited, self.source)
         if loaded is not None:
             return loaded  # not retained values are only delivered by the load
-        return self.actor.resolve_step(self.source, self.device)
+        first, self.first = self.first, False
+        return self.actor.resolve_step(self.source, self.device, first)
 
 
 class Prefetch(Resolve):

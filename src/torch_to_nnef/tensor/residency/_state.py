@@ -19,9 +19,11 @@ class PoolStats(NamedTuple):
     """Counters of a :class:`TensorResidencyPool` since it was created."""
 
     hits: int
-    """Requests served by a resident value."""
+    """Requests served by a resident value at once."""
     misses: int
-    """Requests that had to wait for a load."""
+    """Requests that had to wait: for a load, or for the write-back of a value written over
+    meanwhile. Each request counts once, whatever it waits for after, even when its caller
+    gives up: ``hits + misses`` is the number of requests."""
     loads: int
     """Payloads read from disk."""
     bytes_read: int
