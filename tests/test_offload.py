@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import gc
 import hashlib
+import os
 import re
 import threading
 from pathlib import Path
@@ -15,6 +16,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
+from forking import in_forked_child
 from quant_reference import reference_q4_0_value
 from torch import nn
 
@@ -555,6 +557,33 @@ def test_private_directory_lives_as_long_as_its_tensors(weight: torch.Tensor) ->
     del second
     gc.collect()
     assert not directory.exists()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_never_removes_its_parents_files(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    """A forked child (a data-loading worker, say) that drops its copies of the tensors
+    leaves their files and private directory to the process that created them."""
+    tensors = [
+        OffloadedTensor.from_original_tensor(weight, "owned", tmp_path),
+        OffloadedTensor.from_original_tensor(weight, "private"),  # the private directory
+    ]
+    paths = [t.offload_path for t in tensors]
+
+    def child() -> str:
+        read = [bool(torch.equal(t.reload(), weight)) for t in tensors]
+        tensors.clear()
+        gc.collect()  # the child's copies are gone
+        return repr(read)
+
+    assert in_forked_child(child) == "[True, True]"
+    assert all(path.exists() for path in paths), "the child removed its parent's files"
+    assert all(torch.equal(t.reload(), weight) for t in tensors)
+    directory = paths[1].parent
+    tensors.clear()
+    gc.collect()
+    assert not paths[0].exists() and not directory.exists()  # the parent's removal stands
 
 
 # ---------------------------------------------------------------------------------------------

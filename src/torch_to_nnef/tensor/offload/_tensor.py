@@ -56,7 +56,11 @@ _READ_ATTEMPTS = 3
 # ---------------------------------------------------------------------------------------------
 # Files and directories owned by offloaded tensors
 # ---------------------------------------------------------------------------------------------
-def _remove_file(path: Path) -> None:
+# Only the process that created a file or directory removes it: a forked child (a
+# data-loading worker, say) dropping its copies of the tensors leaves them to their creator.
+def _remove_file(path: Path, creator: int) -> None:
+    if os.getpid() != creator:
+        return
     try:
         path.unlink(missing_ok=True)
     except OSError as exc:  # a finalizer must not raise; the file is only left behind
@@ -79,7 +83,7 @@ class _OwnedFile:
     def __init__(self, path: Path, keepalive: object = None) -> None:
         self.path = path
         self._keepalive = keepalive  # the private directory holding the file, if any
-        weakref.finalize(self, _remove_file, path)
+        weakref.finalize(self, _remove_file, path, os.getpid())
 
 
 class _PrivateDir:
@@ -92,12 +96,13 @@ class _PrivateDir:
 
     def __init__(self) -> None:
         self.path, lock = storage.make_private_dir()
-        weakref.finalize(self, _remove_private_dir, self.path, lock)
+        weakref.finalize(self, _remove_private_dir, self.path, lock, os.getpid())
 
 
-def _remove_private_dir(path: Path, lock: int) -> None:
-    shutil.rmtree(path, ignore_errors=True)
-    with contextlib.suppress(OSError):
+def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
+    if os.getpid() == creator:
+        shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # the child's copy of the descriptor
         os.close(lock)
 
 

@@ -1,0 +1,43 @@
+"""Run a function in a forked child of the test process and get back what it reported."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+import warnings
+from collections.abc import Callable
+
+import pytest
+
+
+def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
+    """Run ``body`` in a forked child (the threads of this process go on here) and return
+    what it returned, or the ``repr`` of what it raised. The child leaves with ``os._exit``,
+    as multiprocessing's forked workers do; past ``seconds`` it is killed and the test fails.
+    """
+    read, write = os.pipe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        child = os.fork()
+    if child == 0:
+        os.close(read)
+        try:
+            report = body()
+        except BaseException as error:
+            report = repr(error)
+        os.write(write, report.encode())
+        os._exit(0)
+    os.close(write)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, _ = os.waitpid(child, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.01)
+    else:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        pytest.fail("the forked child hung")
+    with os.fdopen(read) as pipe:
+        return pipe.read()
