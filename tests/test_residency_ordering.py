@@ -9,16 +9,15 @@ import contextlib
 import copy
 import gc
 import os
-import signal
 import threading
 import time
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 from breakpoints import paused_in_new_threads
+from forking import in_forked_child
 from residency_checks import check_invariants, on_disk
 from torch import nn
 
@@ -402,16 +401,14 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
     ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
     with TensorResidencyPool() as pool:
         pool.resolve(ts[0])
-        read, write = os.pipe()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
-            child = os.fork()
-        if child == 0:  # the child: report what each call did, never hang, leave at once
-            os.close(read)
+
+        def child() -> str:
             outcomes = []
             for call in (
+                lambda: pool.resolve(ts[0]),  # resident in the parent
                 lambda: pool.resolve(ts[1]),
-                lambda: pool.acquire(ts[1]).__enter__(),
+                lambda: pool.acquire(ts[0]).__enter__(),
+                lambda: pool.prefetch(ts[0]),
                 pool.close,
             ):
                 try:
@@ -421,22 +418,43 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
                     outcomes.append("forked" if "forked" in str(error) else str(error))
                 except BaseException as error:
                     outcomes.append(repr(error))
-            os.write(write, ",".join(outcomes).encode())
-            os._exit(0)
-        os.close(write)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            done, _ = os.waitpid(child, os.WNOHANG)
-            if done:
-                break
-            time.sleep(0.01)
-        else:
-            os.kill(child, signal.SIGKILL)
-            os.waitpid(child, 0)
-            pytest.fail("the forked child hung")
-        with os.fdopen(read) as pipe:
-            assert pipe.read() == "forked,forked,forked"
+            return ",".join(outcomes)
+
+        with pool._actor.lock:  # as a thread of the pool may hold it at the fork
+            outcomes = in_forked_child(child)
+        assert outcomes == ",".join(["forked"] * 5)
         assert torch.equal(pool.resolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Path) -> None:
+    """The fork comes while a worker of the parent's pool writes a changed value back (it
+    holds the tensor's write lock, and reads wait for its end): in the child, which has no
+    such worker, reads and a new pool serve the change at once, and writes do not hang."""
+    t = _tensor(tmp_path)
+    code = OffloadedTensor._write_encoded.__code__
+    with paused_in_new_threads(code, on="call") as point, TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # dirty
+        point.armed.set()
+        flusher = threading.Thread(target=pool.flush)
+        flusher.start()
+        assert point.paused.wait(30)  # the write-back is under way
+
+        def child() -> str:
+            seen = [float(t.reload()[0]), float((t + 0)[0])]
+            with TensorResidencyPool() as own:
+                seen.append(float(own.resolve(t)[0]))
+            t.update_values(torch.full((NUMEL,), 3.0))  # a later write, in the child
+            seen.append(float(t.reload()[0]))
+            return repr(seen)
+
+        try:
+            assert in_forked_child(child, seconds=20) == repr([1.0, 1.0, 1.0, 3.0])
+        finally:
+            point.go()
+            flusher.join(30)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))  # the parent's, renamed last
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
 import anyio
 import pytest
 import torch
+from forking import in_forked_child
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.checkpoint import offload_module
@@ -306,6 +308,46 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
     assert active_tensor_residency() is None
     pool.close()
     assert pool.closed
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_during_a_streamed_forward_is_told_and_can_close_the_stream(
+    tmp_path: Path,
+) -> None:
+    """A fork while another thread runs a streamed module (its place holds a plain value):
+    in the child, the forward says to create a new pool, and closing the stream gives the
+    module its tensor back, so that the child runs it without the pool."""
+    probe, weight = offloaded_probe(tmp_path)
+    expected = weight.reload()
+    x = torch.randn(2, WIDTH)
+    entered, go_on = threading.Event(), threading.Event()
+    probe.entered, probe.go_on = entered, go_on
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [probe]) as stream:
+        forward = threading.Thread(target=probe, args=(x,))
+        forward.start()
+        assert entered.wait(10)
+        assert type(probe.weight) is torch.Tensor  # bound for the forward under way
+
+        def child() -> str:
+            probe.entered = probe.go_on = None
+            outcomes = []
+            try:
+                probe(x)
+                outcomes.append("ran")
+            except T2NErrorMisuse as error:
+                outcomes.append("forked" if "forked" in str(error) else str(error))
+            stream.close()
+            outcomes.append(f"tensor back: {probe.weight is weight}")
+            outcomes.append(f"right: {torch.equal(probe(x), x @ expected.t())}")
+            return ", ".join(outcomes)
+
+        try:
+            assert in_forked_child(child) == "forked, tensor back: True, right: True"
+        finally:
+            go_on.set()
+            forward.join(10)
+    assert probe.weight is weight
+    assert probe.seen == [torch.Tensor]  # the parent's forward ran on the plain value
 
 
 def test_nested_streamed_modules_and_a_trace_read_the_right_values(tmp_path: Path) -> None:

@@ -106,6 +106,23 @@ def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
         os.close(lock)
 
 
+_LIVE: weakref.WeakValueDictionary[int, OffloadedTensor] = weakref.WeakValueDictionary()
+"""The offloaded tensors of this process, by id."""
+
+
+def _reset_writes_in_child() -> None:
+    """After ``fork``, in the child: the writes the parent's threads had under way (a pool's
+    write-back, say) do not happen here. Their locks, held by threads the child does not
+    have, and their announcements, which reads would wait for forever, are reset; a value a
+    pool changed and had not written yet stays the latest value the child reads."""
+    for tensor in list(_LIVE.values()):
+        tensor._reset_writes()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reset_writes_in_child)
+
+
 _PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
 _PRIVATE_DIR_LOCK = threading.Lock()
 
@@ -580,15 +597,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self.force_gc_collect = bool(force_gc_collect)
         self._binding = binding
         self._private = private
-        self._write_lock = threading.Lock()
         self._target_device = device
+        self._unsaved = None
+        self._reset_writes()
+        _LIVE[id(self)] = self
+        return self
+
+    def _reset_writes(self) -> None:
+        """No write under way: free locks, no write-back announced."""
+        self._write_lock = threading.Lock()
         # The condition's lock, taken directly where nothing waits: its C-level context
         # manager leaves no Python frame for an interrupt (Ctrl-C) to land in while it is held.
         self._pending_lock = threading.Lock()
         self._pending = threading.Condition(self._pending_lock)
         self._pending_writes = 0
-        self._unsaved = None
-        return self
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod

@@ -99,6 +99,19 @@ higher (benchmarks/bench_memory.py)."""
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
 
+_runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
+"""Every runtime of this process."""
+
+
+def _forget_threads_in_child() -> None:
+    """After ``fork``, in the child: see :meth:`Runtime.forget_threads`."""
+    for runtime in list(_runtimes):
+        runtime.forget_threads()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_threads_in_child)
+
 
 def _stop_private_loops_at_exit() -> None:
     """Stop private loop threads before the interpreter finalizes (they are daemons): each
@@ -180,6 +193,18 @@ class Runtime:
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
         self._grace: asyncio.TimerHandle | None = None  # the actor's look at releases
+        _runtimes.add(self)
+
+    def forget_threads(self) -> None:
+        """In a forked child, which has none of the threads of its parent's pools: renew the
+        locks those threads may have held at the fork, and stop serving resident values
+        without the loop, so that every request of a started pool says it was forked (see
+        :meth:`_check_process`) instead of waiting for a thread that is not there."""
+        self._lock = threading.Lock()
+        self._start_lock = threading.Lock()
+        self.actor.lock = threading.Lock()
+        if self.running:
+            self.actor.published = {}
 
     # ------------------------------------------------------------------------------------------
     # The loop
