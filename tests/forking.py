@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
 import time
@@ -9,12 +10,14 @@ import warnings
 from collections.abc import Callable
 
 import pytest
+import torch
 
 
 def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
     """Run ``body`` in a forked child (the threads of this process go on here) and return
     what it returned, or the ``repr`` of what it raised. The child leaves with ``os._exit``,
-    as multiprocessing's forked workers do; past ``seconds`` it is killed and the test fails.
+    as multiprocessing's forked workers do; past ``seconds`` it shows its threads' stacks on
+    stderr, it is killed and the test fails.
     """
     read, write = os.pipe()
     with warnings.catch_warnings():
@@ -22,6 +25,9 @@ def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
         child = os.fork()
     if child == 0:
         os.close(read)
+        # Where it hangs goes to stderr before the parent kills it.
+        faulthandler.dump_traceback_later(max(seconds - 2, 1), exit=True)
+        torch.set_num_threads(1)  # as data-loading workers do: OpenMP is not fork-safe
         try:
             report = body()
         except BaseException as error:
