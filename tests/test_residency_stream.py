@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import threading
 from pathlib import Path
@@ -10,6 +11,7 @@ import anyio
 import pytest
 import torch
 from forking import in_forked_child
+from residency_checks import settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.checkpoint import offload_module
@@ -290,8 +292,8 @@ def test_a_parameter_replaced_by_its_owner_is_left_alone(tmp_path: Path) -> None
 
 def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path: Path) -> None:
     """Ctrl-C inside a streamed module skips its hooks (torch runs them on ``Exception``
-    only): the stream's close still gives the module its tensor back and ends the leases,
-    and the pool closes."""
+    only): the stream's close still gives the module its tensor back, ends the leases and
+    leaves the scope it opened; the pool then closes."""
     probe, weight = offloaded_probe(tmp_path)
     probe.interrupt = True
     pool = TensorResidencyPool(max_cached_bytes=0)
@@ -300,13 +302,95 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
         probe(torch.randn(2, WIDTH))
     assert type(probe.weight) is torch.Tensor  # bound when the interrupt landed
     assert active_tensor_residency() is not None  # the scope the stream opened for it
-    with pytest.raises(T2NErrorMisuse, match="until its stream is closed"):
-        pool.close()  # the interrupted forward still holds its module's lease
+    assert "leased: 1," in repr(pool)
     stream.close()
     assert probe.weight is weight
     assert "leased: 0," in repr(pool)
     assert active_tensor_residency() is None
     pool.close()
+    assert pool.closed
+
+
+def test_closing_the_pool_in_the_thread_of_an_interrupted_forward_keeps_its_change(
+    tmp_path: Path,
+) -> None:
+    """The usual shape of a Ctrl-C: a streamed forward interrupted inside ``with pool``, its
+    stream left open. Leaving the block closes the pool: the forward's leases end, its
+    in-place change is written back, its module gets its tensor back and the thread leaves
+    the scope the stream opened."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    probe.add_in_place, probe.interrupt = 1.0, True
+    with pytest.raises(KeyboardInterrupt), TensorResidencyPool(max_cached_bytes=0) as pool:
+        stream_modules(pool, [probe])
+        probe(torch.randn(2, WIDTH))
+    assert pool.closed and "leased: 0," in repr(pool)
+    assert probe.weight is weight
+    assert active_tensor_residency() is None
+    assert torch.equal(weight.reload(), before + 1)  # on disk, read outside any pool
+
+
+def test_a_forward_interrupted_in_another_thread_holds_its_leases_until_its_stream_closes(
+    tmp_path: Path,
+) -> None:
+    """Another thread's forward may still be running: closing the pool leaves its leases to
+    it, and says to close its stream."""
+    probe, weight = offloaded_probe(tmp_path)
+    probe.interrupt = True
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    stream = stream_modules(pool, [probe])
+    interrupted: list[bool] = []
+    finished, leave = threading.Event(), threading.Event()
+
+    def forward() -> None:  # the thread lives on (a thread that ends drops what it held)
+        try:
+            probe(torch.randn(2, WIDTH))
+        except KeyboardInterrupt:
+            interrupted.append(True)
+        finished.set()
+        assert leave.wait(10)
+
+    thread = threading.Thread(target=forward)
+    thread.start()
+    try:
+        assert finished.wait(10) and interrupted == [True]
+        with pytest.raises(T2NErrorMisuse, match=r"interrupted in another thread .* is closed"):
+            pool.close()
+        assert not pool.closed
+        stream.close()
+        assert probe.weight is weight
+        pool.close()
+        assert pool.closed
+    finally:
+        leave.set()
+        thread.join(10)
+
+
+def test_a_thread_that_ends_after_an_interrupted_forward_drops_its_leases(tmp_path: Path) -> None:
+    probe, weight = offloaded_probe(tmp_path)
+    expected = weight.reload()
+    probe.interrupt = True
+    x = torch.randn(2, WIDTH)
+    interrupted: list[bool] = []
+
+    def forward() -> None:
+        try:
+            probe(x)
+        except KeyboardInterrupt:
+            interrupted.append(True)
+
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [probe]):
+        thread = threading.Thread(target=forward)
+        thread.start()
+        thread.join(10)
+        assert interrupted == [True]
+        del thread
+        gc.collect()
+        settle(pool)
+        assert "leased: 0," in repr(pool)
+        probe.interrupt = False
+        assert torch.equal(probe(x), x @ expected.t())  # the next forward binds afresh
+        assert probe.weight is weight
     assert pool.closed
 
 

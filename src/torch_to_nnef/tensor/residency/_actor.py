@@ -886,7 +886,8 @@ class Actor:
                 f"cannot close the TensorResidencyPool while {len(leased)} value(s) are leased "
                 f"or awaited by an acquire ({', '.join(map(repr, leased[:5]))}): exit their "
                 "`acquire` blocks first (a forward through `stream_modules` that Ctrl-C "
-                "interrupted holds its module's leases until its stream is closed)"
+                "interrupted in another thread holds its module's leases until its stream is "
+                "closed)"
             )
 
     def abort_close(self) -> None:

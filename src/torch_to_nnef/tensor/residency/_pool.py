@@ -509,6 +509,9 @@ class TensorResidencyPool:
     def close(self) -> None:
         """Write dirty values back, release every value and stop the pool.
 
+        A forward through :func:`stream_modules` that Ctrl-C interrupted in the calling thread
+        gives back what it held first, as closing its stream would.
+
         Raises:
             T2NErrorMisuse: values are still leased (the pool stays usable), or called on the
                 pool's own loop thread (use ``await pool.aclose()``).
@@ -518,6 +521,7 @@ class TensorResidencyPool:
             return
         runtime = self._runtime
         private = runtime.private or not runtime.running
+        self._end_interrupted_forwards()
         self._call_blocking(self._close_request())
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
@@ -534,10 +538,17 @@ class TensorResidencyPool:
         if not runtime.running:
             self.close()
             return
+        self._end_interrupted_forwards()
         await runtime.acall(self._close_request())
         self._warn_if_left_out()
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()
+
+    def _end_interrupted_forwards(self) -> None:
+        """Streamed forwards of the calling thread that Ctrl-C interrupted give back their
+        leases (they cannot be running: their thread is closing the pool)."""
+        for stream in list(self._streams):
+            stream._end_interrupted_forward()
 
     def _warn_if_left_out(self) -> None:
         """Warn, once closed, when the pool served nothing while offloaded tensors were loaded

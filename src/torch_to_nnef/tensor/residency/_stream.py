@@ -347,6 +347,7 @@ class ModuleStream:
         A forward that Ctrl-C interrupted inside a module (torch runs the hooks that end its
         leases on errors only) has its leases ended, its modules given their tensors back,
         and, closed from its thread, the residency scope the stream opened for it reset.
+        Closing the pool from that thread does the same for that forward.
         """
         with self._lock:
             handles, self._handles = self._handles, []
@@ -361,23 +362,40 @@ class ModuleStream:
                     table[name] = tensor
         for state in threads:
             _cancel_begun(state.begun, keep=())
-            # A forward interrupted where its modules' hooks could not run (Ctrl-C: torch runs
-            # them on errors only) still holds leases: end them, keeping its changes.
-            for stack in list(state.held.values()):
-                for held in list(stack):
-                    watched, held.watched = held.watched, []
-                    leases, held.leases = held.leases, []
-                    try:
-                        self._keep_changes(watched)
-                    finally:
-                        for lease in leases:
-                            lease.__exit__(None, None, None)
-                        if held.token is not None:
-                            with contextlib.suppress(ValueError):  # another thread's context
-                                ACTIVE_RESIDENCY.reset(held.token)
-                                held.token = None
+            self._end_held(state)
         self._release_next_forward()
         self.pool._streams.discard(self)
+
+    def _end_interrupted_forward(self) -> None:
+        """Give back what a forward of the calling thread, interrupted inside modules, still
+        holds: its modules get their tensors back, its leases end (keeping its changes), and
+        it leaves the scope the stream opened for it. The pool calls this as the thread closes
+        it: that forward cannot be running, as its thread is here."""
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        if state is None or not any(state.held.values()):
+            return
+        for index, stack in state.held.items():
+            if stack:
+                self._unbind(index)  # another forward inside it reads through the tensors
+        _cancel_begun(state.begun, keep=())
+        self._end_held(state)
+
+    def _end_held(self, state: _ThreadState) -> None:
+        """End the leases that a forward of ``state``'s thread interrupted where its modules'
+        hooks could not run (Ctrl-C: torch runs them on errors only) still holds, keeping its
+        changes, and reset the scope the stream opened for it, from its own thread only (a
+        context variable belongs to its context)."""
+        for stack in list(state.held.values()):
+            while stack:
+                held = stack.pop()
+                try:
+                    self._keep_changes(held.watched)
+                finally:
+                    for lease in held.leases:
+                        lease.__exit__(None, None, None)
+                    if held.token is not None:
+                        with contextlib.suppress(ValueError):  # another thread's context
+                            ACTIVE_RESIDENCY.reset(held.token)
 
     def _release_next_forward(self) -> None:
         """Drop the leases begun for forwards not running now: the next forward's first
