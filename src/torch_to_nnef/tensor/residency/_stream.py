@@ -262,10 +262,10 @@ class ModuleStream:
                     for lease in leases:
                         lease._cancel()
                 begun.clear()
-            stack = held.get(index)
-            if not stack:
-                return  # the pre-hook failed: nothing is held
-            ended = stack.pop()
+            try:  # (one pop: a close from another thread may pop it first)
+                ended = held[index].pop()
+            except (KeyError, IndexError):
+                return  # the pre-hook failed, or the stream was closed: nothing is held
             try:
                 self._unbind(index)
                 self._keep_changes(ended.watched)
@@ -386,8 +386,11 @@ class ModuleStream:
         changes, and reset the scope the stream opened for it, from its own thread only (a
         context variable belongs to its context)."""
         for stack in list(state.held.values()):
-            while stack:
-                held = stack.pop()
+            while True:
+                try:  # (one pop: the thread's own hook may pop it first)
+                    held = stack.pop()
+                except IndexError:
+                    break
                 try:
                     self._keep_changes(held.watched)
                 finally:
