@@ -66,6 +66,56 @@ def test_a_later_direct_write_is_never_overwritten_by_the_pool(
     assert torch.equal(t.reload(), torch.full((NUMEL,), 5.0))
 
 
+@pytest.mark.parametrize("read", ["resolve", "acquire", "thread", "scope"])
+def test_a_pool_holding_an_older_value_serves_another_pools_later_change(
+    tmp_path: Path, read: str
+) -> None:
+    """Pool ``b`` holds the value when pool ``a`` changes it: every read through ``b`` (a
+    hit path included) sees the change, before and after ``a`` writes it back."""
+    t = _tensor(tmp_path)
+
+    def through(pool: TensorResidencyPool) -> float:
+        if read == "resolve":
+            return float(pool.resolve(t)[0])
+        if read == "acquire":
+            with pool.acquire(t) as value:
+                return float(value[0])
+        if read == "thread":  # a hit taken by another thread, without the loop
+            with concurrent.futures.ThreadPoolExecutor(1) as executor:
+                return executor.submit(lambda: float(pool.resolve(t)[0])).result(30)
+        with pool.scope():
+            return float(t[0])
+
+    with TensorResidencyPool() as a, TensorResidencyPool() as b:
+        assert float(b.resolve(t)[0]) == 0.0  # resident in b
+        with a.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)
+        assert through(b) == 1.0, "b served its value from before a's change"
+        with b.acquire(t, mode="read_write") as value:  # b's change builds on a's
+            value.add_(1.0)
+        assert through(a) == 2.0, "a served its own value from before b's change"
+        a.flush()  # a's write-back is superseded: it writes nothing
+        b.flush()
+        assert through(a) == through(b) == 2.0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))
+
+
+def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``a`` leased the value before ``b`` changed it: ``a``'s change, made on the older
+    value, ends after ``b``'s and is dropped, with a warning (``b``'s is the later write)."""
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as a, TensorResidencyPool() as b:
+        with a.acquire(t, mode="read_write") as older:
+            with b.acquire(t, mode="read_write") as value:
+                value.fill_(5.0)
+            older.fill_(1.0)
+        assert "the later write stands" in caplog.text
+        assert float(a.resolve(t)[0]) == float(b.resolve(t)[0]) == 5.0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
+
+
 def test_a_write_of_another_pool_wins_over_an_older_dirty_value(tmp_path: Path) -> None:
     t = _tensor(tmp_path)
     with TensorResidencyPool() as first, TensorResidencyPool() as second:

@@ -215,9 +215,12 @@ def test_a_request_never_takes_a_load_that_read_before_a_direct_write(tmp_path: 
         assert (stats.hits, stats.misses) == (1, 1), "a request retried was counted twice"
 
 
-def test_a_resolve_abandoned_while_a_write_back_commits_is_counted_once(tmp_path: Path) -> None:
-    """A resolve arriving once a write-back replaced the payload, and before the pool heard
-    of it, waits for that write-back; cancelled meanwhile, it still counts as one request."""
+def test_a_resolve_abandoned_while_a_superseded_write_back_ends_is_counted_once(
+    tmp_path: Path,
+) -> None:
+    """A direct write lands once a write-back committed, before the pool heard of its end: a
+    resolve then waits for that write-back (to drop the older value after it); cancelled
+    meanwhile, it still counts as one request."""
     t = _tensor(tmp_path, "t")
     code = OffloadedTensor._write_back.__code__
     with paused_in_new_threads(code) as point, TensorResidencyPool() as pool:
@@ -227,6 +230,7 @@ def test_a_resolve_abandoned_while_a_write_back_commits_is_counted_once(tmp_path
         flusher = threading.Thread(target=pool.flush)
         flusher.start()  # the write-back commits, then its worker pauses
         assert point.paused.wait(30)
+        t.update_values(torch.full((NUMEL,), 2.0))
 
         async def resolve_then_cancel() -> None:
             task = asyncio.ensure_future(pool.aresolve(t))
@@ -243,8 +247,7 @@ def test_a_resolve_abandoned_while_a_write_back_commits_is_counted_once(tmp_path
         flusher.join(30)
         stats = pool.stats()
         assert (stats.hits, stats.misses) == (0, 2), f"two requests, counted {stats}"
-        assert float(pool.resolve(t)[0]) == 1.0
-        assert pool.stats().hits == 1
+        assert float(pool.resolve(t)[0]) == 2.0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -32,20 +32,22 @@ class PoolSource:
     A mixin without state: :class:`~torch_to_nnef.tensor.offload.OffloadedTensor` implements
     it. The pool reads these members and calls these methods, nothing else.
 
-    - ``payload_version``: an object replaced by every write of the payload (compared by
-      identity): a value read from an older version is stale.
+    - ``_version_for(owner)``: the version of the value as the pool ``owner`` sees it, an
+      object replaced by every write that ``owner`` did not make (a direct write, another
+      pool's change; compared by identity): a value ``owner`` read at an older one is stale.
     - ``_reload_unmanaged(device, out)``: read the payload (into ``out`` host buffers when
       given) and bring it to ``device``; blocking, run on the pool's I/O workers. It waits for
       announced write-backs first, so every read sees the latest written value.
     - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
       the same :attr:`storage_key` may reuse, or ``None``.
-    - ``_note_unsaved(owner, value, version)``: a pool changed the value it read from
-      payload ``version`` (a ``read_write`` lease ends); unless a write replaced that payload
-      since (then it returns ``False``), it is the latest write of the tensor until written
-      back or superseded, and reads outside the pool see it.
+    - ``_note_unsaved(owner, value, version)``: a pool changed the value it read at
+      ``version`` (a ``read_write`` lease ends); unless another write came since (then it
+      returns ``False``), it is the latest write of the tensor until written back or
+      superseded, and reads outside the pool, other pools included, see it.
     - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
       until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
-      superseded it, blocking, on a worker; returns the payload version written or ``None``;
+      superseded it, blocking, on a worker; returns its version as ``owner`` sees it, or
+      ``None``;
       the announcement ends whatever happens) or by ``_end_write()`` when it never started.
     """
 
@@ -67,8 +69,7 @@ class PoolSource:
     def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
         raise NotImplementedError
 
-    @property
-    def payload_version(self) -> object:
+    def _version_for(self, owner: object) -> object:
         raise NotImplementedError
 
     def _reload_unmanaged(

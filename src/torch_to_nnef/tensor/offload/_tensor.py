@@ -467,6 +467,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _pending_lock: threading.Lock
     _pending_writes: int
     _unsaved: tuple[object, object, torch.Tensor] | None
+    _latest: tuple[object, object, object]
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -599,6 +600,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._private = private
         self._target_device = device
         self._unsaved = None
+        # The latest write of the value (a token), who made it (a pool, or None for a direct
+        # write), and the latest write made by another (see _version_for).
+        self._latest = (object(), None, object())
         self._reset_writes()
         _LIVE[id(self)] = self
         return self
@@ -748,8 +752,22 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
     @property
     def payload_version(self) -> object:
-        """An object replaced by every write of the payload (compare by identity)."""
+        """An object replaced by every write of the payload file (compare by identity)."""
         return self._binding
+
+    def _version_for(self, owner: object) -> object:
+        """The version of the value as the pool ``owner`` sees it (compare by identity): the
+        latest write that ``owner`` did not make, a direct write or another pool's change.
+        The changes ``owner`` made itself are in its value already, written back or not; a
+        value it read at another version is stale."""
+        token, by, before = self._latest
+        return before if by is owner else token
+
+    def _count_write(self, owner: object) -> None:
+        """A new write of the value, by the pool ``owner`` (``None``: a direct write), under
+        the pending lock."""
+        token, by, before = self._latest
+        self._latest = (object(), owner, before if by is owner else token)
 
     @property
     def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -931,15 +949,16 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return None if unsaved is None else unsaved[2]
 
     def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
-        """A pool changed the value, read from payload ``version`` (a ``read_write`` lease
-        ends): it becomes the latest write of the tensor, unless a write replaced that
-        payload since (the later write stands; returns ``False``). Reads outside that pool
-        see it; an older unsaved value of another pool is superseded (its write-back will not
-        happen)."""
+        """The pool ``owner`` changed its value, read at ``version`` as it sees it (a
+        ``read_write`` lease ends): the change becomes the latest write of the tensor, unless
+        another write came since (the later write stands; returns ``False``). Reads outside
+        that pool, other pools included, see it; an older unsaved value of another pool is
+        superseded (its write-back will not happen)."""
         with self._pending_lock:
-            if self._binding is not version:
+            if self._version_for(owner) is not version:
                 return False
-            self._unsaved = (owner, object(), value)
+            self._count_write(owner)
+            self._unsaved = (owner, self._latest[0], value)
             return True
 
     def _announce_write(self) -> None:
@@ -950,8 +969,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
         """Write a pool's announced value (blocking) unless a later write superseded it.
 
-        Returns the payload version written, or ``None`` when the value was superseded (a
-        direct write, or another pool's change, came after it in program order). The
+        Returns the version of the value written as ``owner`` sees it, or ``None`` when the
+        value was superseded (a direct write, or another pool's change, came after it in
+        program order). The
         announcement ends whatever happens. The kernels that changed a CUDA value under a
         ``read_write`` lease are waited for first.
         """
@@ -963,7 +983,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     return None
                 token = unsaved[1]
                 self._write_encoded(self._check_update(value, True, True), None, keep=token)
-                return self._binding
+                return self._version_for(owner)
         finally:
             self._end_write()
 
@@ -1085,7 +1105,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 if encoded.opaque
                 else _bind_plain(layout, owned)
             )
-            if keep is None or (self._unsaved is not None and self._unsaved[1] is keep):
+            if keep is None:  # a direct write
+                self._count_write(None)
+                self._unsaved = None
+            elif self._unsaved is not None and self._unsaved[1] is keep:
                 self._unsaved = None
         self.offloaded_tensor_type = encoded.value_type
         self._reshell(encoded.shape, encoded.dtype, device or self.device)

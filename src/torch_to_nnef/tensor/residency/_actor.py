@@ -122,7 +122,7 @@ class Actor:
     def fresh_slot(self, source: PoolSource, device: torch.device) -> Slot | None:
         """The published slot of ``source`` when it holds the current value on ``device``."""
         slot = self.published.get(id(source))
-        if slot is None or slot.version is not source.payload_version:
+        if slot is None or slot.version is not source._version_for(self):
             return None
         # Requests usually carry the very device object the slot was created with.
         if slot.device is not device and slot.device != device:
@@ -332,7 +332,7 @@ class Actor:
         New requests load the new payload; whoever holds the old value (a lease, a pin)
         keeps it. Leases still held on it count for ``close`` until they end; the caller
         moves the pin to the next entry (a pin is on the tensor)."""
-        if entry.version is entry.source.payload_version or entry.value is None:
+        if entry.version is entry.source._version_for(self) or entry.value is None:
             return False
         if entry.write is not None:
             return False  # requests wait for the write-back (_superseded_write), then drop it
@@ -359,11 +359,10 @@ class Actor:
         self._remove(entry, reuse=not slot.leases)
         return True
 
-    @staticmethod
-    def _superseded_write(entry: Entry) -> Job | None:
+    def _superseded_write(self, entry: Entry) -> Job | None:
         """The write-back to wait for before ``entry``'s value, written over since it was
         read, can be dropped: a request waits for it rather than take the older value."""
-        if entry.write is not None and entry.version is not entry.source.payload_version:
+        if entry.write is not None and entry.version is not entry.source._version_for(self):
             return entry.write
         return None
 
@@ -420,7 +419,7 @@ class Actor:
         entry: Entry | None = ticket.entry
         if entry is not None and (
             self.entries.get(entry.key) is not entry
-            or (entry.version is not entry.source.payload_version and self._stale(entry))
+            or (entry.version is not entry.source._version_for(self) and self._stale(entry))
         ):
             ticket.waiting = False  # its reservation left with that value
             entry = None
@@ -514,7 +513,7 @@ class Actor:
 
     def _start_load(self, entry: Entry) -> None:
         source = entry.source
-        version = source.payload_version  # the load reads this version or a newer one
+        version = source._version_for(self)  # the load reads this version or a newer one
         out = self.spares.take(source.storage_key) if entry.device.type == "cpu" else None
         # The whole load (read into the host buffers, copy to the device, decode) is one job
         # of the I/O workers; it runs to its end whatever happens to its waiters.

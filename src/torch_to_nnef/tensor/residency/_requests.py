@@ -32,7 +32,7 @@ class Resolve(Operation):
         self.first = True  # its first step counts it (abandoned or retried after)
 
     def step(self) -> torch.Tensor | Job:
-        loaded = _loaded(self.waited, self.source)
+        loaded = _loaded(self.waited, self.source, self.actor)
         if loaded is not None:
             return loaded  # not retained values are only delivered by the load
         first, self.first = self.first, False
@@ -49,18 +49,18 @@ class Prefetch(Resolve):
         self.pin = pin
 
     def step(self) -> torch.Tensor | Job:
-        loaded = _loaded(self.waited, self.source)
+        loaded = _loaded(self.waited, self.source, self.actor)
         if loaded is not None:
             return loaded
         return self.actor.prefetch_step(self.source, self.device, self.pin)
 
 
-def _loaded(waited: Job | None, source: PoolSource) -> torch.Tensor | None:
-    """The value of the load the request waited for, unless a write replaced the payload it
-    read since: the request was made after that write, so it loads again (``None``)."""
+def _loaded(waited: Job | None, source: PoolSource, actor: Actor) -> torch.Tensor | None:
+    """The value of the load the request waited for, unless a write came since what it
+    read: the request was made after that write, so it loads again (``None``)."""
     if waited is None or waited.kind != "load":
         return None
-    if waited.error is None and waited.version is not source.payload_version:
+    if waited.error is None and waited.version is not source._version_for(actor):
         return None
     return waited.result()
 
