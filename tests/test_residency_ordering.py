@@ -100,6 +100,26 @@ def test_a_pool_holding_an_older_value_serves_another_pools_later_change(
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))
 
 
+def test_two_pools_a_dtype_change_and_in_place_ops_follow_program_order(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    half = torch.float16
+    with TensorResidencyPool() as a, TensorResidencyPool() as b:
+        for pool in (a, b):
+            pool.resolve(t)  # resident in both
+        with a.acquire(t, mode="read_write") as value:
+            value.fill_(1.5)
+        t.to(half)  # a direct write of a's change, cast
+        assert torch.equal(b.resolve(t), torch.full((NUMEL,), 1.5, dtype=half))
+        with b.scope():
+            t.add_(1.0)  # b's change
+        assert torch.equal(a.resolve(t), torch.full((NUMEL,), 2.5, dtype=half))
+        with a.acquire(t, mode="read_write") as value:
+            value.mul_(2.0)  # a's change, on b's
+        assert torch.equal(b.resolve(t), torch.full((NUMEL,), 5.0, dtype=half))
+        b.flush()  # superseded by a's change: writes nothing
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0, dtype=half))
+
+
 def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
