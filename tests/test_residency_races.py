@@ -250,6 +250,34 @@ def test_a_resolve_abandoned_while_a_superseded_write_back_ends_is_counted_once(
         assert float(pool.resolve(t)[0]) == 2.0
 
 
+def test_a_write_back_never_takes_another_pools_change_made_meanwhile_for_its_own(
+    tmp_path: Path,
+) -> None:
+    """Pool ``b`` changes the value while ``a`` writes its older change back (its worker is
+    paused in the write): ``a`` then serves ``b``'s change, not its own older value."""
+    t = _tensor(tmp_path, "t")
+    code = OffloadedTensor._write_encoded.__code__
+    with (
+        paused_in_new_threads(code, on="call") as point,
+        TensorResidencyPool() as a,
+        TensorResidencyPool() as b,
+    ):
+        with a.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # a's change, unsaved
+        with b.acquire(t, mode="read_write") as later:  # reads a's change
+            point.armed.set()
+            flusher = threading.Thread(target=a.flush)
+            flusher.start()
+            assert point.paused.wait(30)  # a's write-back of 1.0 is under way
+            later.fill_(2.0)  # b's change, later in program order, noted as the lease ends
+        point.go()
+        flusher.join(30)
+        assert float(a.resolve(t)[0]) == 2.0, "a took b's change for its own write"
+        with a.acquire(t) as value:
+            assert float(value[0]) == 2.0
+    assert bool((on_disk(t) == 2.0).all())
+
+
 # ---------------------------------------------------------------------------------------------
 # Write-backs never copy a value while a read_write lease holds it
 # ---------------------------------------------------------------------------------------------

@@ -608,17 +608,24 @@ def ordered_world(directory: Path) -> Ordered:
 ORDER_BUDGET = 3 * ORDER_NUMEL * 4  # three float32 values: evictions and write-backs happen
 
 
+@pytest.mark.parametrize("pools", [1, 2])
 @pytest.mark.parametrize("seed", [1, 3, 5])
 @pytest.mark.timeout(60)
-def test_one_thread_of_writes_lands_in_program_order(tmp_path: Path, seed: int) -> None:
-    """Leases, direct writes and dtype changes in one thread, while the pool's I/O workers
-    load and write back: every request and every file sees the latest write."""
+def test_one_thread_of_writes_lands_in_program_order(tmp_path: Path, seed: int, pools: int) -> None:
+    """Leases, direct writes and dtype changes in one thread, each step through one of
+    ``pools`` pools, while their I/O workers load and write back: every request and every
+    file sees the latest write."""
     world = ordered_world(tmp_path)
     rng = random.Random(seed)
-    with TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2) as pool:
+    with contextlib.ExitStack() as stack:
+        opened = [
+            stack.enter_context(TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2))
+            for _ in range(pools)
+        ]
         for _ in range(scaled(1200, 10000)):
-            ordered_step(pool, world, rng)
-        check_invariants(pool)
+            ordered_step(rng.choice(opened), world, rng)
+        for pool in opened:
+            check_invariants(pool)
     for index, tensor in enumerate(world.tensors):
         world.expect(index, on_disk(tensor), "close")
     assert min(world.counts[op] for op in ("read_write", "update_values", "copy_", "to")) > 0
@@ -634,8 +641,12 @@ def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
     def guarded(target: Callable[..., None], *args: Any) -> threading.Thread:
         return threading.Thread(target=reporting(failures, world.stop, target, *args))
 
-    with TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2) as pool:
-        workers = [guarded(ordered_writer, pool, world, seed) for seed in (1, 2)]
+    with (
+        TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2) as pool,
+        TensorResidencyPool(max_cached_bytes=ORDER_BUDGET, max_workers=2) as other,
+    ):
+        # The second writer writes through another pool: each pool sees the other's changes.
+        workers = [guarded(ordered_writer, used, world, n) for n, used in ((1, pool), (2, other))]
         workers.append(guarded(impatient_loop, pool, world, 3))
         for worker in workers:
             worker.start()
@@ -649,6 +660,7 @@ def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
         if failures:
             raise failures[0]
         check_invariants(pool)
+        check_invariants(other)
         assert "leased: 0," in repr(pool), "an interrupted or cancelled request leaked a lease"
     # After close: every file holds the latest write of its tensor, in its latest dtype.
     for index, tensor in enumerate(tensors):

@@ -978,12 +978,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         try:
             storage.wait_for_writes(value)
             with self._write_lock:
-                unsaved = self._unsaved
+                with self._pending_lock:  # the value's version: a later change is not in it
+                    unsaved, version = self._unsaved, self._version_for(owner)
                 if unsaved is None or unsaved[0] is not owner:
                     return None
-                token = unsaved[1]
-                self._write_encoded(self._check_update(value, True, True), None, keep=token)
-                return self._version_for(owner)
+                self._write_encoded(self._check_update(value, True, True), None, keep=unsaved[1])
+                return version
         finally:
             self._end_write()
 
