@@ -47,8 +47,8 @@ class PoolSource:
     - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
       until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
       superseded it, blocking, on a worker; returns its version as ``owner`` sees it, or
-      ``None``;
-      the announcement ends whatever happens) or by ``_end_write()`` when it never started.
+      ``None``; the announcement ends whatever happens) or by ``_end_write()`` when it never
+      started.
     """
 
     __slots__ = ()

@@ -971,9 +971,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         Returns the version of the value written as ``owner`` sees it, or ``None`` when the
         value was superseded (a direct write, or another pool's change, came after it in
-        program order). The
-        announcement ends whatever happens. The kernels that changed a CUDA value under a
-        ``read_write`` lease are waited for first.
+        program order). The announcement ends whatever happens. The kernels that changed a
+        CUDA value under a ``read_write`` lease are waited for first.
         """
         try:
             storage.wait_for_writes(value)
