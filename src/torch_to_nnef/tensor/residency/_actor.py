@@ -326,10 +326,11 @@ class Actor:
         return entry
 
     def _stale(self, entry: Entry) -> bool:
-        """Drop a value whose payload was rewritten since it was read (``update_values`` or
-        an in-place op on the tensor itself); return whether it was dropped.
+        """Drop a value whose tensor someone else wrote since it was read (``update_values``,
+        an in-place op on the tensor itself, another pool's change); return whether it was
+        dropped.
 
-        New requests load the new payload; whoever holds the old value (a lease, a pin)
+        New requests load the latest value; whoever holds the old value (a lease, a pin)
         keeps it. Leases still held on it count for ``close`` until they end; the caller
         moves the pin to the next entry (a pin is on the tensor)."""
         if entry.version is entry.source._version_for(self) or entry.value is None:
