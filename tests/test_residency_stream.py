@@ -394,6 +394,27 @@ def test_a_thread_that_ends_after_an_interrupted_forward_drops_its_leases(tmp_pa
     assert pool.closed
 
 
+def test_a_stream_dropped_with_its_model_after_an_interrupted_forward_lets_everything_go(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C inside a streamed module, then the stream and the model dropped without close:
+    the thread leaves the scope the stream opened, the leases end, and the pool closes."""
+    probe, weight = offloaded_probe(tmp_path)
+    expected = weight.reload()
+    probe.interrupt = True
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    stream = stream_modules(pool, [probe])
+    with pytest.raises(KeyboardInterrupt):
+        probe(torch.randn(2, WIDTH))
+    assert active_tensor_residency() is not None
+    del stream, probe
+    gc.collect()
+    assert active_tensor_residency() is None
+    pool.close()
+    assert pool.closed
+    assert torch.equal(weight.reload(), expected)  # read outside any pool
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_during_a_streamed_forward_is_told_and_can_close_the_stream(
     tmp_path: Path,

@@ -93,6 +93,21 @@ def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[i
             lease._cancel()
 
 
+def _forget_thread(
+    begun: dict[int, list[TensorResidencyLease]], held: dict[int, list[_Held]]
+) -> None:
+    """A thread's state was collected: its thread ended, or the stream was dropped (with its
+    modules) without close. The leases it began are dropped (those a forward interrupted
+    inside a module still held end as they are collected), and, collected in that forward's
+    own context, it leaves the scope the stream opened for it."""
+    _cancel_begun(begun, ())
+    for stack in held.values():
+        for entry in reversed(stack):
+            if entry.token is not None:
+                with contextlib.suppress(ValueError, RuntimeError):  # another context
+                    ACTIVE_RESIDENCY.reset(entry.token)
+
+
 class ModuleStream:
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
@@ -160,7 +175,7 @@ class ModuleStream:
             state = self._local.state = _ThreadState()
             with self._lock:
                 self._threads.add(state)
-            weakref.finalize(state, _cancel_begun, state.begun, ())
+            weakref.finalize(state, _forget_thread, state.begun, state.held)
         return state
 
     def _begin(self, index: int, begun: dict[int, list[TensorResidencyLease]]) -> None:
