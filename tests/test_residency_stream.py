@@ -330,6 +330,28 @@ def test_closing_the_pool_in_the_thread_of_an_interrupted_forward_keeps_its_chan
     assert torch.equal(weight.reload(), before + 1)  # on disk, read outside any pool
 
 
+def test_leaving_async_with_pool_after_an_interrupted_forward_on_the_loop_keeps_its_change(
+    tmp_path: Path,
+) -> None:
+    """The same with ``async with pool`` and a forward run on the loop thread itself."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    probe.add_in_place, probe.interrupt = 1.0, True
+
+    async def serve() -> TensorResidencyPool:
+        async with TensorResidencyPool(max_cached_bytes=0) as pool:
+            stream_modules(pool, [probe])
+            with pytest.raises(KeyboardInterrupt):
+                probe(torch.randn(2, WIDTH))
+            assert "leased: 1," in repr(pool)
+        return pool
+
+    pool = anyio.run(serve)
+    assert pool.closed and "leased: 0," in repr(pool)
+    assert probe.weight is weight
+    assert torch.equal(weight.reload(), before + 1)
+
+
 def test_a_forward_interrupted_in_another_thread_holds_its_leases_until_its_stream_closes(
     tmp_path: Path,
 ) -> None:
