@@ -278,6 +278,35 @@ def test_a_forward_after_a_write_reads_the_new_value_while_another_runs_on_the_o
     assert probe.weight is weight
 
 
+@pytest.mark.parametrize("write", ["half", "update_values", "in_place"])
+def test_a_write_between_forwards_reaches_the_modules_begun_ahead(
+    tmp_path: Path, write: str
+) -> None:
+    """Past its last module, a forward begins leases on the next forward's first modules: a
+    write made before the next forward (a dtype change, ``update_values``, an in-place op) is
+    what that forward reads."""
+    dense, model = offloaded_blocks(tmp_path, 6)
+    x = torch.randn(3, WIDTH)
+    with (
+        TensorResidencyPool(max_cached_bytes=2 * LAYER_BYTES) as pool,
+        stream_modules(pool, list(model.blocks), depth=2),
+    ):
+        assert torch.equal(model(x), dense(x))  # the first two blocks are begun again
+        if write == "half":
+            model.half()
+            dense.half()
+            x = x.half()
+        elif write == "update_values":
+            weight = torch.full((WIDTH, WIDTH), 0.01)
+            model.blocks[0].weight.update_values(weight)
+            dense.blocks[0].weight.data.copy_(weight)
+        else:
+            with torch.no_grad():
+                for module in (model, dense):
+                    module.blocks[1].weight.mul_(0.5)
+        assert torch.equal(model(x), dense(x)), "a forward read a value from before a write"
+
+
 def test_a_parameter_replaced_by_its_owner_is_left_alone(tmp_path: Path) -> None:
     probe, weight = offloaded_probe(tmp_path)
     x = torch.randn(2, WIDTH)

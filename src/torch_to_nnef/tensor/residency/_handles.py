@@ -162,6 +162,12 @@ class TensorResidencyLease(Holder):
         slot = actor.fresh_slot(self._source, self._device)
         return slot is not None and actor.try_lease(slot, self)
 
+    def _outdated(self) -> bool:
+        """Whether the value granted is older than the tensor's latest write (a lease begun
+        before that write): the holder keeps it, but entering reads the latest."""
+        slot = self.slot
+        return slot is not None and slot.version is not self._source._version_for(self._pool._actor)
+
     def _acquire(self) -> Acquire:
         return Acquire(self._pool._actor, self._source, self._device, self)
 
@@ -216,6 +222,10 @@ class TensorResidencyLease(Holder):
                 begun.result()
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
+                if self._outdated():  # a write came since it began: enter the latest value
+                    end_lease(self._pool, self, False)
+                    if not self._fast():
+                        self._pool._runtime.call(self._acquire())
             return self._value()
         except BaseException:
             if request is not None:
