@@ -189,6 +189,36 @@ def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_r
     assert pool.closed
 
 
+def test_a_read_of_the_state_waits_for_the_look_at_ended_leases_under_way(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Leases ended over the budget ride on the look at ended leases that is due; the loop
+    thread is paused while that look applies them. A read of the state from another thread
+    then waits for the look's end: it never sees the pool over its budget."""
+    monkeypatch.setattr(_runtime, "RELEASE_GRACE", 0.2)  # the releases ride on the look
+    a, b = _tensor(tmp_path, "a"), _tensor(tmp_path, "b")
+    with (
+        paused_in_new_threads(Actor._apply.__code__, on="call") as point,
+        TensorResidencyPool(max_cached_bytes=NBYTES) as pool,
+    ):
+        leases = [pool.acquire(a), pool.acquire(b)]
+        for lease in leases:
+            lease.__enter__()  # two values held, outside the budget of one
+        point.armed.set()
+        for lease in leases:
+            lease.__exit__(None, None, None)  # the second puts the pool over its budget
+        assert point.paused.wait(30)  # the look is applying them
+        seen: list[int] = []
+        reader = threading.Thread(target=lambda: seen.append(pool.resident_bytes))
+        reader.start()
+        reader.join(0.3)
+        early = list(seen)
+        point.go()
+        reader.join(30)
+        assert not early, f"a read saw {early[0]} bytes while the look was under way"
+        assert seen == [NBYTES]
+
+
 # ---------------------------------------------------------------------------------------------
 # A request joining a load that read the payload before a direct write
 # ---------------------------------------------------------------------------------------------

@@ -65,6 +65,9 @@ class Actor:
         # Releases over the budget rode on that look and it has not come yet (under the
         # lock): reads of the state from other threads have it run first.
         self.deferred = False
+        # A transition is applying what other threads did (set with the flags above are
+        # cleared, so that reads of the state from other threads wait for its end).
+        self.syncing = False
         self.jobs: set[Job] = set()
         self.spares = SpareBuffers()
         self._hits = self._misses = self._loads = self._bytes_read = 0
@@ -240,11 +243,19 @@ class Actor:
             self._touches.clear()
             changed = list(self._changed)
             self._changed.clear()
+            self.syncing = True  # before the flags a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
             self.deferred = False
             self._released_bytes = 0
             for slot in changed:
                 slot.changed = False
+        try:
+            self._apply(keys, changed)
+        finally:
+            self.syncing = False
+
+    def _apply(self, keys: list[int], changed: list[Slot]) -> None:
+        """The part of :meth:`sync` that applies what it took (loop thread)."""
         touch = self.policy.touch
         for key in keys:
             touch(key)
@@ -266,10 +277,14 @@ class Actor:
     def leases_ended(self) -> None:
         """Leases ended by other threads put the pool over its budget (told without waiting)."""
         with self.lock:  # before sync: a lease ended after this point sends its own wake-up
+            self.syncing = True
             self._wake_pending = False
             self.deferred = False
             self._released_bytes = 0
-        self.sync()
+        try:
+            self.sync()
+        finally:
+            self.syncing = False
 
     def look_at_releases(self) -> None:
         """The look at ended leases that :attr:`expect_releases` scheduled (loop thread):

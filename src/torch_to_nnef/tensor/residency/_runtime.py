@@ -16,7 +16,8 @@ workers' queued jobs to their end) before the interpreter tears down.
 value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
 leases due: one is scheduled (a timer, :data:`RELEASE_GRACE` after a grant) whenever the actor
 grants a lease, so that a lease ended soon after its grant rides on it. Reads of the state
-from other threads (:meth:`Runtime.catch_up`) have that look run first.
+from other threads (:meth:`Runtime.catch_up`) have that look run first, and wait for the end
+of one under way.
 
 **The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
 and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
@@ -359,9 +360,13 @@ class Runtime:
                 loop.call_soon_threadsafe(self.actor.sync)
 
     def catch_up(self) -> None:
-        """Wait until the notifications sent so far ran, and releases that rode on the
-        actor's next look at them were seen (reads of state from other threads)."""
-        if (self._sent == self._ran and not self.actor.deferred) or not self.running:
+        """Wait until the notifications sent so far ran, releases that rode on the actor's
+        next look at them were seen, and a transition applying them ended (reads of state
+        from other threads)."""
+        actor = self.actor
+        if (self._sent == self._ran and not actor.deferred and not actor.syncing) or (
+            not self.running
+        ):
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
