@@ -401,19 +401,22 @@ class ModuleStream:
         changes, and reset the scope the stream opened for it, from its own thread only (a
         context variable belongs to its context)."""
         for stack in list(state.held.values()):
-            while True:
-                try:  # (one pop: the thread's own hook may pop it first)
-                    held = stack.pop()
-                except IndexError:
-                    break
+            for held in list(stack):
+                watched, held.watched = held.watched, []
+                leases, held.leases = held.leases, []
                 try:
-                    self._keep_changes(held.watched)
+                    self._keep_changes(watched)
                 finally:
-                    for lease in held.leases:
+                    for lease in leases:
                         lease.__exit__(None, None, None)
                     if held.token is not None:
                         with contextlib.suppress(ValueError):  # another thread's context
                             ACTIVE_RESIDENCY.reset(held.token)
+                            held.token = None
+                    # Else only its thread can leave that scope: it does as it ends.
+                    if held.token is None:
+                        with contextlib.suppress(ValueError):  # its own hook took it already
+                            stack.remove(held)
 
     def _release_next_forward(self) -> None:
         """Drop the leases begun for forwards not running now: the next forward's first
