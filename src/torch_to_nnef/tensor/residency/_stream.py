@@ -103,9 +103,16 @@ def _forget_thread(
     _cancel_begun(begun, ())
     for stack in held.values():
         for entry in reversed(stack):
-            if entry.token is not None:
-                with contextlib.suppress(ValueError, RuntimeError):  # another context
-                    ACTIVE_RESIDENCY.reset(entry.token)
+            _leave_scope(entry)
+
+
+def _leave_scope(held: _Held) -> None:
+    """Reset the scope the stream opened for ``held``'s forward (cleared once done): from
+    that forward's own context only, as a context variable belongs to its context."""
+    if held.token is not None:
+        with contextlib.suppress(ValueError, RuntimeError):  # another context
+            ACTIVE_RESIDENCY.reset(held.token)
+            held.token = None
 
 
 class ModuleStream:
@@ -409,10 +416,7 @@ class ModuleStream:
                 finally:
                     for lease in leases:
                         lease.__exit__(None, None, None)
-                    if held.token is not None:
-                        with contextlib.suppress(ValueError):  # another thread's context
-                            ACTIVE_RESIDENCY.reset(held.token)
-                            held.token = None
+                    _leave_scope(held)
                     # Else only its thread can leave that scope: it does as it ends.
                     if held.token is None:
                         with contextlib.suppress(ValueError):  # its own hook took it already
