@@ -651,6 +651,46 @@ print("ok", flush=True)
     assert torch.equal(written, torch.full((1 << 25,), 7.0))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("dropped", [False, True], ids=["open", "dropped"])
+def test_a_pool_never_closed_writes_its_changes_back_at_exit(
+    tmp_path: Path, dropped: bool
+) -> None:
+    """A script that ends with its pool open (or dropped, collected just before exit) keeps
+    the changes made under read_write leases, as a file object flushes its buffer."""
+    import subprocess
+    import sys
+
+    saved = tmp_path / "saved.bin"
+    script = f"""
+import atexit, gc, shutil
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+t = OffloadedTensor.from_original_tensor(torch.zeros(1 << 22), "w", offload_dir={str(tmp_path)!r})
+pool = TensorResidencyPool()
+with pool.acquire(t, mode="read_write") as value:
+    value.fill_(9.0)
+del value
+if {dropped}:
+    del pool
+    gc.collect()
+# Runs after the pool's exit work, before the tensor's file is removed.
+atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+print("ok", flush=True)
+"""
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore::ResourceWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    (written,) = storage.read_payload(storage.read_layout(saved)).values()
+    assert torch.equal(written, torch.full((1 << 22,), 9.0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Buffer reuse
 # ---------------------------------------------------------------------------------------------

@@ -453,14 +453,80 @@ def test_pools_dropped_without_close_stop_their_threads(tmp_path: Path) -> None:
     assert _loop_threads() == before
 
 
-def test_a_dropped_pool_with_unsaved_changes_warns(tmp_path: Path) -> None:
-    t = _tensor(tmp_path)
-    pool = TensorResidencyPool()
-    with pool.acquire(t, mode="read_write") as value:
-        value.fill_(1.0)
-    with pytest.warns(ResourceWarning, match="unsaved changes"):
+def _wait_for_loop_threads(count: int) -> None:
+    deadline = time.monotonic() + 30
+    while _loop_threads() > count and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_dropped_pool_writes_its_unsaved_changes_back_and_warns(tmp_path: Path) -> None:
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(3)]
+    before = _loop_threads()
+    pool = TensorResidencyPool(max_workers=2)
+    for i, t in enumerate(ts):
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(float(i + 1))
+    del value
+    with pytest.warns(ResourceWarning, match="written back in the background"):
         del pool
         gc.collect()
+    _wait_for_loop_threads(before)  # the loop thread stops once the changes are written
+    assert _loop_threads() == before
+    for i, t in enumerate(ts):
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), float(i + 1)))
+        assert torch.equal(t.reload(), torch.full((NUMEL,), float(i + 1)))
+
+
+def test_a_pool_dropped_by_a_collection_on_its_own_loop_thread_writes_back(
+    tmp_path: Path,
+) -> None:
+    """The collection that finds the pool may run on the pool's loop thread, amid the
+    actor's work: the close runs after it, on that thread, never inside it."""
+    t = _tensor(tmp_path)
+    before = _loop_threads()
+    pool = TensorResidencyPool()
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(3.0)
+    del value
+    runtime = pool._runtime
+    collected = concurrent.futures.Future[None]()
+
+    def drop_on_loop_thread() -> None:
+        nonlocal pool
+        with pytest.warns(ResourceWarning):
+            del pool
+            gc.collect()
+        collected.set_result(None)
+
+    runtime.post(drop_on_loop_thread)
+    collected.result(timeout=30)
+    _wait_for_loop_threads(before)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 3.0))
+
+
+def test_a_dropped_pool_whose_write_back_fails_says_so_and_stops(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    directory, moved = tmp_path / "d", tmp_path / "moved"
+    directory.mkdir()
+    t = _tensor(directory)
+    before = _loop_threads()
+    pool = TensorResidencyPool()
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(4.0)
+    del value
+    os.rename(directory, moved)  # the directory is gone: the write-back fails with ENOENT
+    try:
+        with pytest.warns(ResourceWarning):
+            del pool
+            gc.collect()
+        _wait_for_loop_threads(before)
+    finally:
+        os.rename(moved, directory)
+    assert _loop_threads() == before
+    assert "could not write its changes back" in caplog.text
+    assert torch.equal(on_disk(t), torch.zeros(NUMEL))  # nothing torn: the old values
+    assert torch.equal(t.reload(), torch.full((NUMEL,), 4.0))  # the process still reads them
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,17 +8,19 @@ the face the caller needs (sync, async, or started without waiting).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import logging
 import warnings
 import weakref
 from collections.abc import Generator, Iterable
+from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
 import torch
 
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
     ACTIVE_RESIDENCY,
@@ -127,8 +129,10 @@ class TensorResidencyPool:
         self.strategy = strategy
         self._actor = Actor(make_policy(strategy, max_cached_bytes))
         self._runtime = Runtime(self._actor, max_workers, use_uvloop)
-        # A pool dropped without close() stops its loop thread and workers when collected.
-        weakref.finalize(self, _collected, self._runtime)
+        # A pool never closed writes its changes back when collected, or at interpreter exit.
+        unclosed = _Unclosed(self, self._runtime)
+        weakref.finalize(self, unclosed.collected)
+        self._runtime.at_exit = unclosed.at_exit
         # Module streams over this pool: they hold the next forward's first modules, which
         # closing releases first.
         self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
@@ -613,19 +617,92 @@ def _reject_source(source: Any) -> NoReturn:
     )
 
 
-def _collected(runtime: Runtime) -> None:
-    """A pool was garbage collected: stop what runs for it, saying so if changes are lost."""
-    actor = runtime.actor
-    if actor.closed or not runtime.private:
-        return
-    if actor.dirty_entries():
-        warnings.warn(
-            "a TensorResidencyPool with unsaved changes was garbage collected without close(); "
-            "its changes are never written to disk: close the pool (or use `with pool:`)",
-            ResourceWarning,
-            stacklevel=1,
-        )
-    runtime.stop_private(wait=False)  # gc may run anywhere, a worker thread included
+class _Unclosed:
+    """Writes back the changes of a pool that was never closed, as :meth:`close` would:
+    when the pool is garbage collected (in the background: gc may run on any thread, amid
+    anything), or at interpreter exit (waited for, before the loop thread stops). Holds the
+    pool weakly."""
+
+    def __init__(self, pool: TensorResidencyPool, runtime: Runtime) -> None:
+        self._pool = weakref.ref(pool)
+        self._runtime = runtime
+        self._closing: concurrent.futures.Future[None] | None = None
+
+    def collected(self) -> None:
+        """The pool was garbage collected (a finalizer): close it on its loop thread."""
+        runtime = self._runtime
+        actor = runtime.actor
+        if actor.closed or not runtime.private:
+            return
+        try:
+            dirty = actor.dirty_entries()
+        except RuntimeError:  # the loop thread changed the entries meanwhile
+            dirty = True
+        if dirty:
+            warnings.warn(
+                "a TensorResidencyPool with unsaved changes was garbage collected without "
+                "close(); its changes are written back in the background: close the pool (or "
+                "use `with pool:`) to know when they are on disk, and whether writing failed",
+                ResourceWarning,
+                stacklevel=1,
+            )
+        closing: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._closing = closing
+        if not runtime.post_lock_free(self._close_collected, closing):
+            closing.set_result(None)
+
+    def _close_collected(self, closing: concurrent.futures.Future[None]) -> None:
+        """Loop thread: run the close, then stop the loop thread and its workers."""
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done.add_done_callback(partial(self._collected_closed, closing))
+        self._runtime.drive(Close(self._runtime.actor, _nothing), done)
+
+    def _collected_closed(
+        self, closing: concurrent.futures.Future[None], done: concurrent.futures.Future[None]
+    ) -> None:
+        error = done.exception()
+        if error is not None:
+            LOGGER.error(
+                "a TensorResidencyPool garbage collected without close() could not write its "
+                "changes back; the files keep their earlier values: %s",
+                error,
+            )
+        self._runtime.stop_private(wait=False)
+        closing.set_result(None)
+
+    def at_exit(self) -> None:
+        """Interpreter exit, before the loop thread stops: finish the close of a collected
+        pool, or close a pool still open that holds changes."""
+        closing = self._closing
+        if closing is not None:
+            try:
+                closing.result(timeout=_EXIT_WRITE_TIMEOUT)
+            except concurrent.futures.TimeoutError:
+                LOGGER.error(
+                    "a TensorResidencyPool garbage collected without close() was still writing "
+                    "its changes back after %.0f s at exit; some may be lost",
+                    _EXIT_WRITE_TIMEOUT,
+                )
+            return
+        pool = self._pool()
+        if pool is None or pool.closed or not self._runtime.actor.dirty_entries():
+            return
+        try:
+            pool.close()
+        except T2NError as error:  # leased by a thread still running, or a write failed
+            LOGGER.error(
+                "a TensorResidencyPool open at interpreter exit could not write its changes "
+                "back; the files keep their earlier values: %s",
+                error,
+            )
+
+
+_EXIT_WRITE_TIMEOUT = 300.0
+"""Seconds interpreter exit waits for the write-backs of a collected pool."""
+
+
+def _nothing() -> None:
+    pass
 
 
 def _read_ahead(pool: TensorResidencyPool, window: int | str | None) -> ReadAhead | None:

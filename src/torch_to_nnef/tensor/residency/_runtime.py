@@ -9,8 +9,9 @@ which runs them in the order they were sent; there is no other queue.
 **Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
 (:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
 transition for that job. A sync call on the loop thread itself waits for a job inline. At
-interpreter exit a ``threading`` hook stops private loops (each runs what was posted, then its
-workers' queued jobs to their end) before the interpreter tears down.
+interpreter exit a ``threading`` hook runs each private loop's ``at_exit`` (the pool writes back
+what it never closed), then stops the loop (it runs what was posted, then its workers' queued
+jobs to their end) before the interpreter tears down.
 
 **Ended leases.** A thread ending a lease the actor counts as in use wakes the loop when the
 value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
@@ -119,8 +120,14 @@ def _stop_private_loops_at_exit() -> None:
     runs what was posted, then its workers' jobs to their end. No daemon thread of a pool is
     left running Python or torch code while the interpreter tears down."""
     for runtime in list(_private_loops):
-        if runtime._pid == os.getpid():  # a forked child has none of its parent's threads
-            runtime.stop_private()
+        if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
+            continue
+        if runtime.at_exit is not None:
+            try:
+                runtime.at_exit()
+            except Exception:
+                LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
+        runtime.stop_private()
 
 
 # Registered after the workers' hook (imported above), so it runs before it.
@@ -194,6 +201,9 @@ class Runtime:
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
         self._grace: asyncio.TimerHandle | None = None  # the actor's look at releases
+        # Run at interpreter exit before the private loop stops (the pool writes back what
+        # it never closed).
+        self.at_exit: Callable[[], None] | None = None
         _runtimes.add(self)
 
     def forget_threads(self) -> None:
@@ -352,12 +362,21 @@ class Runtime:
             self._ran += 1
 
     def wake(self) -> None:
-        """Have the actor take note of other threads soon (any thread, at any moment: takes
-        no lock, so that a finalizer may call it)."""
+        """Have the actor take note of other threads soon (any thread, at any moment)."""
+        self.post_lock_free(self.actor.sync)
+
+    def post_lock_free(self, callback: Callable[..., Any], *args: Any) -> bool:
+        """Run ``callback(*args)`` on the loop thread, after what was posted before, taking
+        no lock, so that a finalizer may call it whatever its thread holds. ``False`` when
+        the loop is gone (or belongs to the parent of this forked process)."""
         loop = self.loop
-        if loop is not None:
-            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(self.actor.sync)
+        if loop is None or os.getpid() != self._pid:
+            return False
+        try:
+            loop.call_soon_threadsafe(callback, *args)
+        except RuntimeError:  # the loop closed meanwhile
+            return False
+        return True
 
     def catch_up(self) -> None:
         """Wait until the notifications sent so far ran, releases that rode on the actor's
