@@ -653,9 +653,7 @@ print("ok", flush=True)
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("dropped", [False, True], ids=["open", "dropped"])
-def test_a_pool_never_closed_writes_its_changes_back_at_exit(
-    tmp_path: Path, dropped: bool
-) -> None:
+def test_a_pool_never_closed_writes_its_changes_back_at_exit(tmp_path: Path, dropped: bool) -> None:
     """A script that ends with its pool open (or dropped, collected just before exit) keeps
     the changes made under read_write leases, as a file object flushes its buffer."""
     import subprocess
