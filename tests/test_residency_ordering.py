@@ -653,3 +653,49 @@ def test_new_requests_see_a_direct_write_while_the_old_value_is_held(
         assert torch.equal(pool.resolve(t), new)
         check_invariants(pool)
     assert torch.equal(on_disk(t), new)
+
+
+# ---------------------------------------------------------------------------------------------
+# 15. A prefetch handle waited after a later write
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("write", sorted(DIRECT_WRITES))
+@pytest.mark.parametrize("resident", [False, True], ids=["loaded", "resident"])
+def test_a_prefetch_handle_waited_after_a_direct_write_returns_the_write(
+    tmp_path: Path, write: str, resident: bool
+) -> None:
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as pool:
+        if resident:
+            pool.resolve(t)
+        handle = pool.prefetch(t)
+        assert torch.equal(handle.wait(), torch.zeros(NUMEL))
+        DIRECT_WRITES[write](t)
+        assert torch.equal(handle.wait(), torch.full((NUMEL,), 5.0))
+        check_invariants(pool)
+
+
+def test_a_prefetch_handle_awaited_after_another_pools_change_returns_it(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+
+    async def main() -> None:
+        async with TensorResidencyPool() as pool, TensorResidencyPool() as other:
+            handle = pool.prefetch(t)
+            assert torch.equal(await handle, torch.zeros(NUMEL))
+            async with other.acquire(t, mode="read_write") as value:
+                value.fill_(6.0)
+            assert torch.equal(await handle, torch.full((NUMEL,), 6.0))
+            assert torch.equal(handle.wait(), torch.full((NUMEL,), 6.0))
+
+    asyncio.run(main())
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
+def test_a_prefetch_handle_keeps_its_own_pools_change(tmp_path: Path) -> None:
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as pool:
+        handle = pool.prefetch(t)
+        handle.wait()
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(2.0)
+        assert torch.equal(handle.wait(), torch.full((NUMEL,), 2.0))
+        assert pool.stats().loads == 1, "the pool's own change needs no new load"

@@ -63,27 +63,49 @@ class TensorPrefetch:
     ``handle.wait()`` blocks until the value is loaded and returns it (any thread but the
     pool's loop thread); ``await handle`` does the same in async code; ``handle.done()`` tells
     without blocking. A failed load raises :class:`T2NErrorStorage` from both. A handle on a
-    value that was resident already is done at once.
+    value that was resident already is done at once. The value returned is the tensor's
+    latest: when a write came after the prefetch (a direct write, another pool's change), the
+    handle serves it through the pool as :meth:`TensorResidencyPool.resolve` would.
 
     Handles are not constructed directly: :meth:`TensorResidencyPool.prefetch` and
     :meth:`TensorResidencyPool.pin` return them.
     """
 
-    __slots__ = ("_future", "_pool")
+    __slots__ = ("_device", "_future", "_pool", "_source", "_version")
 
-    def __init__(self, pool: TensorResidencyPool, future: concurrent.futures.Future[Any]) -> None:
+    def __init__(
+        self,
+        pool: TensorResidencyPool,
+        source: PoolSource,
+        device: torch.device,
+        future: concurrent.futures.Future[Any],
+    ) -> None:
         self._pool = pool
+        self._source = source
+        self._device = device
         self._future = future
+        # The latest write this pool did not make, as of the prefetch: its value includes it.
+        self._version = source._version_for(pool._actor)
 
     @classmethod
-    def _ready(cls, pool: TensorResidencyPool, value: torch.Tensor) -> TensorPrefetch:
+    def _ready(
+        cls,
+        pool: TensorResidencyPool,
+        source: PoolSource,
+        device: torch.device,
+        value: torch.Tensor,
+    ) -> TensorPrefetch:
         future: concurrent.futures.Future[Any] = concurrent.futures.Future()
         future.set_result(value)
-        return cls(pool, future)
+        return cls(pool, source, device, future)
 
     def done(self) -> bool:
         """Whether the load has ended (successfully or not)."""
         return self._future.done()
+
+    def _outdated(self) -> bool:
+        """Whether a write the pool did not make came after the prefetch."""
+        return self._source._version_for(self._pool._actor) is not self._version
 
     def wait(self) -> torch.Tensor:
         """Block until the value is loaded and return it.
@@ -98,15 +120,21 @@ class TensorPrefetch:
                 "TensorPrefetch.wait() would block the pool's event loop: "
                 "use `await handle` in async code"
             )
-        return hand_over(self._future.result())
+        value = self._future.result()
+        if self._outdated():
+            return self._pool.resolve(self._source, self._device)  # type: ignore[arg-type]
+        return hand_over(value)
 
     def __await__(self) -> Generator[Any, None, torch.Tensor]:
         return self._await().__await__()
 
     async def _await(self) -> torch.Tensor:
         if self._future.done():
-            return hand_over(self._future.result())
-        value: torch.Tensor = await self._pool._runtime.await_foreign(self._future)
+            value = self._future.result()
+        else:
+            value = await self._pool._runtime.await_foreign(self._future)
+        if self._outdated():
+            return await self._pool.aresolve(self._source, self._device)  # type: ignore[arg-type]
         return hand_over(value)
 
     def __repr__(self) -> str:

@@ -381,7 +381,7 @@ class TensorResidencyPool:
         slot = self._actor.fresh_slot(source, target)
         if slot is not None and slot.open:
             self._actor.touch(slot.entry.key)
-            return TensorPrefetch._ready(self, slot.value)
+            return TensorPrefetch._ready(self, source, target, slot.value)
         return self._start_prefetch(source, target, pin=False)
 
     def pin(self, source: OffloadedTensor, device: TDevice | None = None) -> TensorPrefetch:
@@ -405,7 +405,8 @@ class TensorResidencyPool:
     ) -> TensorPrefetch:
         self._actor.check_open()
         self._runtime.ensure_running()
-        return TensorPrefetch(self, self._runtime.start(Prefetch(self._actor, source, target, pin)))
+        prefetch = Prefetch(self._actor, source, target, pin)
+        return TensorPrefetch(self, source, target, self._runtime.start(prefetch))
 
     def unpin(self, source: OffloadedTensor) -> None:
         """Stop pinning ``source``; it becomes evictable. Unpinning a value not pinned does nothing.
