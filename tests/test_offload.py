@@ -586,6 +586,50 @@ def test_a_forked_child_never_removes_its_parents_files(
     assert not paths[0].exists() and not directory.exists()  # the parent's removal stands
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_a_thread_holds_the_modules_locks_offloads_and_loads(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    """Another thread of the parent (a pool's worker, a thread creating a tensor) may hold a
+    module's lock at the fork: the child, which has no such thread, finds it free."""
+    from torch_to_nnef.tensor.offload import _protocol, _tensor
+    from torch_to_nnef.tensor.storage import _folios, _io
+
+    locks = [
+        _tensor._PRIVATE_DIR_LOCK,
+        _protocol._loads_outside_lock,
+        _io._CLEANED_LOCK,
+        _folios.SLOW_REGIONS._lock,
+    ]
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        for lock in locks:
+            lock.__enter__()
+        held.set()
+        release.wait(60)
+        for lock in reversed(locks):
+            lock.__exit__(None, None, None)
+
+    def child() -> str:
+        for private in (None, tmp_path / "child"):  # the private directory, then a new one
+            t = OffloadedTensor.from_original_tensor(weight, "in_child", private)
+            if not torch.equal(t.reload(), weight):  # counted as a load outside any pool
+                return "wrong value"
+        region = ((0, 0, 0, 0), 0, 1 << 21)
+        return repr(_folios.SLOW_REGIONS.first_slow(region, 1, 1 << 40))
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert in_forked_child(child) == "True"
+    finally:
+        release.set()
+        holder.join(30)
+    assert not any(lock.locked() for lock in locks), "the parent's locks were released"
+
+
 # ---------------------------------------------------------------------------------------------
 # Tensors pointing into a checkpoint
 # ---------------------------------------------------------------------------------------------

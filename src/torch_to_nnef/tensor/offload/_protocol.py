@@ -8,13 +8,14 @@ manages any :class:`PoolSource`, and the tensor finds the pool serving its reloa
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Mapping
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Protocol
 
 import torch
+
+from torch_to_nnef._forksafe import ForkSafeLock
 
 __all__ = [
     "ACTIVE_RESIDENCY",
@@ -125,7 +126,7 @@ context) and stays private to each asyncio task.
 
 
 _loads_outside = 0
-_loads_outside_lock = threading.Lock()
+_loads_outside_lock = ForkSafeLock()
 
 
 def count_load_outside_scopes() -> None:

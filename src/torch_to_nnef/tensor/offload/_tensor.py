@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from torch_to_nnef._forksafe import ForkSafeLock
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -124,7 +125,7 @@ if hasattr(os, "register_at_fork"):
 
 
 _PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
-_PRIVATE_DIR_LOCK = threading.Lock()
+_PRIVATE_DIR_LOCK = ForkSafeLock()
 
 
 def _private_dir() -> _PrivateDir:

@@ -20,13 +20,13 @@ import os
 import shutil
 import stat as stat_module
 import tempfile
-import threading
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import TypeVar
 
 import torch
 
+from torch_to_nnef._forksafe import ForkSafeLock
 from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor.storage._buffers import (
     byte_view,
@@ -426,7 +426,7 @@ class AtomicFile:
 # Temporaries of killed processes
 # ---------------------------------------------------------------------------------------------
 _CLEANED: set[tuple[int, int]] = set()  # directories this process cleaned (device, inode)
-_CLEANED_LOCK = threading.Lock()
+_CLEANED_LOCK = ForkSafeLock()
 _PRIVATE_LOCK_NAME = ".t2n-owner.lock"
 
 
