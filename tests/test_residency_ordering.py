@@ -699,3 +699,26 @@ def test_a_prefetch_handle_keeps_its_own_pools_change(tmp_path: Path) -> None:
             value.fill_(2.0)
         assert torch.equal(handle.wait(), torch.full((NUMEL,), 2.0))
         assert pool.stats().loads == 1, "the pool's own change needs no new load"
+
+
+# ---------------------------------------------------------------------------------------------
+# 16. An opaque value (a QTensor) changed under a read_write lease
+# ---------------------------------------------------------------------------------------------
+def test_reads_outside_the_pool_see_an_opaque_values_unsaved_change(tmp_path: Path) -> None:
+    from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
+
+    weight = torch.linspace(-1.0, 1.0, 64 * 64).reshape(64, 64)
+    original = fp_to_tract_q4_0_with_min_max_calibration(weight)
+    t = OffloadedTensor.from_original_tensor(original, "q", offload_dir=tmp_path)
+    with TensorResidencyPool() as pool, TensorResidencyPool() as other:
+        with pool.acquire(t, mode="read_write") as value:
+            value.qscheme.scale.mul_(2.0)  # an in-place change of its state
+            changed = value.decompress().clone()
+        assert not torch.equal(changed, original.decompress()), "nothing changed"
+        for seen in (t.reload(), other.resolve(t)):  # outside the pool, and another pool
+            assert type(seen) is type(value)
+            assert torch.equal(seen.decompress(), changed), "read the file's older value"
+            assert seen.qscheme.scale.data_ptr() != value.qscheme.scale.data_ptr()
+        seen.qscheme.scale.mul_(3.0)  # a copy: the pool's value stays as it was
+        assert torch.equal(value.decompress(), changed)
+    assert torch.equal(t.reload().decompress(), changed)

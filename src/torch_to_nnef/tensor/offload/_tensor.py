@@ -68,6 +68,16 @@ def _remove_file(path: Path, creator: int) -> None:
         LOGGER.warning("could not remove offloaded payload '%s': %s", path, exc)
 
 
+def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of a pool's unsaved ``value`` on ``device``, never an alias of it: an opaque
+    value (a ``QTensor``) is rebuilt from copies of its offload state."""
+    if not isinstance(value, SupportsOffloadState):
+        return value.to(device, copy=True)
+    tensors, metadata = storage.encode_opaque(value)
+    copies = {name: tensor.to(device, copy=True) for name, tensor in tensors.items()}
+    return storage.decode_opaque(copies, metadata, device)
+
+
 def _outdated(binding: _Binding, out: Mapping[str, torch.Tensor]) -> bool:
     """Whether the host buffers ``out`` have the entries of ``binding`` with other dtypes or
     shapes: buffers for the payload before a write changed its dtype or shape."""
@@ -913,8 +923,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         target = self.device if device is None else _canonical_device(device)
         self._wait_announced_writes()
         unsaved = self._latest_unsaved()
-        if unsaved is not None and type(unsaved) is torch.Tensor:
-            return unsaved.to(target, copy=True)  # never an alias of the pool's value
+        if unsaved is not None:
+            return _copy_of(unsaved, target)
         attempt = 0
         while True:
             binding = self._binding
