@@ -143,3 +143,43 @@ def test_the_kept_descriptor_of_the_process_is_shared_by_loads(tmp_path: Path) -
         assert again is kept
     finally:
         DESCRIPTORS.release(kept)
+
+
+@needs_proc
+def test_a_tensors_rewritten_or_removed_file_is_not_held_open(tmp_path: Path) -> None:
+    """A kept descriptor holds its inode: the disk space of a file an offloaded tensor
+    replaced (a write) or removed (the tensor collected) is freed at once, not when the
+    descriptor is next looked up or pushed out."""
+    import gc
+
+    from torch_to_nnef.tensor.offload import OffloadedTensor
+
+    t = OffloadedTensor.from_original_tensor(torch.ones(1 << 16), "w", offload_dir=tmp_path)
+    path = t.offload_path
+    assert torch.equal(t.reload(), torch.ones(1 << 16))  # a mapped load keeps a descriptor
+    assert open_descriptors(path) == [str(path)]
+    t.update_values(torch.full((1 << 16,), 2.0))  # replaced atomically
+    assert open_descriptors(path) == []
+    assert torch.equal(t.reload(), torch.full((1 << 16,), 2.0))
+    del t
+    gc.collect()
+    assert not path.exists()
+    assert open_descriptors(path) == [], "the removed file is still held open"
+
+
+@needs_proc
+def test_forgetting_a_file_while_this_thread_holds_the_lock_waits_for_its_release(
+    tmp_path: Path,
+) -> None:
+    """A tensor's finalizer may run (a collection) while its thread is inside the kept
+    descriptors' lock: forgetting then neither deadlocks nor changes the table under the
+    holder, and is done when the holder leaves."""
+    descriptors = Descriptors()
+    path = tmp_path / "p.safetensors"
+    kept, _ = descriptors.acquire(write(path, 1.0))
+    descriptors.release(kept)
+    assert open_descriptors(path) == [str(path)]
+    with descriptors._locked():  # what a finalizer running inside the lock sees
+        descriptors.forget(path)
+        assert open_descriptors(path) == [str(path)]
+    assert open_descriptors(path) == []

@@ -66,6 +66,7 @@ def _remove_file(path: Path, creator: int) -> None:
         path.unlink(missing_ok=True)
     except OSError as exc:  # a finalizer must not raise; the file is only left behind
         LOGGER.warning("could not remove offloaded payload '%s': %s", path, exc)
+    storage.forget_file(path)
 
 
 def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -1109,6 +1110,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         else:
             path, owned = self._copy_on_write_path()
         layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
+        storage.forget_file(path)  # the descriptor of the file it replaced
         with self._pending:
             self._binding = (
                 _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)

@@ -18,7 +18,9 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   in the calling thread), :func:`handoff` (safe on the consumer's current stream),
   :func:`record_writes` / :func:`wait_for_writes` (a write-back waits for the kernels that
   changed a value).
-- :func:`write_payload` / :func:`awrite_payload` write files atomically.
+- :func:`write_payload` / :func:`awrite_payload` write files atomically; whoever replaces or
+  removes a payload file calls :func:`forget_file`, which closes the descriptor mapped loads
+  kept for it (it would hold the old file's disk space).
 - :func:`encode_opaque` / :func:`decode_opaque` store opaque tensors (``SupportsOffloadState``)
   as the tensors of their offload state plus JSON metadata naming their class tag;
   :func:`decode_offload_state` gives the state itself, without rebuilding the value.
@@ -35,6 +37,7 @@ from __future__ import annotations
 from torch_to_nnef.tensor.storage._aio import aread_payload as aread_payload
 from torch_to_nnef.tensor.storage._aio import awrite_payload as awrite_payload
 from torch_to_nnef.tensor.storage._buffers import allocate as allocate
+from torch_to_nnef.tensor.storage._descriptors import forget as forget_file
 from torch_to_nnef.tensor.storage._device import handoff as handoff
 from torch_to_nnef.tensor.storage._device import record_writes as record_writes
 from torch_to_nnef.tensor.storage._device import resolve_device as resolve_device
@@ -93,6 +96,7 @@ __all__ = [
     "PINNED_CHUNKS_PER_DEVICE",
     # writing
     "write_payload",
+    "forget_file",
     "awrite_payload",
     # opaque payloads
     "encode_opaque",

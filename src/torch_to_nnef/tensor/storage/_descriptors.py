@@ -13,8 +13,10 @@ is therefore never read through an old descriptor.
 
 At most :data:`KEPT_FILES` files are kept open, the least recently used closed first; a
 descriptor is closed once no load uses it (a load holds it from its lookup to the end of its
-``mmap`` call), when its path shows another identity, or when the path is gone. A forked
-child closes its copies and starts afresh.
+``mmap`` call), when its path shows another identity, or when the path is gone. Writers and
+removers of payload files say so (:func:`forget`): a descriptor of a replaced or removed file
+is closed at once, so that the old file's disk space is freed (a kept descriptor holds its
+inode, as a live mapping of it does). A forked child closes its copies and starts afresh.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections import OrderedDict
+from collections import OrderedDict, deque
+from collections.abc import Iterator
 from pathlib import Path
 
 from torch_to_nnef.tensor.storage._format import PayloadLayout, file_identity
@@ -33,7 +36,7 @@ from torch_to_nnef.tensor.storage._io import (
     open_for_reading,
 )
 
-__all__ = ["DESCRIPTORS", "KEPT_FILES", "Descriptors", "Kept"]
+__all__ = ["DESCRIPTORS", "KEPT_FILES", "Descriptors", "Kept", "forget"]
 
 KEPT_FILES = 32
 """Payload files kept open at most (a sharded checkpoint has a few dozen shards)."""
@@ -57,7 +60,40 @@ class Descriptors:
     def __init__(self, capacity: int = KEPT_FILES) -> None:
         self._capacity = capacity
         self._lock = threading.Lock()
+        self._holder: int | None = None  # the thread holding _lock
         self._kept: OrderedDict[Path, Kept] = OrderedDict()
+        self._forgotten: deque[Path] = deque()  # paths to forget, by any thread
+
+    @contextlib.contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the lock; on leaving, forget the paths a finalizer of this thread queued
+        meanwhile (see :meth:`forget`)."""
+        with self._lock:
+            self._holder = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._holder = None
+        if self._forgotten:
+            self._forget_queued()
+
+    def forget(self, path: Path) -> None:
+        """``path`` was replaced or removed: close its descriptor (once no load uses it).
+
+        Any thread, at any moment: a finalizer (a tensor's file removal) may run while its
+        own thread holds the lock, in which case that thread does it on leaving the lock.
+        """
+        self._forgotten.append(path)
+        if self._holder != threading.get_ident():
+            self._forget_queued()
+
+    def _forget_queued(self) -> None:
+        while True:
+            try:
+                path = self._forgotten.popleft()
+            except IndexError:
+                return
+            self._retire(path, None)
 
     def acquire(self, layout: PayloadLayout) -> tuple[Kept, int]:
         """A descriptor of the file of ``layout`` and the file's size; :meth:`release` it.
@@ -76,7 +112,7 @@ class Descriptors:
         if identity != layout.identity:
             check_regular(path, stat)
             check_unchanged(layout, stat)  # a layout made by hand: its size alone is checked
-        with self._lock:
+        with self._locked():
             kept = self._kept.get(path)
             if kept is not None and kept.identity == identity:
                 kept.users += 1
@@ -94,7 +130,7 @@ class Descriptors:
 
     def release(self, kept: Kept) -> None:
         """The load that acquired ``kept`` is done with it."""
-        with self._lock:
+        with self._locked():
             kept.users -= 1
             close = kept.retired and not kept.users
         if close:
@@ -104,7 +140,7 @@ class Descriptors:
         """Keep ``replacement`` for ``path`` (none: forget the path), retiring what it
         replaces and, over capacity, the least recently used descriptors."""
         retired = []
-        with self._lock:
+        with self._locked():
             old = self._kept.pop(path, None)
             if old is not None:
                 retired.append(old)
@@ -121,6 +157,8 @@ class Descriptors:
     def _forget_in_child(self) -> None:
         """After ``fork``, in the child: close the inherited copies, start afresh."""
         self._lock = threading.Lock()
+        self._holder = None
+        self._forgotten = deque()
         kept, self._kept = self._kept, OrderedDict()
         for entry in kept.values():
             with contextlib.suppress(OSError):
@@ -129,6 +167,13 @@ class Descriptors:
 
 DESCRIPTORS = Descriptors()
 """The process's kept descriptors."""
+
+
+def forget(path: Path) -> None:
+    """The payload file at ``path`` was replaced or removed: close the descriptor kept for
+    it, once no load uses it (any thread; a finalizer may call it)."""
+    DESCRIPTORS.forget(path)
+
 
 if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=DESCRIPTORS._forget_in_child)
