@@ -125,7 +125,7 @@ def _stop_private_loops_at_exit() -> None:
         if runtime.at_exit is not None:
             try:
                 runtime.at_exit()
-            except Exception:
+            except BaseException:  # a second Ctrl-C included: the loops still stop
                 LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
         runtime.stop_private()
 
