@@ -92,6 +92,27 @@ def test_a_write_back_waits_for_the_kernels_of_its_lease(
     assert torch.equal(tensor.reload("cpu"), original + 1)
 
 
+def test_a_read_of_an_unsaved_change_waits_for_the_kernels_of_its_lease(
+    fake_cuda: FakeCuda, tmp_path: Path
+) -> None:
+    original = torch.randn(300)
+    tensor = OffloadedTensor.from_original_tensor(original, "w", tmp_path)
+    side = fake_cuda.new_stream(0)
+    with TensorResidencyPool() as pool:
+
+        def write() -> None:
+            with fake_cuda.use_stream(side), pool.acquire(tensor, CUDA0, mode="read_write") as v:
+                v.add_(1)
+
+        in_thread(write)
+        exit_event = fake_cuda.calls("record_event")[-1][1]
+        assert not exit_event.done
+        copy = tensor.reload("cpu")  # outside the pool: a copy of its unsaved change
+        assert exit_event.done, "the copy did not wait for the lease's kernels"
+        assert torch.equal(copy, original + 1)
+    assert torch.equal(tensor.reload("cpu"), original + 1)
+
+
 def test_cuda_is_resolved_in_the_thread_that_called(fake_cuda: FakeCuda, tmp_path: Path) -> None:
     torch.manual_seed(0)
     dense = nn.Sequential(*(nn.Linear(8, 8) for _ in range(3))).eval()

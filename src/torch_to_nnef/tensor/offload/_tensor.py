@@ -71,7 +71,9 @@ def _remove_file(path: Path, creator: int) -> None:
 
 def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of a pool's unsaved ``value`` on ``device``, never an alias of it: an opaque
-    value (a ``QTensor``) is rebuilt from copies of its offload state."""
+    value (a ``QTensor``) is rebuilt from copies of its offload state. The kernels that
+    changed a CUDA value under a ``read_write`` lease are waited for first."""
+    storage.wait_for_writes(value)
     if not isinstance(value, SupportsOffloadState):
         return value.to(device, copy=True)
     tensors, metadata = storage.encode_opaque(value)
