@@ -9,8 +9,10 @@ import contextlib
 import copy
 import gc
 import os
+import sys
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -475,6 +477,30 @@ def test_a_dropped_pool_writes_its_unsaved_changes_back_and_warns(tmp_path: Path
     for i, t in enumerate(ts):
         assert torch.equal(on_disk(t), torch.full((NUMEL,), float(i + 1)))
         assert torch.equal(t.reload(), torch.full((NUMEL,), float(i + 1)))
+
+
+def test_a_dropped_pool_writes_back_when_its_warning_is_an_error(tmp_path: Path) -> None:
+    """Test suites often turn warnings into errors: the finalizer's warning then raises
+    inside it (printed, ignored), after the close is on its way."""
+    t = _tensor(tmp_path)
+    before = _loop_threads()
+    pool = TensorResidencyPool()
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(5.0)
+    del value
+    unraised: list[type[BaseException] | None] = []
+    hook, sys.unraisablehook = sys.unraisablehook, lambda u: unraised.append(u.exc_type)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ResourceWarning)
+            del pool
+            gc.collect()
+    finally:
+        sys.unraisablehook = hook
+    assert unraised == [ResourceWarning]
+    _wait_for_loop_threads(before)
+    assert _loop_threads() == before
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
 
 
 def test_a_pool_dropped_by_a_collection_on_its_own_loop_thread_writes_back(

@@ -639,7 +639,11 @@ class _Unclosed:
             dirty = actor.dirty_entries()
         except RuntimeError:  # the loop thread changed the entries meanwhile
             dirty = True
-        if dirty:
+        closing: concurrent.futures.Future[None] = concurrent.futures.Future()
+        self._closing = closing
+        if not runtime.post_lock_free(self._close_collected, closing):
+            closing.set_result(None)
+        if dirty:  # last: warnings turned into errors must not stop the close
             warnings.warn(
                 "a TensorResidencyPool with unsaved changes was garbage collected without "
                 "close(); its changes are written back in the background: close the pool (or "
@@ -647,10 +651,6 @@ class _Unclosed:
                 ResourceWarning,
                 stacklevel=1,
             )
-        closing: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._closing = closing
-        if not runtime.post_lock_free(self._close_collected, closing):
-            closing.set_result(None)
 
     def _close_collected(self, closing: concurrent.futures.Future[None]) -> None:
         """Loop thread: run the close, then stop the loop thread and its workers."""
