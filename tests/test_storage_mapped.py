@@ -454,3 +454,38 @@ def test_slow_regions_are_remembered_once_and_bounded() -> None:
     assert regions.first_slow((identity, 8, 1), 3, fast + 1)  # over capacity: the oldest goes
     assert regions.first_slow((identity, 0, 1), 3, fast + 1)
     assert not regions.first_slow((identity, 8, 1), 3, fast + 1)
+
+
+@pytest.mark.skipif(
+    not Path("/proc/sys/vm/max_map_count").exists()
+    or int(Path("/proc/sys/vm/max_map_count").read_text()) > 300_000,
+    reason="needs Linux with a max_map_count a test can reach",
+)
+def test_a_process_out_of_mappings_is_told_what_to_do(tmp_path: Path) -> None:
+    """Every mapped value takes a mapping of the process: past vm.max_map_count the kernel
+    refuses new ones, and the error says why and what to do rather than only ENOMEM."""
+    import subprocess
+    import sys
+
+    script = f"""
+import mmap, torch
+from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+t = OffloadedTensor.from_original_tensor(torch.ones(1 << 20), "w", offload_dir={str(tmp_path)!r})
+held = []
+while True:  # use up the process's mappings (alternate protections: no two merge)
+    try:
+        held.append(mmap.mmap(-1, 4096, prot=mmap.PROT_READ | (len(held) % 2 and mmap.PROT_WRITE)))
+    except OSError:
+        break
+try:
+    t.reload()
+except T2NErrorStorage as error:
+    print(error)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr
+    assert "vm.max_map_count" in result.stdout, result.stdout
+    assert "give the residency pool a budget" in result.stdout

@@ -40,6 +40,7 @@ checkpoint changed since its layout was read is refused.
 
 from __future__ import annotations
 
+import errno
 import mmap
 import os
 import time
@@ -155,7 +156,7 @@ def _map_entries(
         region, shift = _map_refolding(kept, start, length, populate, file_size)
     except OSError as exc:
         raise T2NErrorStorage(
-            f"cannot map payload file '{layout.path}': {os_error_message(exc)}"
+            f"cannot map payload file '{layout.path}': {os_error_message(exc)}{_remedy(exc)}"
         ) from exc
     finally:
         DESCRIPTORS.release(kept)
@@ -171,6 +172,17 @@ def _map_entries(
         else torch.empty(spec.shape, dtype=spec.dtype)
         for spec in specs
     }
+
+
+def _remedy(error: OSError) -> str:
+    """What to do when the kernel refuses a mapping for want of room."""
+    if error.errno != errno.ENOMEM:
+        return ""
+    return (
+        "; the process may have as many mappings as the kernel allows (vm.max_map_count, "
+        "65530 by default; every value of 128 KiB or more held in memory takes one or two, "
+        "mapped or read): give the residency pool a budget, or raise vm.max_map_count"
+    )
 
 
 def _map_refolding(
