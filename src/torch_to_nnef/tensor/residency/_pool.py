@@ -635,10 +635,7 @@ class _Unclosed:
         actor = runtime.actor
         if actor.closed or not runtime.private:
             return
-        try:
-            dirty = actor.dirty_entries()
-        except RuntimeError:  # the loop thread changed the entries meanwhile
-            dirty = True
+        dirty = _has_changes(actor)
         closing: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._closing = closing
         if not runtime.post_lock_free(self._close_collected, closing):
@@ -686,7 +683,7 @@ class _Unclosed:
                 )
             return
         pool = self._pool()
-        if pool is None or pool.closed or not self._runtime.actor.dirty_entries():
+        if pool is None or pool.closed or not _has_changes(self._runtime.actor):
             return
         try:
             pool.close()
@@ -696,6 +693,15 @@ class _Unclosed:
                 "back; the files keep their earlier values: %s",
                 error,
             )
+
+
+def _has_changes(actor: Actor) -> bool:
+    """Whether ``actor`` holds unsaved changes, asked from any thread (read without the loop:
+    a change under way counts as one)."""
+    try:
+        return actor.dirty_entries()
+    except RuntimeError:  # the loop thread changed the entries meanwhile
+        return True
 
 
 _EXIT_WRITE_TIMEOUT = 300.0
