@@ -72,8 +72,9 @@ def test_every_hand_out_is_safe_on_the_consumers_stream(
     assert [stream for stream, _ in waits] == sides[: len(waits)]
 
 
-def test_a_write_back_waits_for_the_kernels_of_its_lease(
-    fake_cuda: FakeCuda, tmp_path: Path
+@pytest.mark.parametrize("reader", ["write-back", "read outside the pool"])
+def test_what_reads_a_changed_value_waits_for_the_kernels_of_its_lease(
+    fake_cuda: FakeCuda, tmp_path: Path, reader: str
 ) -> None:
     original = torch.randn(300)
     tensor = OffloadedTensor.from_original_tensor(original, "w", tmp_path)
@@ -87,29 +88,11 @@ def test_a_write_back_waits_for_the_kernels_of_its_lease(
         in_thread(write)
         exit_event = fake_cuda.calls("record_event")[-1][1]
         assert exit_event.stream is side and not exit_event.done
-        pool.flush()
-        assert exit_event.done, "the write-back did not wait for the lease's kernels"
-    assert torch.equal(tensor.reload("cpu"), original + 1)
-
-
-def test_a_read_of_an_unsaved_change_waits_for_the_kernels_of_its_lease(
-    fake_cuda: FakeCuda, tmp_path: Path
-) -> None:
-    original = torch.randn(300)
-    tensor = OffloadedTensor.from_original_tensor(original, "w", tmp_path)
-    side = fake_cuda.new_stream(0)
-    with TensorResidencyPool() as pool:
-
-        def write() -> None:
-            with fake_cuda.use_stream(side), pool.acquire(tensor, CUDA0, mode="read_write") as v:
-                v.add_(1)
-
-        in_thread(write)
-        exit_event = fake_cuda.calls("record_event")[-1][1]
-        assert not exit_event.done
-        copy = tensor.reload("cpu")  # outside the pool: a copy of its unsaved change
-        assert exit_event.done, "the copy did not wait for the lease's kernels"
-        assert torch.equal(copy, original + 1)
+        if reader == "write-back":
+            pool.flush()
+        else:  # a copy of the pool's unsaved change
+            assert torch.equal(tensor.reload("cpu"), original + 1)
+        assert exit_event.done, f"the {reader} did not wait for the lease's kernels"
     assert torch.equal(tensor.reload("cpu"), original + 1)
 
 

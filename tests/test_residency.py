@@ -617,64 +617,27 @@ print("ok", flush=True)
     assert time.monotonic() - start < 30
 
 
-@pytest.mark.timeout(120)
-def test_a_write_back_queued_at_interpreter_exit_runs_to_its_end(tmp_path: Path) -> None:
-    """A script that returns while the pool's workers are writing a value back exits only once
-    the write reached the file (the workers are joined at exit; the loop thread is not)."""
+def _saved_at_exit(tmp_path: Path, numel: int, fill: float, then: str) -> torch.Tensor:
+    """Run a script that fills a tensor of ``numel`` zeros with ``fill`` under a
+    ``read_write`` lease of a pool, runs the lines ``then`` and returns; give back the tensor's
+    file as it was at exit (copied by an ``atexit`` hook, which runs after the pool's exit
+    work and before the tensor's file is removed)."""
     import subprocess
     import sys
 
     saved = tmp_path / "saved.bin"
     script = f"""
-import atexit, shutil, threading, time
+import atexit, gc, shutil, threading, time
 import torch
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
-t = OffloadedTensor.from_original_tensor(torch.zeros(1 << 25), "w", offload_dir={str(tmp_path)!r})
+t = OffloadedTensor.from_original_tensor(torch.zeros({numel}), "w", offload_dir={str(tmp_path)!r})
 pool = TensorResidencyPool()
 with pool.acquire(t, mode="read_write") as value:
-    value.fill_(7.0)
+    value.fill_({fill})
 del value
-# Runs after the workers were stopped at exit, before the tensor's file is removed.
 atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
-threading.Thread(target=pool.evict, args=(t,), daemon=True).start()
-while pool.is_resident(t):  # false once the write-back is on its way
-    time.sleep(0.001)
-print("ok", flush=True)
-"""
-    result = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
-    )
-    assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "ok"
-    (written,) = storage.read_payload(storage.read_layout(saved)).values()
-    assert torch.equal(written, torch.full((1 << 25,), 7.0))
-
-
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize("dropped", [False, True], ids=["open", "dropped"])
-def test_a_pool_never_closed_writes_its_changes_back_at_exit(tmp_path: Path, dropped: bool) -> None:
-    """A script that ends with its pool open (or dropped, collected just before exit) keeps
-    the changes made under read_write leases, as a file object flushes its buffer."""
-    import subprocess
-    import sys
-
-    saved = tmp_path / "saved.bin"
-    script = f"""
-import atexit, gc, shutil
-import torch
-from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool
-t = OffloadedTensor.from_original_tensor(torch.zeros(1 << 22), "w", offload_dir={str(tmp_path)!r})
-pool = TensorResidencyPool()
-with pool.acquire(t, mode="read_write") as value:
-    value.fill_(9.0)
-del value
-if {dropped}:
-    del pool
-    gc.collect()
-# Runs after the pool's exit work, before the tensor's file is removed.
-atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+{then}
 print("ok", flush=True)
 """
     result = subprocess.run(
@@ -686,6 +649,28 @@ print("ok", flush=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "ok"
     (written,) = storage.read_payload(storage.read_layout(saved)).values()
+    return written
+
+
+@pytest.mark.timeout(120)
+def test_a_write_back_queued_at_interpreter_exit_runs_to_its_end(tmp_path: Path) -> None:
+    """A script that returns while the pool's workers are writing a value back exits only once
+    the write reached the file (the workers are joined at exit; the loop thread is not)."""
+    then = """
+threading.Thread(target=pool.evict, args=(t,), daemon=True).start()
+while pool.is_resident(t):  # false once the write-back is on its way
+    time.sleep(0.001)
+"""
+    written = _saved_at_exit(tmp_path, 1 << 25, 7.0, then)
+    assert torch.equal(written, torch.full((1 << 25,), 7.0))
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("then", ["", "del pool\ngc.collect()"], ids=["open", "dropped"])
+def test_a_pool_never_closed_writes_its_changes_back_at_exit(tmp_path: Path, then: str) -> None:
+    """A script that ends with its pool open (or dropped, collected just before exit) keeps
+    the changes made under read_write leases, as a file object flushes its buffer."""
+    written = _saved_at_exit(tmp_path, 1 << 22, 9.0, then)
     assert torch.equal(written, torch.full((1 << 22,), 9.0))
 
 

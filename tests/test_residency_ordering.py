@@ -461,6 +461,14 @@ def _wait_for_loop_threads(count: int) -> None:
         time.sleep(0.01)
 
 
+def _pool_with_a_change(t: OffloadedTensor, value: float) -> TensorResidencyPool:
+    """A pool holding an unsaved change of ``t`` (filled with ``value``), no lease left."""
+    pool = TensorResidencyPool()
+    with pool.acquire(t, mode="read_write") as changed:
+        changed.fill_(value)
+    return pool
+
+
 def test_a_dropped_pool_writes_its_unsaved_changes_back_and_warns(tmp_path: Path) -> None:
     ts = [_tensor(tmp_path, f"t{i}") for i in range(3)]
     before = _loop_threads()
@@ -484,10 +492,7 @@ def test_a_dropped_pool_writes_back_when_its_warning_is_an_error(tmp_path: Path)
     inside it (printed, ignored), after the close is on its way."""
     t = _tensor(tmp_path)
     before = _loop_threads()
-    pool = TensorResidencyPool()
-    with pool.acquire(t, mode="read_write") as value:
-        value.fill_(5.0)
-    del value
+    pool = _pool_with_a_change(t, 5.0)
     unraised: list[type[BaseException] | None] = []
     hook, sys.unraisablehook = sys.unraisablehook, lambda u: unraised.append(u.exc_type)
     try:
@@ -510,10 +515,7 @@ def test_a_pool_dropped_by_a_collection_on_its_own_loop_thread_writes_back(
     actor's work: the close runs after it, on that thread, never inside it."""
     t = _tensor(tmp_path)
     before = _loop_threads()
-    pool = TensorResidencyPool()
-    with pool.acquire(t, mode="read_write") as value:
-        value.fill_(3.0)
-    del value
+    pool = _pool_with_a_change(t, 3.0)
     runtime = pool._runtime
     collected = concurrent.futures.Future[None]()
 
@@ -537,10 +539,7 @@ def test_a_dropped_pool_whose_write_back_fails_says_so_and_stops(
     directory.mkdir()
     t = _tensor(directory)
     before = _loop_threads()
-    pool = TensorResidencyPool()
-    with pool.acquire(t, mode="read_write") as value:
-        value.fill_(4.0)
-    del value
+    pool = _pool_with_a_change(t, 4.0)
     os.rename(directory, moved)  # the directory is gone: the write-back fails with ENOENT
     try:
         with pytest.warns(ResourceWarning):
