@@ -693,6 +693,7 @@ def test_public_api_is_exactly_exported() -> None:
             "PINNED_CHUNK_BYTES",
             "PINNED_CHUNKS_PER_DEVICE",
             "write_payload",
+            "forget_file",
             "awrite_payload",
             "encode_opaque",
             "decode_opaque",
