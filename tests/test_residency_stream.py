@@ -14,6 +14,7 @@ from forking import in_forked_child
 from residency_checks import settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
@@ -464,6 +465,51 @@ def test_a_stream_dropped_with_its_model_after_an_interrupted_forward_lets_every
     pool.close()
     assert pool.closed
     assert torch.equal(weight.reload(), expected)  # read outside any pool
+
+
+def test_a_script_interrupted_in_a_streamed_forward_keeps_the_changes_made_before(
+    tmp_path: Path,
+) -> None:
+    """The usual end of a Ctrl-C: a script streaming a model, never closing its pool, dies of
+    the KeyboardInterrupt raised inside a module. What the modules that ran changed in place
+    reaches the files at exit; the module that did not run keeps its values."""
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, os, shutil, signal, torch
+from torch import nn
+from torch_to_nnef.tensor.checkpoint import offload_module
+from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
+directory = {str(tmp_path)!r}
+model = nn.Sequential(*[nn.Linear(8, 8, bias=False) for _ in range(4)])
+offload_module(model, directory)
+weights = [module.weight for module in model]
+def save():  # after the pool's exit work, before the tensors' files are removed
+    for i, weight in enumerate(weights):
+        shutil.copy(weight.offload_path, os.path.join(directory, f"saved{{i}}.bin"))
+atexit.register(save)
+pool = TensorResidencyPool()
+stream = stream_modules(pool, list(model))
+def change(module, args):
+    module.weight.fill_(7.0)
+    if module is model[2]:
+        signal.raise_signal(signal.SIGINT)
+for module in model:
+    module.register_forward_pre_hook(change)
+with pool.scope(), torch.no_grad():
+    model(torch.ones(1, 8))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=50
+    )
+    assert "KeyboardInterrupt" in result.stderr, result.stderr
+    saved = [
+        next(iter(storage.read_payload(storage.read_layout(tmp_path / f"saved{i}.bin")).values()))
+        for i in range(4)
+    ]
+    assert all(torch.equal(value, torch.full((8, 8), 7.0)) for value in saved[:3])
+    assert not torch.equal(saved[3], torch.full((8, 8), 7.0)), "the last module never ran"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
