@@ -58,3 +58,33 @@ def test_async_acquire_on_a_closed_pool_says_closed(tmp_path: Path) -> None:
         assert str(raised.value) == "the TensorResidencyPool is closed; create a new pool"
 
     anyio.run(main)
+
+
+@pytest.mark.parametrize("how", ["copy", "deepcopy", "pickle"])
+def test_pools_leases_and_handles_refuse_to_be_copied(tmp_path: Path, how: str) -> None:
+    """A copied lease ended the same lease twice (a lease count of -1, and close() then
+    refused for a value nobody held); a copied pool shared its threads with the original,
+    whose collection closed both. Each refuses, saying what to do."""
+    import copy
+    import pickle
+
+    import torch
+
+    from torch_to_nnef.tensor import OffloadedTensor
+
+    copier = {"copy": copy.copy, "deepcopy": copy.deepcopy, "pickle": pickle.dumps}[how]
+    t = OffloadedTensor.from_original_tensor(torch.ones(8), "w", offload_dir=tmp_path)
+    with TensorResidencyPool() as pool:
+        lease = pool.acquire(t)
+        handle = pool.prefetch(t)
+        for thing, remedy in (
+            (pool, "share the pool object itself"),
+            (lease, "use the lease object itself"),
+            (handle, "wait for it and pass the value"),
+        ):
+            with pytest.raises(T2NErrorMisuse, match="cannot be copied or pickled") as raised:
+                copier(thing)
+            assert remedy in str(raised.value)
+        with lease as value:
+            assert torch.equal(value, torch.ones(8))
+    assert pool.closed, "the lease ended once: close() found nothing held"

@@ -11,7 +11,7 @@ import time
 from collections.abc import Callable, Generator
 from threading import get_ident
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import torch
 
@@ -24,7 +24,21 @@ from torch_to_nnef.tensor.residency._state import Holder
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
 
-__all__ = ["TensorPrefetch", "TensorResidencyLease", "end_lease", "hand_over"]
+__all__ = ["TensorPrefetch", "TensorResidencyLease", "Uncopyable", "end_lease", "hand_over"]
+
+
+class Uncopyable:
+    """An object tied to a pool's threads and to what it holds: a copy would share them (a
+    copied lease would end the same lease twice) and a pickle could not carry them, so
+    ``copy.copy``, ``copy.deepcopy`` and ``pickle`` refuse, saying what to do instead."""
+
+    __slots__ = ()
+    _why_not_copied = "it is tied to its pool's threads: pass the object itself"
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        raise T2NErrorMisuse(
+            f"a {type(self).__name__} cannot be copied or pickled: {self._why_not_copied}"
+        )
 
 
 hand_over: Callable[..., torch.Tensor] = storage.handoff
@@ -57,7 +71,7 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
         actor.leases_ended()  # it rode on the actor's next look: on its thread, look now
 
 
-class TensorPrefetch:
+class TensorPrefetch(Uncopyable):
     """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
 
     ``handle.wait()`` blocks until the value is loaded and returns it (any thread but the
@@ -72,6 +86,9 @@ class TensorPrefetch:
     """
 
     __slots__ = ("_device", "_future", "_pool", "_source", "_version")
+    _why_not_copied = (
+        "it is tied to its pool's load: wait for it and pass the value, or prefetch again"
+    )
 
     def __init__(
         self,
@@ -141,7 +158,7 @@ class TensorPrefetch:
         return f"<TensorPrefetch {'done' if self.done() else 'pending'}>"
 
 
-class TensorResidencyLease(Holder):
+class TensorResidencyLease(Holder, Uncopyable):
     """A scoped claim on a resident value: ``with pool.acquire(t) as v`` or ``async with``.
 
     While the lease is held the value stays resident. A ``read_write`` lease marks the value
@@ -160,6 +177,7 @@ class TensorResidencyLease(Holder):
     """
 
     __slots__ = ("_begun", "_device", "_pool", "_request", "_source", "_used")
+    _why_not_copied = "a copy would end the same lease twice: use the lease object itself"
 
     def __init__(
         self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str

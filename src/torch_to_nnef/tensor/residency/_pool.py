@@ -31,6 +31,7 @@ from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._handles import (
     TensorPrefetch,
     TensorResidencyLease,
+    Uncopyable,
     hand_over,
 )
 from torch_to_nnef.tensor.residency._policy import ResidencyStrategy, make_policy
@@ -63,12 +64,13 @@ def _normalize_device(device: TDevice) -> torch.device:
     return storage.resolve_device(device)
 
 
-class TensorResidencyPool:
+class TensorResidencyPool(Uncopyable):
     """Keep a bounded set of :class:`OffloadedTensor` values resident while a model runs.
 
     One actor owns the pool's state on an event loop: the caller's (``async with pool``) or a
     private daemon thread started by ``with pool`` or the first synchronous call. Every
-    operation has a synchronous face, usable from any thread, and an async twin.
+    operation has a synchronous face, usable from any thread, and an async twin. A pool is
+    shared, never copied nor pickled (:class:`T2NErrorMisuse` says so).
 
     Args:
         max_cached_bytes: soft limit on the bytes of the values kept for reuse, as an int
@@ -98,6 +100,11 @@ class TensorResidencyPool:
         read_ahead: the trace-driven read-ahead (its ``stats()`` count the accesses read
             ahead and those loaded on demand), or ``None``.
     """
+
+    _why_not_copied = (
+        "it owns a loop thread, I/O workers and the values it holds: share the pool object "
+        "itself, or create another pool"
+    )
 
     def __init__(
         self,
