@@ -64,7 +64,8 @@ def test_async_acquire_on_a_closed_pool_says_closed(tmp_path: Path) -> None:
 def test_pools_leases_and_handles_refuse_to_be_copied(tmp_path: Path, how: str) -> None:
     """A copied lease ended the same lease twice (a lease count of -1, and close() then
     refused for a value nobody held); a copied pool shared its threads with the original,
-    whose collection closed both. Each refuses, saying what to do."""
+    whose collection closed both; a copied stream shared its hooks. Each refuses, saying
+    what to do."""
     import copy
     import pickle
 
@@ -77,14 +78,18 @@ def test_pools_leases_and_handles_refuse_to_be_copied(tmp_path: Path, how: str) 
     with TensorResidencyPool() as pool:
         lease = pool.acquire(t)
         handle = pool.prefetch(t)
+        model = offload_module(nn.Sequential(nn.Linear(4, 4)), tmp_path / "model")
+        stream = stream_modules(pool, model)
         for thing, remedy in (
             (pool, "share the pool object itself"),
             (lease, "use the lease object itself"),
             (handle, "wait for it and pass the value"),
+            (stream, "pass the stream itself"),
         ):
             with pytest.raises(T2NErrorMisuse, match="cannot be copied or pickled") as raised:
                 copier(thing)
             assert remedy in str(raised.value)
         with lease as value:
             assert torch.equal(value, torch.ones(8))
+        stream.close()
     assert pool.closed, "the lease ended once: close() found nothing held"

@@ -17,7 +17,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
 from torch_to_nnef.tensor.opaque import _is_tracing
-from torch_to_nnef.tensor.residency._handles import end_lease
+from torch_to_nnef.tensor.residency._handles import Uncopyable, end_lease
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -115,7 +115,7 @@ def _leave_scope(held: _Held) -> None:
             held.token = None
 
 
-class ModuleStream:
+class ModuleStream(Uncopyable):
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
     A context manager: leaving it (or :meth:`close`) removes the hooks and releases the
@@ -136,6 +136,11 @@ class ModuleStream:
         device: the delivery device given at creation.
         groups: the offloaded parameters and buffers of each module, in module order.
     """
+
+    _why_not_copied = (
+        "it owns the hooks on its modules and the leases of their next forward: pass the "
+        "stream itself"
+    )
 
     def __init__(
         self,
