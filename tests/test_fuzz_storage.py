@@ -253,6 +253,17 @@ def load_or_reject(directory: Path, raw: bytes, *, use_async: bool = False) -> s
     return outcome
 
 
+def _json_object(text: object) -> dict[str, Any] | None:
+    """``text`` parsed, when it is a string holding a JSON object; ``None`` otherwise."""
+    if not isinstance(text, str):
+        return None
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    return value if isinstance(value, dict) else None
+
+
 FUZZ_SETTINGS = {
     "deadline": None,
     "suppress_health_check": [HealthCheck.too_slow, HealthCheck.data_too_large],
@@ -402,8 +413,9 @@ def json_mutations(draw: st.DrawFn) -> bytes:
             metadata = document.get("__metadata__")
             if isinstance(metadata, dict) and metadata and draw(st.booleans()):
                 key = draw(st.sampled_from(sorted(metadata)))
-                if key == "t2n.attributes" and draw(st.booleans()):
-                    attributes = json.loads(metadata[key])
+                # An earlier mutation may have left anything there: edit a JSON object only.
+                attributes = _json_object(metadata[key]) if key == "t2n.attributes" else None
+                if attributes and draw(st.booleans()):
                     attributes[draw(st.sampled_from(sorted(attributes)))] = draw(junk)
                     metadata[key] = json.dumps(attributes)
                 else:
