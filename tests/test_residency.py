@@ -674,6 +674,48 @@ def test_a_pool_never_closed_writes_its_changes_back_at_exit(tmp_path: Path, the
     assert torch.equal(written, torch.full((1 << 22,), 9.0))
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("loop_closed", [False, True], ids=["loop-left", "loop-closed"])
+def test_an_async_with_block_never_left_writes_its_changes_back_at_exit(
+    tmp_path: Path, loop_closed: bool
+) -> None:
+    """A script that runs its event loop by hand and ends while a task is still inside
+    `async with pool` (the task destroyed, pending, at exit): nothing drives the pool's
+    actor any more, so the exiting thread closes it, writes on the workers, before they
+    stop. The change reaches the file, and no close fails."""
+    import subprocess
+    import sys
+
+    saved = tmp_path / "saved.bin"
+    script = f"""
+import asyncio, atexit, shutil, torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+t = OffloadedTensor.from_original_tensor(torch.zeros(1024), "w", offload_dir={str(tmp_path)!r})
+atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+pool = TensorResidencyPool()
+async def serve():
+    async with pool:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.fill_(5.0)
+        await asyncio.Event().wait()  # the block is never left
+loop = asyncio.new_event_loop()
+task = loop.create_task(serve())
+loop.run_until_complete(asyncio.sleep(0.1))
+if {loop_closed}:
+    loop.close()
+print("ok", flush=True)
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=100
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "ok"
+    assert "failed" not in result.stderr, result.stderr
+    (written,) = storage.read_payload(storage.read_layout(saved)).values()
+    assert torch.equal(written, torch.full((1024,), 5.0))
+
+
 # ---------------------------------------------------------------------------------------------
 # Buffer reuse
 # ---------------------------------------------------------------------------------------------

@@ -678,6 +678,9 @@ class _Unclosed:
     def at_exit(self) -> None:
         """Interpreter exit, before the loop thread stops: finish the close of a collected
         pool, or close a pool still open that holds changes."""
+        if self._runtime.stranded():
+            self._close_stranded()
+            return
         closing = self._closing
         if closing is not None:
             try:
@@ -698,6 +701,25 @@ class _Unclosed:
             LOGGER.error(
                 "a TensorResidencyPool open at interpreter exit could not write its changes "
                 "back; the files keep their earlier values: %s",
+                error,
+            )
+
+    def _close_stranded(self) -> None:
+        """Close a pool whose ``async with`` block on a loop of the caller's was never left,
+        that loop no longer running: the exiting thread drives the close itself, as the
+        loop thread would, its writes still on the workers (which stop after this)."""
+        runtime, actor = self._runtime, self._runtime.actor
+        if actor.closed or not _has_changes(actor):
+            return
+        pool = self._pool()
+        close = pool._close_request() if pool is not None else Close(actor, _nothing)
+        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        runtime.drive(close, done, inline=True)
+        error = done.exception()
+        if error is not None:
+            LOGGER.error(
+                "a TensorResidencyPool whose `async with` block was never left could not "
+                "write its changes back at exit; the files keep their earlier values: %s",
                 error,
             )
 

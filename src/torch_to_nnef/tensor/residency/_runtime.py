@@ -116,18 +116,22 @@ if hasattr(os, "register_at_fork"):
 
 
 def _stop_private_loops_at_exit() -> None:
-    """Stop private loop threads before the interpreter finalizes (they are daemons): each
-    runs what was posted, then its workers' jobs to their end. No daemon thread of a pool is
-    left running Python or torch code while the interpreter tears down."""
-    for runtime in list(_private_loops):
+    """Before the interpreter finalizes, and before the workers stop: run the pools' exit
+    work (``at_exit``) for private loops and for loops of the caller's that no longer run
+    (:meth:`Runtime.stranded`), then stop private loop threads (they are daemons): each runs
+    what was posted, then its workers' jobs to their end. No daemon thread of a pool is left
+    running Python or torch code while the interpreter tears down."""
+    for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
-        if runtime.at_exit is not None:
+        private = runtime in _private_loops
+        if runtime.at_exit is not None and (private or runtime.stranded()):
             try:
                 runtime.at_exit()
             except BaseException:  # a second Ctrl-C included: the loops still stop
                 LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
-        runtime.stop_private()
+        if private:
+            runtime.stop_private()
 
 
 # Registered after the workers' hook (imported above), so it runs before it.
@@ -227,6 +231,13 @@ class Runtime:
     @property
     def private(self) -> bool:
         return self._thread is not None
+
+    def stranded(self) -> bool:
+        """Served on a loop of the caller's (``async with pool``) that no longer runs: the
+        block was never left (its task pending, or destroyed with the loop). Nothing drives
+        the actor any more; only the calling thread can."""
+        loop = self.loop
+        return self._thread is None and loop is not None and not loop.is_running()
 
     def on_loop_thread(self) -> bool:
         return self.thread_id == threading.get_ident()
