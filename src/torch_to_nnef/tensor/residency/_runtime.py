@@ -115,7 +115,7 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
-def _stop_private_loops_at_exit() -> None:
+def _close_and_stop_at_exit() -> None:
     """Before the interpreter finalizes, and before the workers stop: run the pools' exit
     work (``at_exit``) for private loops and for loops of the caller's that no longer run
     (:meth:`Runtime.stranded`), then stop private loop threads (they are daemons): each runs
@@ -135,7 +135,7 @@ def _stop_private_loops_at_exit() -> None:
 
 
 # Registered after the workers' hook (imported above), so it runs before it.
-threading._register_atexit(_stop_private_loops_at_exit)  # type: ignore[attr-defined]
+threading._register_atexit(_close_and_stop_at_exit)  # type: ignore[attr-defined]
 
 
 def uvloop_wanted(use_uvloop: bool | None) -> bool:
