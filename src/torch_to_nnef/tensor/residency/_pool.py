@@ -667,11 +667,7 @@ class _Unclosed:
     ) -> None:
         error = done.exception()
         if error is not None:
-            LOGGER.error(
-                "a TensorResidencyPool garbage collected without close() could not write its "
-                "changes back; the files keep their earlier values: %s",
-                error,
-            )
+            _log_unwritten("garbage collected without close()", error)
         self._runtime.stop_private(wait=False)
         closing.set_result(None)
 
@@ -698,11 +694,7 @@ class _Unclosed:
         try:
             pool.close()
         except T2NError as error:  # leased by a thread still running, or a write failed
-            LOGGER.error(
-                "a TensorResidencyPool open at interpreter exit could not write its changes "
-                "back; the files keep their earlier values: %s",
-                error,
-            )
+            _log_unwritten("open at interpreter exit", error)
 
     def _close_stranded(self) -> None:
         """Close a pool whose ``async with`` block on a loop of the caller's was never left,
@@ -717,11 +709,16 @@ class _Unclosed:
         runtime.drive(close, done, inline=True)
         error = done.exception()
         if error is not None:
-            LOGGER.error(
-                "a TensorResidencyPool whose `async with` block was never left could not "
-                "write its changes back at exit; the files keep their earlier values: %s",
-                error,
-            )
+            _log_unwritten("whose `async with` block was never left", error)
+
+
+def _log_unwritten(which: str, error: BaseException) -> None:
+    LOGGER.error(
+        "a TensorResidencyPool %s could not write its changes back; the files keep their "
+        "earlier values: %s",
+        which,
+        error,
+    )
 
 
 def _has_changes(actor: Actor) -> bool:

@@ -9,9 +9,10 @@ which runs them in the order they were sent; there is no other queue.
 **Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
 (:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
 transition for that job. A sync call on the loop thread itself waits for a job inline. At
-interpreter exit a ``threading`` hook runs each private loop's ``at_exit`` (the pool writes back
-what it never closed), then stops the loop (it runs what was posted, then its workers' queued
-jobs to their end) before the interpreter tears down.
+interpreter exit a ``threading`` hook runs the ``at_exit`` of each private loop and of each loop
+of the caller's that no longer runs (the pool writes back what it never closed), then stops the
+private loops (each runs what was posted, then its workers' queued jobs to their end) before
+the interpreter tears down.
 
 **Ended leases.** A thread ending a lease the actor counts as in use wakes the loop when the
 value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
@@ -124,7 +125,7 @@ def _close_and_stop_at_exit() -> None:
     for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
-        private = runtime in _private_loops
+        private = runtime.private
         if runtime.at_exit is not None and (private or runtime.stranded()):
             try:
                 runtime.at_exit()
