@@ -45,6 +45,9 @@ class PoolSource:
       ``version`` (a ``read_write`` lease ends); unless another write came since (then it
       returns ``False``), it is the latest write of the tensor until written back or
       superseded, and reads outside the pool, other pools included, see it.
+    - ``_shelter_unsaved(owner, value)``: a ``read_write`` lease is entered on ``value``;
+      when it is the tensor's unsaved latest write, reads outside the pool keep seeing it
+      as it was (a copy) while the lease changes it.
     - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
       until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
       superseded it, blocking, on a worker; returns its version as ``owner`` sees it, or
@@ -82,6 +85,9 @@ class PoolSource:
         raise NotImplementedError
 
     def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
+        raise NotImplementedError
+
+    def _shelter_unsaved(self, owner: object, value: torch.Tensor) -> None:
         raise NotImplementedError
 
     def _announce_write(self) -> None:

@@ -975,6 +975,19 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             self._unsaved = (owner, self._latest[0], value)
             return True
 
+    def _shelter_unsaved(self, owner: object, value: torch.Tensor) -> None:
+        """A ``read_write`` lease of the pool ``owner`` is entered on ``value``: when that is
+        the tensor's latest write (a change of an earlier lease, not written yet), reads
+        outside the pool go on seeing it as it was, a copy, and never the change under way,
+        which becomes the latest write only when the lease ends (``_note_unsaved``)."""
+        unsaved = self._unsaved
+        if unsaved is None or unsaved[0] is not owner or unsaved[2] is not value:
+            return
+        copy = _copy_of(value, value.device)
+        with self._pending_lock:
+            if self._unsaved is unsaved:
+                self._unsaved = (owner, unsaved[1], copy)
+
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: reads wait for it from now on."""
         with self._pending:

@@ -221,6 +221,8 @@ class TensorResidencyLease(Holder, Uncopyable):
         """The value of the lease just granted, handed over to the caller."""
         slot = self.slot
         assert slot is not None
+        if self.read_write:  # reads outside the pool never see the change under way
+            self._source._shelter_unsaved(self._pool._actor, slot.value)
         return slot.value if slot.as_is else hand_over(slot.value, slot.device)
 
     def _begin(self) -> bool:
@@ -260,6 +262,8 @@ class TensorResidencyLease(Holder, Uncopyable):
                 actor = self._pool._actor
                 slot = actor.fresh_slot(self._source, self._device)
                 if slot is not None and actor.try_lease(slot, self):
+                    if self.read_write:
+                        self._source._shelter_unsaved(actor, slot.value)
                     return slot.value if slot.as_is else hand_over(slot.value, slot.device)
                 self._pool._runtime.call(self._acquire())
             else:
