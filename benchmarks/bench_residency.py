@@ -56,7 +56,10 @@ kept in the temporary directory for later runs, torch shared with this environme
 alternation, three rounds; medians kept. Each tensor is written by its own library
 (``from_original_tensor``). Target: >= 3x upstream's operations per second, sync ``resolve``
 and sync ``acquire``. Without the wheel, or when installing it fails (no network), and with
-``--quick``, the figures say "not measured".
+``--quick``, the figures say "not measured". For context, each round also times the hand-offs
+alone that a miss of the sync face takes (:func:`handoff_floor`: to the loop thread, to an I/O
+worker, back to the loop, back to the caller; no work): on a machine where waking a thread is
+slow, they set how close any pool built this way can come to a single-threaded one.
 
 Run: ``python benchmarks/bench_residency.py --part {latency,churn,bulk,upstream} [--quick]
 [--output PATH] [--repeat N]``.
@@ -882,6 +885,54 @@ def churn_job(python: Path | str, seed: int, upstream: bool = False) -> dict[str
     return result
 
 
+HANDOFF_OPERATIONS = 6_000
+
+
+def handoff_floor(operations: int = HANDOFF_OPERATIONS) -> float:
+    """Microseconds per request of the hand-offs alone that a miss of the pool's sync face
+    takes, with no work at all: a request posted to an event-loop thread (uvloop where
+    installed, as the pool's), a job queued from there to a worker thread, its completion
+    posted back to the loop, the answer set on the caller's ``concurrent.futures.Future``.
+    The median of three runs of ``operations`` requests."""
+    import concurrent.futures
+    import queue
+
+    try:
+        import uvloop
+
+        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
+    except ImportError:
+        loop = asyncio.new_event_loop()
+    jobs: queue.SimpleQueue[concurrent.futures.Future[None] | None] = queue.SimpleQueue()
+
+    def answer(done: concurrent.futures.Future[None]) -> None:
+        done.set_result(None)
+
+    def work() -> None:
+        while (done := jobs.get()) is not None:
+            loop.call_soon_threadsafe(answer, done)
+
+    threads = [threading.Thread(target=loop.run_forever), threading.Thread(target=work)]
+    for thread in threads:
+        thread.start()
+    runs = []
+    try:
+        for _ in range(3):
+            start = time.perf_counter()
+            for _ in range(operations):
+                done: concurrent.futures.Future[None] = concurrent.futures.Future()
+                loop.call_soon_threadsafe(jobs.put, done)
+                done.result()
+            runs.append((time.perf_counter() - start) / operations * 1e6)
+    finally:
+        jobs.put(None)
+        loop.call_soon_threadsafe(loop.stop)
+        for thread in threads:
+            thread.join()
+        loop.close()
+    return statistics.median(runs)
+
+
 def upstream(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     rounds = arguments.repeat or 3
     faces = ("resolve", "acquire")
@@ -905,9 +956,11 @@ def upstream(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
             "details": {"headers": ["library"], "rows": []},
         }
     runs: dict[str, list[dict[str, Any]]] = {"this pool": [], "upstream": []}
+    floors = []
     for round_index in range(rounds):
         runs["this pool"].append(churn_job(sys.executable, seed=round_index))
         runs["upstream"].append(churn_job(python, seed=round_index, upstream=True))
+        floors.append(handoff_floor())
         print(f"  round {round_index + 1}: done", flush=True)
 
     def ops(library: str, face: str, clock: str = "seconds") -> list[float]:
@@ -936,6 +989,22 @@ def upstream(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
         )
         for library in runs:
             rows.append([f"{library}, sync {face}", *(f"{v:,.0f}" for v in ops(library, face))])
+    floor = statistics.median(floors)
+    misses = 1.0 - runs["this pool"][0]["lru_hit_ratio"]
+    theirs_us = 1e6 / statistics.median(ops("upstream", "resolve"))
+    ours_us = 1e6 / statistics.median(ops("this pool", "resolve"))
+    results["handoff_floor_us"] = floors
+    summary.append(
+        summary_row(
+            "hand-offs of a miss alone, no work (caller, loop thread, I/O worker, loop, caller)",
+            f"{floor:.0f} us per miss ({misses:.0%} of the ops miss: "
+            f"{floor * misses:.0f} us per op, before any read or bookkeeping)",
+            f"sync resolve per op: upstream {theirs_us:.0f} us, this pool {ours_us:.0f} us",
+            "",
+            None,
+        )
+    )
+    rows.append(["hand-offs alone, us per miss", *(f"{v:.0f}" for v in floors)])
     return {
         "config": {
             **config,
