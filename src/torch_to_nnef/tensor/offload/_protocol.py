@@ -57,6 +57,11 @@ class PoolSource:
 
     __slots__ = ()
 
+    # Those of the tensor (declared only: the tensor class provides them): a lease's change
+    # keeps them.
+    shape: torch.Size
+    dtype: torch.dtype
+
     @property
     def name(self) -> str:
         raise NotImplementedError

@@ -19,7 +19,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._requests import Acquire
-from torch_to_nnef.tensor.residency._state import Holder
+from torch_to_nnef.tensor.residency._state import Holder, Slot
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
@@ -62,13 +62,38 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
     slot = holder.slot
     if slot is None:
         return
+    refused = None
     if changed and holder.read_write:
         storage.record_writes(slot.value, slot.device)
+        refused = _undo_reshaping(slot)
+        changed = refused is None
     actor = pool._actor
     if actor.release(holder, changed):
         pool._runtime.notify(actor.leases_ended)
     elif actor.deferred and pool._runtime.thread_id == get_ident():
         actor.leases_ended()  # it rode on the actor's next look: on its thread, look now
+    if refused is not None:
+        raise refused
+
+
+def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
+    """A ``read_write`` lease's change keeps the tensor's shape and dtype. A value reshaped
+    or retyped in place under the lease (``unsqueeze_``, ``resize_``, ``set_``, ``.data =``)
+    is put back as the tensor's latest write, read while the lease still holds it (no
+    write-back runs meanwhile); the error to raise says so (``None``: the change fits)."""
+    value, source = slot.value, slot.entry.source
+    shape, dtype = tuple(source.shape), source.dtype
+    if tuple(value.shape) == shape and value.dtype == dtype:
+        return None
+    became = f"{tuple(value.shape)} {value.dtype}"
+    with torch.no_grad():
+        value.data = storage.handoff(source._reload_unmanaged(slot.device), slot.device)
+    return T2NErrorMisuse(
+        f"{source.name!r} was reshaped in place under a read_write lease (an in-place op "
+        f"in a pool's scope takes one) from {shape} {dtype} to {became}; the change is "
+        "dropped and the value is back to its latest write. A lease keeps the shape and "
+        "dtype: give new ones with update_values(value, strict_shape=False, strict_dtype=False)"
+    )
 
 
 class TensorPrefetch(Uncopyable):
