@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from contract import OpaqueContract
 from forking import in_forked_child
 from quant_reference import reference_q4_0_value
+from residency_checks import on_disk
 from torch import nn
 
 from torch_to_nnef.exceptions import (
@@ -295,6 +296,22 @@ def test_in_place_operations_write_back(offloaded: OffloadedTensor, weight: torc
     with torch.no_grad():
         nn.init.zeros_(offloaded)
     assert torch.count_nonzero(offloaded.reload()) == 0
+
+
+def test_an_out_argument_is_a_write(offloaded: OffloadedTensor, weight: torch.Tensor) -> None:
+    """``out=t`` writes ``t`` as an in-place op does, outside a scope and in one (where the
+    pool writes it back); a result of another shape is refused as ``update_values`` does."""
+    assert torch.cumsum(offloaded, 0, out=offloaded) is offloaded
+    assert torch.equal(offloaded.reload(), torch.cumsum(weight, 0))
+    with TensorResidencyPool() as pool:
+        with pool.scope():
+            assert torch.mul(torch.ones_like(weight), 3, out=offloaded) is offloaded
+            assert torch.equal(offloaded * 1, torch.full_like(weight, 3.0))
+        assert torch.equal(offloaded.reload(), torch.full_like(weight, 3.0))
+    assert torch.equal(on_disk(offloaded), torch.full_like(weight, 3.0))
+    with pytest.warns(UserWarning, match="resized"), pytest.raises(T2NErrorMisuse, match="shape"):
+        torch.add(torch.ones(3), 1, out=offloaded)
+    assert torch.equal(offloaded.reload(), torch.full_like(weight, 3.0))
 
 
 def test_copy_broadcasts_and_casts(offloaded: OffloadedTensor) -> None:

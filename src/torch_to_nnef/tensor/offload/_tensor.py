@@ -1292,7 +1292,21 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def _apply_in_place(
         self, func: Callable[..., Any], rest: tuple[Any, ...], kwargs: Mapping[str, Any]
     ) -> Any:
-        """Run the in-place ``func`` on the loaded value and write the result back.
+        """Run the in-place ``func`` on the loaded value and write the result back."""
+        arguments = _expand_argument(rest)
+        keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
+        return self._change(func, lambda value: func(value, *arguments, **keywords))
+
+    def _apply_to_out(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    ) -> Any:
+        """Run ``func`` with this tensor as its ``out=`` argument: a write of its values."""
+        arguments = _expand_argument(args)
+        keywords = {key: _expand_argument(item) for key, item in kwargs.items() if key != "out"}
+        return self._change(func, lambda value: func(*arguments, out=value, **keywords))
+
+    def _change(self, func: Callable[..., Any], run: Callable[[torch.Tensor], Any]) -> Any:
+        """Change the loaded value with ``run`` (an op writing it) and write the result back.
 
         Inside a residency scope the value is changed under a ``read_write`` lease of the
         active pool, which writes it back (on eviction, flush or close); elsewhere the payload
@@ -1300,18 +1314,16 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         if self._binding.opaque:
             self._refuse_in_place(getattr(func, "__name__", repr(func)))
-        arguments = _expand_argument(rest)
-        keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
         scope = active_tensor_residency()
         if scope is not None:
             pool, device = scope
             lease = pool._scope_lease(self, device)
             with lease as value, torch._C.DisableTorchFunctionSubclass():
-                result = func(value, *arguments, **keywords)
+                result = run(value)
             return self if result is value else result
         value = storage.handoff(self._reload_unmanaged())
         with torch._C.DisableTorchFunctionSubclass():
-            result = func(value, *arguments, **keywords)
+            result = run(value)
         self.update_values(value)
         return self if result is value else result
 
@@ -1326,6 +1338,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         kwargs = kwargs or {}
         if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
             result = args[0]._apply_in_place(func, args[1:], kwargs)
+        elif isinstance(kwargs.get("out"), OffloadedTensor):
+            result = kwargs["out"]._apply_to_out(func, args, kwargs)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
         if _GC_REQUEST.pending:
