@@ -15,7 +15,7 @@ from typing import Protocol
 
 import torch
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 
 __all__ = [
     "ACTIVE_RESIDENCY",
@@ -137,7 +137,7 @@ context) and stays private to each asyncio task.
 
 
 _loads_outside = 0
-_loads_outside_lock = ForkSafeLock()
+_loads_outside_lock = fork_safe_lock()
 
 
 def count_load_outside_scopes() -> None:

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -138,7 +138,7 @@ if hasattr(os, "register_at_fork"):
 
 
 _PRIVATE_DIR: weakref.ref[_PrivateDir] | None = None
-_PRIVATE_DIR_LOCK = ForkSafeLock()
+_PRIVATE_DIR_LOCK = fork_safe_lock()
 
 
 def _private_dir() -> _PrivateDir:

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.opaque import OpaqueTensor
 from torch_to_nnef.tensor.storage._pinned import PinnedRing, ring_for
@@ -99,7 +99,7 @@ class CudaRuntime:
 RUNTIME = CudaRuntime()
 
 _STREAMS: dict[int, Any] = {}
-_STREAMS_LOCK = ForkSafeLock()
+_STREAMS_LOCK = fork_safe_lock()
 
 
 # ---------------------------------------------------------------------------------------------

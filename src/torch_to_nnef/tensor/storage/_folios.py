@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import os
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 
 __all__ = ["SLOW_REGIONS", "SMALL_FOLIO_NS", "Region", "SlowRegions", "evict"]
 
@@ -41,7 +41,7 @@ class SlowRegions:
 
     def __init__(self, capacity: int = 4096) -> None:
         self._capacity = capacity
-        self._lock = ForkSafeLock()  # a worker may hold it at a fork
+        self._lock = fork_safe_lock()  # a worker may hold it at a fork
         self._read_again: dict[Region, None] = {}  # insertion ordered: the oldest first
 
     def first_slow(self, region: Region, huge_pages: int, spent_ns: int) -> bool:

@@ -26,7 +26,7 @@ from typing import TypeVar
 
 import torch
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor.storage._buffers import (
     byte_view,
@@ -426,7 +426,7 @@ class AtomicFile:
 # Temporaries of killed processes
 # ---------------------------------------------------------------------------------------------
 _CLEANED: set[tuple[int, int]] = set()  # directories this process cleaned (device, inode)
-_CLEANED_LOCK = ForkSafeLock()
+_CLEANED_LOCK = fork_safe_lock()
 _PRIVATE_LOCK_NAME = ".t2n-owner.lock"
 
 

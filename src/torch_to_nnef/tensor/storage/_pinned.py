@@ -22,7 +22,7 @@ from typing import Protocol
 
 import torch
 
-from torch_to_nnef._forksafe import ForkSafeLock
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 
 __all__ = ["CHUNKS_PER_DEVICE", "CHUNK_BYTES", "PinnedRing", "pinned_bytes", "ring_for"]
@@ -131,7 +131,7 @@ class PinnedRing:
 
 
 _RINGS: dict[int, PinnedRing] = {}
-_RINGS_LOCK = ForkSafeLock()
+_RINGS_LOCK = fork_safe_lock()
 
 
 def ring_for(index: int, allocate: Callable[[int], torch.Tensor]) -> PinnedRing:
