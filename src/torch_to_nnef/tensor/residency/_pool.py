@@ -529,22 +529,26 @@ class TensorResidencyPool(Uncopyable):
                 pool's own loop thread (use ``await pool.aclose()``).
             T2NErrorStorage: a write-back failed (the pool stays open; retry after fixing).
         """
-        if self._actor.closed:
-            return
         runtime = self._runtime
+        if self._actor.closed:
+            self._stop_private_loop()  # a close that an interrupt cut short stopped nothing
+            return
         private = runtime.private or not runtime.running
         self._end_interrupted_forwards()
         self._call_blocking(self._close_request())
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
             self._actor.finish_close()
-        self._warn_if_left_out()
-        if private:
-            runtime.stop_private()
+        try:
+            self._warn_if_left_out()
+        finally:
+            if private:
+                runtime.stop_private()
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`."""
         if self._actor.closed:
+            self._stop_private_loop()
             return
         runtime = self._runtime
         if not runtime.running:
@@ -553,6 +557,12 @@ class TensorResidencyPool(Uncopyable):
         self._end_interrupted_forwards()
         await runtime.acall(self._close_request())
         self._warn_if_left_out()
+        if runtime.private and not runtime.on_loop_thread():
+            runtime.stop_private()
+
+    def _stop_private_loop(self) -> None:
+        """Stop the private loop thread of a closed pool, if it still runs (not from it)."""
+        runtime = self._runtime
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()
 
