@@ -36,6 +36,22 @@ def test_prefetch_of_a_module_names_its_tensors(tmp_path: Path) -> None:
         assert words in message, message
 
 
+def test_a_string_that_names_no_device_is_refused_by_name(tmp_path: Path) -> None:
+    model = offload_module(nn.Sequential(nn.Linear(4, 4)), tmp_path)
+    weight = model[0].weight
+    with TensorResidencyPool() as pool:
+        for call in (
+            lambda: pool.resolve(weight, device="nope"),
+            lambda: pool.acquire(weight, device="nope"),
+            lambda: pool.prefetch(weight, device="nope"),
+            lambda: pool.scope(device="nope").__enter__(),
+            lambda: stream_modules(pool, list(model), device="nope"),
+        ):
+            with pytest.raises(T2NErrorMisuse, match="'nope' is not a device"):
+                call()
+        pool.resolve(weight)  # the pool goes on serving
+
+
 def test_budgets_are_read_from_sizes_in_words() -> None:
     assert TensorResidencyPool(max_cached_bytes="1.5GB").max_cached_bytes == 1_500_000_000
     assert TensorResidencyPool(max_cached_bytes="512MiB").max_cached_bytes == 512 << 20

@@ -110,8 +110,14 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
 
     The current device is the calling thread's: call this where the user called (the public
     method), and pass the resolved device to worker threads.
+
+    Raises:
+        T2NErrorMisuse: ``device`` names no device.
     """
-    target = torch.device(device)
+    try:
+        target = torch.device(device)
+    except (TypeError, RuntimeError) as exc:
+        raise T2NErrorMisuse(f"{device!r} is not a device: {exc}") from exc
     if target.type == "cuda" and target.index is None and RUNTIME.is_available():
         target = torch.device("cuda", RUNTIME.current_device())
     return target
