@@ -7,7 +7,10 @@ import errno
 import gc
 import mmap
 import os
+import sys
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -45,6 +48,44 @@ def test_mapped_entries_hold_the_file_values(
         assert mapped[name].dtype == value.dtype and torch.equal(mapped[name], value)
     only = storage.map_payload(layout, names=["b"])
     assert list(only) == ["b"] and torch.equal(only["b"], tensors["b"])
+
+
+@pytest.mark.skipif(
+    _kernel.KERNEL is None or not Path("/proc/self/maps").exists(),
+    reason="needs the kernel's calls and /proc",
+)
+def test_a_mapping_whose_unmap_an_interrupt_lost_is_unmapped_by_a_later_sweep(
+    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
+) -> None:
+    """A Ctrl-C landing in the callback that unmaps a mapping as its tensors die is lost by
+    Python, and the unmap with it: the mapping stays (a replaced file's disk space with it)
+    until a sweep, after at most SWEEP_EVERY more mappings, unmaps it."""
+    layout, _tensors = payload
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "_gone":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    lost: list[type[BaseException]] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: lost.append(unraisable.exc_type)
+    try:
+        mapped = storage.map_payload(layout)
+        assert mapped_regions(layout.path) == 1
+        sys.settrace(trace)
+        try:
+            del mapped
+            gc.collect()
+        finally:
+            sys.settrace(None)
+    finally:
+        sys.unraisablehook = hook
+    assert lost == [KeyboardInterrupt]
+    assert mapped_regions(layout.path) == 1  # its unmap was lost
+    for _ in range(_mapped.SWEEP_EVERY):
+        storage.map_payload(layout, names=["b"])  # each gone at once
+    assert mapped_regions(layout.path) == 0
 
 
 def test_a_checkpoint_written_by_safetensors_maps_at_unaligned_offsets(tmp_path: Path) -> None:

@@ -41,6 +41,8 @@ checkpoint changed since its layout was read is refused.
 from __future__ import annotations
 
 import errno
+import functools
+import itertools
 import mmap
 import os
 import time
@@ -217,6 +219,52 @@ def _map_refolding(
 
 _WIDEN_AT_MOST = 2  # an end of a region is widened by at most 1/2 of a huge page
 
+SWEEP_EVERY = 256
+"""Mappings made between two sweeps of :class:`Mappings` for ones left mapped."""
+
+
+class Mappings:
+    """The payload mappings made through the kernel's calls, each unmapped when the view
+    that owns it is gone.
+
+    A weak reference callback unmaps a mapping as its view dies. That callback is Python
+    code, run wherever the collection happens: a ``KeyboardInterrupt`` landing in it is lost
+    by Python, and the unmap with it. Every :data:`SWEEP_EVERY` mappings made, those whose
+    view is gone and that are still mapped are unmapped. Each mapping has a number of its
+    own, never reused, so that only one of its callback and a sweep unmaps it: whichever takes
+    it out of the table (an address is reused by later mappings; a number is not).
+    """
+
+    def __init__(self) -> None:
+        self._table: dict[int, tuple[weakref.ref[memoryview], int, int]] = {}
+        self._numbers = itertools.count()
+
+    def add(self, kernel: _kernel.Kernel, view: memoryview, base: int, span: int) -> None:
+        """Unmap ``span`` bytes at ``base`` once ``view`` is gone."""
+        number = next(self._numbers)
+        callback = functools.partial(self._gone, kernel, number)
+        self._table[number] = (weakref.ref(view, callback), base, span)
+        if number % SWEEP_EVERY == SWEEP_EVERY - 1:
+            self.sweep(kernel)
+
+    def _gone(self, kernel: _kernel.Kernel, number: int, _reference: object) -> None:
+        entry = self._table.pop(number, None)
+        if entry is not None:
+            kernel.munmap(entry[1], entry[2])
+
+    def sweep(self, kernel: _kernel.Kernel) -> None:
+        """Unmap the mappings whose view is gone (their callback was lost)."""
+        for number, (reference, _base, _span) in self._table.copy().items():
+            if reference() is None:
+                self._gone(kernel, number, reference)
+
+    def __len__(self) -> int:
+        return len(self._table)
+
+
+MAPPINGS = Mappings()
+"""The process's payload mappings."""
+
 
 def _whole_huge_pages(start: int, length: int, file_size: int) -> tuple[int, int]:
     """The region ``start``, ``length`` widened, at each end that covers half a huge page of
@@ -279,7 +327,7 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | 
             raise
     try:
         region = kernel.view(base, span)
-        weakref.finalize(region, kernel.munmap, base, span).atexit = False
+        MAPPINGS.add(kernel, region, base, span)
     except BaseException:
         kernel.munmap(base, span)
         raise
