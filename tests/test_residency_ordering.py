@@ -835,19 +835,47 @@ def test_a_read_write_lease_that_reshapes_the_value_in_place_is_refused(
     assert t.shape == (8,) and t.dtype == torch.float32
 
 
-# A known defect, kept as a test of the behaviour wanted: it fails until it is fixed.
 @pytest.mark.timeout(60)
-@pytest.mark.xfail(
-    strict=True,
-    reason="in a scope, an in-place op on a view of an offloaded tensor changes the pool's "
-    "value without a lease: the change is neither dirty nor seen outside the pool",
-)
-def test_an_in_place_op_on_a_view_in_a_scope_is_a_write(tmp_path: Path) -> None:
+def test_an_in_place_op_on_a_view_in_a_scope_is_no_write_and_every_read_agrees(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A view of an offloaded tensor is a view of a loaded value, in a scope as outside one:
+    an in-place op on it (or on a value resolve() returned) writes the view, not the tensor.
+    The pool does not serve the value so changed: it loads it again, and says why once."""
     t = OffloadedTensor.from_original_tensor(torch.arange(6.0), "t", tmp_path)
-    expected = torch.tensor([0.0, 1.0, 2.0, 0.0, 0.0, 0.0])
     with TensorResidencyPool() as pool:
         with pool.scope():
+            view = t[3:]
+            view.mul_(0)
+            assert torch.equal(view, torch.zeros(3))  # the view keeps its own change
+            assert torch.equal(t * 1, torch.arange(6.0))
+        assert torch.equal(pool.resolve(t), torch.arange(6.0))
+        pool.resolve(t).add_(1.0)
+        assert torch.equal(pool.resolve(t), torch.arange(6.0))
+        with pool.acquire(t) as value:
+            assert torch.equal(value, torch.arange(6.0))
+        assert torch.equal(t.reload(), torch.arange(6.0))
+        assert pool.stats().loads == 3
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.arange(6.0))
+    assert sum("changed in place outside a read_write lease" in m for m in caplog.messages) == 1
+
+
+@pytest.mark.timeout(60)
+def test_an_in_place_op_on_a_view_of_a_changed_value_joins_the_unsaved_change(
+    tmp_path: Path,
+) -> None:
+    """On a value holding the pool's unsaved change (which reads outside the pool already
+    share), such a change is kept with it: every read sees it, and the write-back writes it."""
+    t = OffloadedTensor.from_original_tensor(torch.arange(6.0), "t", tmp_path)
+    expected = torch.tensor([1.0, 2.0, 3.0, 0.0, 0.0, 0.0])
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+        with pool.scope():
             t[3:].mul_(0)
-        assert torch.equal(pool.resolve(t), expected)
+            assert torch.equal(t * 1, expected)
         assert torch.equal(t.reload(), expected)
+        assert torch.equal(pool.resolve(t), expected)
+        check_invariants(pool)
     assert torch.equal(on_disk(t), expected)

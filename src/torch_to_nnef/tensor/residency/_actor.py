@@ -93,6 +93,7 @@ class Actor:
         # owner could not end them), with whether they may have changed the value: ended by
         # the next transition. Appended without a lock (a finalizer may run anywhere).
         self._dropped: deque[tuple[Holder, bool]] = deque()
+        self._warned_outside_leases = False  # a change outside leases was logged once
 
     # ------------------------------------------------------------------------------------------
     # Introspection and hits without the actor (any thread)
@@ -127,6 +128,8 @@ class Actor:
         slot = self.published.get(id(source))
         if slot is None or slot.version is not source._version_for(self):
             return None
+        if slot.value._version != slot.seen and not slot.leases:
+            return None  # changed outside any lease: the actor decides (see _stale)
         # Requests usually carry the very device object the slot was created with.
         if slot.device is not device and slot.device != device:
             return None
@@ -200,6 +203,8 @@ class Actor:
                 return False
             slot.leases -= 1
             slot.writers -= holder.read_write
+            if holder.read_write:
+                slot.seen = slot.value._version  # what the lease did is its change
             if changed:
                 slot.dirty = True
             self._touches.append(slot.key)
@@ -347,8 +352,15 @@ class Actor:
 
         New requests load the latest value; whoever holds the old value (a lease, a pin)
         keeps it. Leases still held on it count for ``close`` until they end; the caller
-        moves the pin to the next entry (a pin is on the tensor)."""
-        if entry.version is entry.source._version_for(self) or entry.value is None:
+        moves the pin to the next entry (a pin is on the tensor).
+
+        A value changed in place outside any ``read_write`` lease (an in-place op on a view
+        of it, an ``out=`` naming it: see :meth:`_changed_outside_leases`) is dropped the
+        same way: that change was no write of the tensor."""
+        if entry.value is None:
+            return False
+        written = entry.version is not entry.source._version_for(self)
+        if not written and not self._changed_outside_leases(entry):
             return False
         if entry.write is not None:
             return False  # requests wait for the write-back (_superseded_write), then drop it
@@ -374,6 +386,37 @@ class Actor:
         entry.slot = None  # the leases keep their slot; it no longer stands for the tensor
         self._remove(entry, reuse=not slot.leases)
         return True
+
+    def _changed_outside_leases(self, entry: Entry) -> bool:
+        """Whether ``entry``'s value was changed in place outside any ``read_write`` lease
+        (its torch version counter moved since the load or the last such lease), now that
+        no lease holds it (a holder may still make the change its own: a streamed forward
+        keeps what it changed in place through a ``read_write`` lease as it ends).
+
+        Such a change is no write: the value is dropped and loaded again (the change stays
+        with whoever made it, as a view of a value loaded outside any pool keeps its own).
+        On a dirty value, one whose pool's change reads outside the pool already see, it is
+        kept as part of that change, which the write-back writes."""
+        slot = entry.slot
+        if slot is None:
+            return False
+        with self.lock:
+            if slot.leases or slot.value._version == slot.seen:
+                return False
+            if not (entry.dirty or slot.dirty):
+                if not self._warned_outside_leases:
+                    self._warned_outside_leases = True
+                    LOGGER.warning(
+                        "the value of %r was changed in place outside a read_write lease (an "
+                        "in-place op on a view of it, or on a value resolve() returned): that "
+                        "is no write of the tensor, and the pool loads it again; write "
+                        "through the tensor itself (`t[3:] = v`, `t.mul_(2)`) or a "
+                        "read_write lease",
+                        entry.source.name,
+                    )
+                return True
+            slot.seen = slot.value._version
+        return False
 
     def _superseded_write(self, entry: Entry) -> Job | None:
         """The write-back to wait for before ``entry``'s value, written over since it was
@@ -433,10 +476,7 @@ class Actor:
         if not ticket.waiting:
             self.check_open()
         entry: Entry | None = ticket.entry
-        if entry is not None and (
-            self.entries.get(entry.key) is not entry
-            or (entry.version is not entry.source._version_for(self) and self._stale(entry))
-        ):
+        if entry is not None and (self.entries.get(entry.key) is not entry or self._stale(entry)):
             ticket.waiting = False  # its reservation left with that value
             entry = None
         if entry is None:

@@ -177,6 +177,7 @@ class Slot:
         "key",
         "leases",
         "open",
+        "seen",
         "tracked",
         "used",
         "value",
@@ -194,6 +195,10 @@ class Slot:
         # and reading ``device.type`` on every hit costs more than the rest of a hit's checks.
         self.as_is = entry.device.type != "cuda"
         self.version = version
+        # The value's torch version counter as the pool last knew it changed (loaded, or a
+        # read_write lease ended): a count beyond it once no lease holds the value is a
+        # change made outside any read_write lease (through a view), which is no write.
+        self.seen = value._version
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
         self.writers = 0  # of which read_write leases
