@@ -326,3 +326,35 @@ def test_saving_a_bound_model_asks_for_its_values_then_round_trips(
     model.save_pretrained(tmp_path / "saved", state_dict=values)
     again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     assert torch.equal(generate(again), case.tokens)
+
+
+def test_devices_and_dtypes_that_cannot_be_used_are_refused_before_anything_is_bound(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """A device map naming no device, CUDA on a machine without it, or the meta device (where
+    tensors would stay without values) is refused whole: the model keeps its skeleton. The
+    building blocks refuse the same devices, and dtypes that are none."""
+    case = saved[("llama", False)]
+    refused = {"gpu0": "is not a device", "disk_gpu0": "is not a device", "meta": "meta device"}
+    if not torch.cuda.is_available():
+        refused["cuda:0"] = "CUDA is not available"
+    for device, message in refused.items():
+        model = case.skeleton()
+        device_map = {"model.embed_tokens": "disk", "model.layers.0": "cpu", "lm_head": device}
+        with pytest.raises(T2NErrorMisuse, match=message):
+            t2n_load_checkpoint_and_dispatch(model, case.path, {**device_map, "": "disk"}, None)
+        assert all(t.is_meta for t in model.parameters()), device
+
+    shard = sorted(case.path.glob("*.safetensors"))[0]
+    with pytest.raises(T2NErrorMisuse, match="'gpu0' is not a device"):
+        safe_load_file(shard, device="gpu0")
+    with pytest.raises(T2NErrorMisuse, match="'gpu0' is not a device"):
+        load_state_dict(shard, device_map={"": "gpu0"})
+    updater = ModTensorUpdater(case.skeleton(), add_buffers=True)
+    name = "model.norm.weight"
+    with pytest.raises(T2NErrorMisuse, match="'gpu0' is not a device"):
+        set_module_tensor_to_device(updater, name, "gpu0", torch.zeros(64))
+    with pytest.raises(T2NErrorMisuse, match="'floaty' is not a torch dtype"):
+        set_module_tensor_to_device(updater, name, "cpu", torch.zeros(64), dtype="floaty")
+    with pytest.raises(T2NErrorMisuse, match="on the meta device"):
+        set_module_tensor_to_device(updater, name, "cpu", torch.zeros(64, device="meta"))

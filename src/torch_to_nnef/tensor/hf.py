@@ -96,6 +96,49 @@ def maybe_extract_target_device(device: DeviceLike) -> DeviceLike:
     return device.removeprefix("disk_")
 
 
+def _checked(device: DeviceLike) -> DeviceLike:
+    """``device``, once the device it loads values on (after ``disk_``) is known to torch,
+    usable here and not the meta device.
+
+    Raises:
+        T2NErrorMisuse: it names no device, CUDA without CUDA, or the meta device.
+    """
+    target = storage.resolve_device(maybe_extract_target_device(device))
+    if target.type == "meta":
+        raise T2NErrorMisuse(
+            f"device {device!r}: tensors placed on the meta device would stay there without "
+            "values; place them on 'cpu', 'disk' or a GPU"
+        )
+    if target.type == "cuda" and not torch.cuda.is_available():
+        raise T2NErrorMisuse(
+            f"device {device!r}: CUDA is not available on this machine "
+            "(torch.cuda.is_available() is False); place the tensors on 'cpu' or 'disk'"
+        )
+    return device
+
+
+def _checked_map(device_map: DeviceMap) -> DeviceMap:
+    """``device_map`` once each of its devices is checked (:func:`_checked`), before any
+    tensor is placed."""
+    for device in device_map.values():
+        _checked(device)
+    return device_map
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    """``dtype``, or the torch dtype a name such as ``"float16"`` names.
+
+    Raises:
+        T2NErrorMisuse: the name is no torch dtype.
+    """
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, dtype, None) if isinstance(dtype, str) else None
+    if not isinstance(found, torch.dtype):
+        raise T2NErrorMisuse(f"{dtype!r} is not a torch dtype (e.g. 'float16', torch.bfloat16)")
+    return found
+
+
 def maybe_load_offload_tensor(
     value: torch.Tensor,
     device: DeviceLike,
@@ -135,9 +178,10 @@ def safe_load_file(
 
     Raises:
         T2NErrorStorage: the file is missing or not valid safetensors.
+        T2NErrorMisuse: ``device`` is none, not usable here, or the meta device.
     """
     layout = storage.read_layout(filename)
-    target = maybe_extract_target_device(device)
+    target = maybe_extract_target_device(_checked(device))
     if apply_offload and _is_disk(device):
         return {
             key: OffloadedTensor.from_safetensors(
@@ -168,11 +212,14 @@ def load_state_dict(
     Raises:
         T2NErrorCheckpoint: a pickle file cannot be read as plain tensors.
         T2NErrorStorage: a safetensors file is not valid.
+        T2NErrorMisuse: a device of ``device_map`` is none, not usable here, or the meta
+            device.
     """
+    device_map = _checked_map(device_map or {"": "cpu"})
     found = open_checkpoint(Path(checkpoint_file), allow_pickle=True)
     result: dict[str, torch.Tensor] = {}
     for key in found:
-        device = _device_for(key, device_map or {"": "cpu"})
+        device = _device_for(key, device_map)
         if key in found.files:
             if apply_offload and _is_disk(device):
                 result[key] = OffloadedTensor.from_safetensors(
@@ -230,10 +277,17 @@ def set_module_tensor_to_device(
         the tensor the model now holds.
 
     Raises:
-        T2NErrorMisuse: no value, an unknown name, or a shape that differs.
+        T2NErrorMisuse: no value (or one on the meta device), an unknown name, a shape that
+            differs, or a device or dtype that is none (or not usable here).
     """
     if value is None:
         raise T2NErrorMisuse(f"set_module_tensor_to_device({tensor_name!r}) needs a value")
+    if value.is_meta:
+        raise T2NErrorMisuse(
+            f"set_module_tensor_to_device({tensor_name!r}) was given a value on the meta "
+            "device, which has no values to set"
+        )
+    _checked(device)
     old = mod_updater.get_by_name(tensor_name)
     if old.shape != value.shape:
         raise T2NErrorMisuse(
@@ -243,7 +297,7 @@ def set_module_tensor_to_device(
     if dtype is None:
         value = value.to(old.dtype)
     elif value.is_floating_point() or value.is_complex():
-        value = value.to(getattr(torch, dtype) if isinstance(dtype, str) else dtype)
+        value = value.to(_dtype(dtype))
     if _is_disk(device):
         new = maybe_load_offload_tensor(value, device, tensor_name, offload_dir)
     else:
@@ -307,7 +361,8 @@ def t2n_load_checkpoint_and_dispatch(
 
     Raises:
         T2NErrorMisuse: the arguments are swapped or of the wrong type, or the device map is
-            an unknown string or does not cover a tensor.
+            an unknown string, does not cover a tensor, or names a device that is none, not
+            usable here, or the meta device (checked before any tensor is bound).
         T2NErrorNotImplemented: weight converters or a quantizer were given.
         T2NErrorCheckpoint: the checkpoint does not fit the model (see
             :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); in particular a
@@ -361,7 +416,7 @@ def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) ->
         )
         return auto
     if isinstance(device_map, Mapping):
-        return device_map
+        return _checked_map(device_map)
     raise T2NErrorMisuse(
         f"device_map must be {ON_DISK_DEVICE_MAP_KEY!r}, {AUTO_DEVICE_MAP_KEY!r}, a dict of "
         f"module names to devices or None; got {device_map!r}"
@@ -464,10 +519,7 @@ def _from_pretrained_offloaded(
         )
     config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(directory)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    if dtype in (None, "auto"):
-        dtype = None
-    elif isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    dtype = None if dtype in (None, "auto") else _dtype(dtype)
     with accelerate.init_empty_weights():
         model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
     t2n_load_checkpoint_and_dispatch(
