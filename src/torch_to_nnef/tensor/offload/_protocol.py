@@ -114,6 +114,9 @@ class ScopePool(Protocol):
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> _LeaseLike:
         """A ``read_write`` lease on ``source``'s value, for an in-place op."""
 
+    def _scope_aliased(self, source: PoolSource) -> None:
+        """An op returned a view of ``source``'s value (a change through it is no write)."""
+
 
 class _LeaseLike(Protocol):
     def __enter__(self) -> torch.Tensor: ...

@@ -400,6 +400,15 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
     return writes
 
 
+def _is_view_of_a_value(result: Any) -> bool:
+    """Whether an op's ``result`` holds a view (of an argument's value, served by a pool)."""
+    if isinstance(result, torch.Tensor):
+        return result._is_view()
+    if type(result) in (list, tuple):
+        return any(isinstance(item, torch.Tensor) and item._is_view() for item in result)
+    return False
+
+
 def _expand_argument(value: Any) -> Any:
     if isinstance(value, OpaqueTensor):
         return opaque_to_final_tensor(value)
@@ -1378,6 +1387,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             result = kwargs["out"]._apply_to_out(func, args, kwargs)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
+            scope = active_tensor_residency()
+            if scope is not None and _is_view_of_a_value(result):
+                for argument in args:
+                    if isinstance(argument, OffloadedTensor):
+                        scope[0]._scope_aliased(argument)
         if _GC_REQUEST.pending:
             _GC_REQUEST.pending = False
             gc.collect()

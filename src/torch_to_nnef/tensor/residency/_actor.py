@@ -128,12 +128,19 @@ class Actor:
         slot = self.published.get(id(source))
         if slot is None or slot.version is not source._version_for(self):
             return None
-        if slot.value._version != slot.seen and not slot.leases:
-            return None  # changed outside any lease: the actor decides (see _stale)
+        if slot.aliased and not slot.leases and slot.value._version != slot.seen:
+            return None  # changed through a view, outside any lease: see _stale
         # Requests usually carry the very device object the slot was created with.
         if slot.device is not device and slot.device != device:
             return None
         return slot
+
+    def note_alias(self, source: PoolSource) -> None:
+        """A view of ``source``'s resident value was handed out (any thread): hits check from
+        now on that it was not changed through the view (see :meth:`fresh_slot`)."""
+        slot = self.published.get(id(source))
+        if slot is not None:
+            slot.aliased = True
 
     def count_hit(self, slot: Slot) -> None:
         """Count a hit served from ``slot``, found in :attr:`published` (any thread)."""

@@ -319,6 +319,10 @@ class TensorResidencyPool(Uncopyable):
             if held is not None:
                 held._cancel()
 
+    def _scope_aliased(self, source: PoolSource) -> None:
+        """An op of the scope returned a view of ``source``'s value (what tensors call)."""
+        self._actor.note_alias(source)
+
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> TensorResidencyLease:
         """A ``read_write`` lease for an in-place op inside :meth:`scope` (what tensors call)."""
         return self.acquire(source, device, mode="read_write")  # type: ignore[arg-type]

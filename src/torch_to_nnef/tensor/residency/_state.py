@@ -169,6 +169,7 @@ class Slot:
     """
 
     __slots__ = (
+        "aliased",
         "as_is",
         "changed",
         "device",
@@ -199,6 +200,8 @@ class Slot:
         # read_write lease ended): a count beyond it once no lease holds the value is a
         # change made outside any read_write lease (through a view), which is no write.
         self.seen = value._version
+        # A view of the value was handed out (an op of a scope): hits check the counter.
+        self.aliased = False
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
         self.writers = 0  # of which read_write leases
