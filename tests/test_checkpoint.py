@@ -259,6 +259,29 @@ def test_non_strict_binding_of_the_common_keys(dense: Net, tmp_path: Path) -> No
     assert torch.equal(model.conv.weight.reload(), dense.conv.weight.detach())
 
 
+def test_a_checkpoint_of_a_model_holding_this_one_or_held_by_it_is_named(
+    dense: Net, tmp_path: Path
+) -> None:
+    """Keys that are the model's names under one prefix (a causal LM's checkpoint for its base
+    model), or the reverse, are refused with a hint naming the prefix and what to bind."""
+    state = state_without_ties(dense)
+    write_sharded({f"model.{k}": v for k, v in state.items()}, tmp_path / "larger")
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(meta_model(), tmp_path / "larger", strict=False)
+    message = str(caught.value)
+    assert "in the checkpoint under the prefix 'model.'" in message
+    assert "check that the checkpoint belongs to this model" not in message
+
+    write_sharded(state, tmp_path / "smaller")
+    outer = nn.Module()
+    outer.model = meta_model()
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(outer, tmp_path / "smaller", strict=False)
+    assert "bind the checkpoint to the model's 'model' module" in str(caught.value)
+    load_offloaded_checkpoint(outer.model, tmp_path / "smaller", strict=False)  # as it says
+    assert torch.equal(outer.model.conv.weight.reload(), dense.conv.weight.detach())
+
+
 def test_no_tensor_stays_on_the_meta_device_silently(dense: Net, tmp_path: Path) -> None:
     state = state_without_ties(dense)
     del state["conv.bias"]

@@ -376,6 +376,8 @@ def plan_binding(
     report.compared = len(bindings) + len(report.shapes) + report.dtype_count
     report.on_meta = _left_on_meta(unbound, bindings, transient)
     unexpected = sorted(key for key in found if key not in known and not ignored(key))
+    absent = [name for names, _ in unbound for name in names if name not in transient]
+    report.renaming = _prefix_between(absent, unexpected)
     if report.failed(strict, unexpected):
         raise T2NErrorCheckpoint(report.message(found.source, unexpected, strict=strict))
     return BindingPlan(found, updater, bindings, unexpected)
@@ -429,6 +431,9 @@ class _Misfits:
     dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = field(default_factory=dict)
     on_meta: list[str] = field(default_factory=list)
     compared: int = 0
+    # The model's names and the checkpoint's keys differ by a prefix (a model and one inside
+    # it): the hint that says so, or None.
+    renaming: str | None = None
 
     @property
     def dtype_count(self) -> int:
@@ -477,8 +482,10 @@ class _Misfits:
                     "real, rather than torch.device('meta'), or give those buffers real values "
                     "before binding"
                 )
-            if any(_ABSENT in item for item in self.on_meta):
+            if any(_ABSENT in item for item in self.on_meta) and self.renaming is None:
                 hints.append("check that the checkpoint belongs to this model")
+        if self.renaming is not None and (self.on_meta or (strict and self.missing)):
+            hints.append(self.renaming)
         return " ".join(parts) + " To fix: " + "; ".join(hints) + "."
 
     def _dtype_group(self, pair: tuple[torch.dtype, torch.dtype], keys: list[str]) -> str:
@@ -499,6 +506,46 @@ def _listed(items: list[str], limit: int = _LISTED) -> str:
     """``items`` joined, the first ``limit`` of them and how many more."""
     shown = ", ".join(items[:limit])
     return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
+
+
+def _prefix_between(absent: list[str], unexpected: list[str]) -> str | None:
+    """The hint when the checkpoint's keys the model lacks are the model's absent names under
+    one prefix, or the reverse (one model holds the other, as a causal LM holds its base
+    model as ``model``); ``None`` when no prefix accounts for half of the absent names."""
+    if not absent or not unexpected:
+        return None
+    names, keys = set(absent), set(unexpected)
+    under = _heads_matching(unexpected, names)  # checkpoint key = prefix + model name
+    over = _heads_matching(absent, keys)  # model name = prefix + checkpoint key
+    for counts, larger in ((under, "checkpoint"), (over, "model")):
+        if not counts:
+            continue
+        prefix, count = max(counts.items(), key=lambda item: item[1])
+        if 2 * count < len(names):
+            continue
+        if larger == "checkpoint":
+            return (
+                f"{count} of the tensors the model lacks are in the checkpoint under the prefix "
+                f"'{prefix}.': it holds a larger model containing this one (as a ...ForCausalLM "
+                "holds its base model); load it into that larger model's class"
+            )
+        return (
+            f"{count} of the tensors the model lacks are in the checkpoint without the prefix "
+            f"'{prefix}.': this model contains the checkpoint's (as a ...ForCausalLM holds its "
+            f"base model); bind the checkpoint to the model's '{prefix}' module"
+        )
+    return None
+
+
+def _heads_matching(names: list[str], wanted: set[str]) -> dict[str, int]:
+    """For each first dotted component ``head`` of ``names``, how many ``head.rest`` have
+    their ``rest`` in ``wanted``."""
+    counts: dict[str, int] = {}
+    for name in names:
+        head, _, rest = name.partition(".")
+        if rest in wanted:
+            counts[head] = counts.get(head, 0) + 1
+    return counts
 
 
 def _tied_names(names: tuple[str, ...]) -> str:
