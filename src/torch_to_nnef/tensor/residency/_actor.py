@@ -361,9 +361,9 @@ class Actor:
         keeps it. Leases still held on it count for ``close`` until they end; the caller
         moves the pin to the next entry (a pin is on the tensor).
 
-        A value changed in place outside any ``read_write`` lease (an in-place op on a view
-        of it, an ``out=`` naming it: see :meth:`_changed_outside_leases`) is dropped the
-        same way: that change was no write of the tensor."""
+        A value changed in place outside any ``read_write`` lease (through a view of it: see
+        :meth:`_changed_outside_leases`) is dropped the same way: that change was no write
+        of the tensor."""
         if entry.value is None:
             return False
         written = entry.version is not entry.source._version_for(self)

@@ -159,8 +159,9 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``key``, ``value``, ``device`` and ``as_is`` (fixed at creation) changes
-    under the actor's lock only. A thread takes or ends a lease here without the loop thread
+    Every field but ``key``, ``value``, ``device`` and ``as_is`` (fixed at creation) and
+    ``aliased`` (a flag any thread sets, never cleared) changes under the actor's lock only.
+    A thread takes or ends a lease here without the loop thread
     (reading and writing the slot only, never its entry); the actor never evicts, reuses or
     replaces a value whose slot has leases, and closes the slot (no new lease) before it
     does. A write-back of the value never runs while a ``read_write`` lease
