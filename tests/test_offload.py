@@ -314,6 +314,30 @@ def test_an_out_argument_is_a_write(offloaded: OffloadedTensor, weight: torch.Te
     assert torch.equal(offloaded.reload(), torch.full_like(weight, 3.0))
 
 
+def test_a_functional_op_with_inplace_true_is_a_write(
+    offloaded: OffloadedTensor,
+    weight: torch.Tensor,
+    quantized: QTensorTractScaleOnly,
+    tmp_path: Path,
+) -> None:
+    """``F.relu(t, inplace=True)`` writes ``t`` as ``t.relu_()`` does: outside a scope, and
+    in one (under a lease: written back, seen after an eviction); refused on a quantized
+    payload, as every in-place op is."""
+    assert F.relu(offloaded, inplace=True) is offloaded
+    assert torch.equal(offloaded.reload(), F.relu(weight))
+    with TensorResidencyPool() as pool:
+        with pool.scope():
+            F.leaky_relu(offloaded, 0.5, inplace=True)
+            F.hardtanh(offloaded, -0.25, 0.25, inplace=True)
+        pool.evict(offloaded)
+        assert torch.equal(pool.resolve(offloaded), F.relu(weight).clamp(-0.25, 0.25))
+    assert torch.equal(on_disk(offloaded), F.relu(weight).clamp(-0.25, 0.25))
+    q = OffloadedTensor.from_original_tensor(quantized, "q", tmp_path)
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
+        F.relu(q, inplace=True)
+    assert F.relu(offloaded, inplace=False) is not offloaded  # a read
+
+
 def test_copy_broadcasts_and_casts(offloaded: OffloadedTensor) -> None:
     offloaded.copy_(torch.arange(8, dtype=torch.int64))
     assert torch.equal(offloaded.reload(), torch.arange(8.0).expand(6, 8))

@@ -1381,7 +1381,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if args and isinstance(args[0], OffloadedTensor) and _writes_first_argument(func):
+        if (
+            args
+            and isinstance(args[0], OffloadedTensor)
+            and (_writes_first_argument(func) or kwargs.get("inplace") is True)
+        ):
             result = args[0]._apply_in_place(func, args[1:], kwargs)
         elif isinstance(kwargs.get("out"), OffloadedTensor):
             result = kwargs["out"]._apply_to_out(func, args, kwargs)
