@@ -12,6 +12,7 @@ from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.named import NamedTensor, apply_name_to_tensor_in_module
+from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.opaque import OpaqueTensorRef
 
 
@@ -144,6 +145,22 @@ def test_named_tensor_refuses_opaque_tensors_and_bad_names() -> None:
         NamedTensor(_dense(2), "")
     with pytest.raises(T2NErrorMisuse, match=r"got list"):
         NamedTensor([1.0, 2.0], "w")  # type: ignore[arg-type]
+
+
+def test_assigning_an_opaque_tensor_to_data_is_refused_and_keeps_the_values(
+    tmp_path: Path,
+) -> None:
+    """``.data =`` an opaque tensor would share a shell without storage (torch crashes on the
+    next op); it is refused as the constructor refuses one, and the values stay."""
+    named = NamedTensor(_dense(2, 3), "w")
+    before = named.clone()
+    offloaded = OffloadedTensor.from_original_tensor(_dense(2, 3) * 2, "o", tmp_path)
+    for opaque in (offloaded, LazyTensor(_dense(2, 3))):
+        with pytest.raises(T2NErrorMisuse, match=rf"got {type(opaque).__name__}.*reload\(\)"):
+            named.data = opaque
+    assert torch.equal(named.sum(), before.sum()) and named.nnef_name == "w"
+    named.data = offloaded.reload()  # as the message says
+    assert torch.equal(named, _dense(2, 3) * 2)
 
 
 # -- apply_name_to_tensor_in_module -----------------------------------------------------------

@@ -51,6 +51,17 @@ def _strip_names(result: Any, inputs: tuple[Any, ...]) -> Any:
     return result
 
 
+def _check_owns_storage(value: Any) -> None:
+    """Refuse what a NamedTensor cannot share the storage of: no tensor, or an opaque one (an
+    offloaded or quantized tensor has no plain storage; sharing its shell crashes torch)."""
+    if not isinstance(value, torch.Tensor) or isinstance(value, (OpaqueTensor, OpaqueTensorRef)):
+        raise T2NErrorMisuse(
+            "NamedTensor wraps a tensor that owns its storage; got "
+            f"{type(value).__name__}. Opaque tensors cannot be named this way (use the "
+            "values: reload() for an offloaded tensor, decompress() for a quantized one)"
+        )
+
+
 class NamedTensor(torch.Tensor):
     """A tensor carrying ``nnef_name``, the name it is known by in the model.
 
@@ -81,13 +92,7 @@ class NamedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, fp_tensor: torch.Tensor, nnef_name: str) -> NamedTensor:
-        if not isinstance(fp_tensor, torch.Tensor) or isinstance(
-            fp_tensor, (OpaqueTensor, OpaqueTensorRef)
-        ):
-            raise T2NErrorMisuse(
-                "NamedTensor wraps a tensor that owns its storage; got "
-                f"{type(fp_tensor).__name__}. Opaque tensors cannot be named this way"
-            )
+        _check_owns_storage(fp_tensor)
         if not isinstance(nnef_name, str) or not nnef_name:
             raise T2NErrorMisuse(f"nnef_name must be a non-empty str, got {nnef_name!r}")
         named: NamedTensor = torch.Tensor._make_subclass(cls, fp_tensor, False)
@@ -115,7 +120,13 @@ class NamedTensor(torch.Tensor):
 
     @data.setter
     def data(self, new_data: torch.Tensor) -> None:
-        """Replace the values (and possibly dtype or device) in place, keeping the name."""
+        """Replace the values (and possibly dtype or device) in place, keeping the name.
+
+        Raises:
+            T2NErrorMisuse: ``new_data`` is not a tensor that owns its storage (an opaque
+                tensor: write its values instead, ``new_data.reload()`` for an offloaded one).
+        """
+        _check_owns_storage(new_data)
         torch._C.TensorBase.data.__set__(self, new_data)  # type: ignore[attr-defined]
 
     # -- copies -------------------------------------------------------------------------------
