@@ -52,6 +52,18 @@ def test_a_string_that_names_no_device_is_refused_by_name(tmp_path: Path) -> Non
         pool.resolve(weight)  # the pool goes on serving
 
 
+def test_schedules_and_streams_given_something_else_say_what_they_take(tmp_path: Path) -> None:
+    model = offload_module(nn.Sequential(nn.Linear(4, 4)), tmp_path)
+    with TensorResidencyPool() as pool:
+        for wrong in (None, 42, model[0].weight):
+            with pytest.raises(T2NErrorMisuse, match="declare_schedule takes the offloaded"):
+                pool.declare_schedule(wrong)  # type: ignore[arg-type]
+        with pytest.raises(T2NErrorMisuse, match="streams through a TensorResidencyPool"):
+            stream_modules(None, list(model))  # type: ignore[arg-type]
+        with pytest.raises(T2NErrorMisuse, match="depth must be an int >= 0, got True"):
+            stream_modules(pool, list(model), depth=True)
+
+
 def test_budgets_are_read_from_sizes_in_words() -> None:
     assert TensorResidencyPool(max_cached_bytes="1.5GB").max_cached_bytes == 1_500_000_000
     assert TensorResidencyPool(max_cached_bytes="512MiB").max_cached_bytes == 512 << 20

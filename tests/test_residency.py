@@ -143,8 +143,11 @@ pytestmark = [pytest.mark.timeout(60)]
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"max_cached_bytes": -1}, "max_cached_bytes must be None or a non-negative int, got -1"),
+        ({"max_cached_bytes": -1}, "a size cannot be negative, got -1"),
+        ({"max_cached_bytes": True}, "a size must be an int (bytes) or a str such as"),
+        ({"max_cached_bytes": 1.5}, "a size must be an int (bytes) or a str such as"),
         ({"max_workers": 0}, "max_workers must be an int >= 1, got 0"),
+        ({"max_workers": True}, "max_workers must be an int >= 1, got True"),
         ({"strategy": "lru"}, "strategy must be a ResidencyStrategy"),
     ],
 )

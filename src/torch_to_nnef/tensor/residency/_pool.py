@@ -115,15 +115,9 @@ class TensorResidencyPool(Uncopyable):
         use_uvloop: bool | None = None,
         read_ahead: int | Literal["auto"] | None = None,
     ) -> None:
-        if isinstance(max_cached_bytes, str):
+        if max_cached_bytes is not None:
             max_cached_bytes = parse_bytes(max_cached_bytes)
-        if max_cached_bytes is not None and (
-            not isinstance(max_cached_bytes, int) or max_cached_bytes < 0
-        ):
-            raise T2NErrorMisuse(
-                f"max_cached_bytes must be None or a non-negative int, got {max_cached_bytes!r}"
-            )
-        if not isinstance(max_workers, int) or max_workers < 1:
+        if not isinstance(max_workers, int) or isinstance(max_workers, bool) or max_workers < 1:
             raise T2NErrorMisuse(f"max_workers must be an int >= 1, got {max_workers!r}")
         if not isinstance(strategy, ResidencyStrategy):
             raise T2NErrorMisuse(
@@ -462,8 +456,14 @@ class TensorResidencyPool(Uncopyable):
             sources: the offloaded tensors, in the order one pass uses them (repeats ignored).
 
         Raises:
-            T2NErrorMisuse: an element is not an OffloadedTensor, or the pool is closed.
+            T2NErrorMisuse: ``sources`` is no iterable, an element is not an OffloadedTensor,
+                or the pool is closed.
         """
+        if not isinstance(sources, Iterable) or isinstance(sources, torch.Tensor):
+            raise T2NErrorMisuse(
+                "declare_schedule takes the offloaded tensors in the order one pass uses them "
+                f"(a list, say); got {type(sources).__name__}"
+            )
         keys = []
         for source in sources:
             self._check_source(source)

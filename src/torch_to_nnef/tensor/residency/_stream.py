@@ -149,7 +149,12 @@ class ModuleStream(Uncopyable):
         depth: int = 1,
         device: TDevice | None = None,
     ) -> None:
-        if not isinstance(depth, int) or depth < 0:
+        if not callable(getattr(pool, "declare_schedule", None)):  # (no import of the pool)
+            raise T2NErrorMisuse(
+                "stream_modules(pool, modules) streams through a TensorResidencyPool, given "
+                f"first; got {type(pool).__name__}"
+            )
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise T2NErrorMisuse(f"depth must be an int >= 0, got {depth!r}")
         self.pool = pool
         self.depth = depth
@@ -495,8 +500,8 @@ def stream_modules(
         a :class:`ModuleStream`; close it (or leave its ``with`` block) to remove the hooks.
 
     Raises:
-        T2NErrorMisuse: ``modules`` is not an iterable of modules (a single layer, say),
-            ``depth`` is not an int >= 0, or the pool is closed.
+        T2NErrorMisuse: ``pool`` is not a pool, ``modules`` is not an iterable of modules
+            (a single layer, say), ``depth`` is not an int >= 0, or the pool is closed.
     """
     return ModuleStream(pool, _module_list(modules), depth, device)
 
