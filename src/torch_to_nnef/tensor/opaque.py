@@ -273,6 +273,17 @@ class OpaqueTensor(torch.Tensor):
             )
         return self
 
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        """``False``: opaque tensors cannot require gradients; setting it true is refused, as
+        :meth:`requires_grad_` refuses it (torch's own setter accepted it, and a training
+        loop then got no gradient without notice)."""
+        return bool(torch._C.TensorBase.requires_grad.__get__(self))  # type: ignore[attr-defined]
+
+    @requires_grad.setter
+    def requires_grad(self, mode: bool) -> None:
+        self.requires_grad_(mode)
+
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         shape = tuple(self.shape)
         return f"{type(self).__name__}(shape={shape}, dtype={self.dtype}, device={self.device})"
