@@ -394,10 +394,56 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
         return False
     name = getattr(func, "__name__", "")
     writes = name in _INPLACE_OPERATORS or (
-        name.endswith("_") and not name.startswith("_") and name not in _NOT_VALUE_WRITES
+        name.endswith("_")
+        and (not name.startswith("_") or name.startswith("_foreach_"))
+        and name not in _NOT_VALUE_WRITES
     )
     _WRITES_FIRST_ARGUMENT[func] = writes
     return writes
+
+
+def _holds_offloaded(value: Any) -> bool:
+    """Whether ``value`` is a list or tuple holding an offloaded tensor."""
+    return type(value) in (list, tuple) and any(isinstance(v, OffloadedTensor) for v in value)
+
+
+def _updates_running_stats(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> bool:
+    """Whether ``func`` is a batch norm in training mode whose running mean or variance (its
+    second and third arguments) is offloaded: its kernel updates them in place, without
+    torch's version counter knowing."""
+    return (
+        func is torch.nn.functional.batch_norm
+        and bool(kwargs.get("training"))
+        and any(isinstance(a, OffloadedTensor) for a in args[1:3])
+    )
+
+
+def _apply_to_running_stats(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Any:
+    """Run a batch norm in training mode with its offloaded running statistics written, as
+    in-place ops write: under ``read_write`` leases in a scope, rewritten at once elsewhere."""
+    written = [i for i in (1, 2) if i < len(args) and isinstance(args[i], OffloadedTensor)]
+    keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
+    for index in written:
+        if args[index]._binding.opaque:
+            args[index]._refuse_in_place(getattr(func, "__name__", repr(func)))
+    scope = active_tensor_residency()
+    with contextlib.ExitStack() as stack:
+        values: dict[int, torch.Tensor] = {}
+        for index in written:
+            tensor = args[index]
+            if scope is not None:
+                values[index] = stack.enter_context(scope[0]._scope_lease(tensor, scope[1]))
+            else:
+                values[index] = storage.handoff(tensor._reload_unmanaged())
+        arguments = [values[i] if i in values else _expand_argument(a) for i, a in enumerate(args)]
+        with torch._C.DisableTorchFunctionSubclass():
+            result = func(*arguments, **keywords)
+        if scope is None:
+            for index, value in values.items():
+                args[index].update_values(value)
+    return result
 
 
 def _is_view_of_a_value(result: Any) -> bool:
@@ -1342,13 +1388,18 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
         return self._change(func, lambda value: func(value, *arguments, **keywords))
 
-    def _apply_to_out(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    def _apply_to_keyword(
+        self,
+        name: str,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
     ) -> Any:
-        """Run ``func`` with this tensor as its ``out=`` argument: a write of its values."""
+        """Run ``func`` with this tensor as its keyword argument ``name``, which it writes
+        (``out=``; ``tensor=`` of the ``nn.init`` functions)."""
         arguments = _expand_argument(args)
-        keywords = {key: _expand_argument(item) for key, item in kwargs.items() if key != "out"}
-        return self._change(func, lambda value: func(*arguments, out=value, **keywords))
+        keywords = {key: _expand_argument(item) for key, item in kwargs.items() if key != name}
+        return self._change(func, lambda value: func(*arguments, **{name: value}, **keywords))
 
     def _change(self, func: Callable[..., Any], run: Callable[[torch.Tensor], Any]) -> Any:
         """Change the loaded value with ``run`` (an op writing it) and write the result back.
@@ -1381,14 +1432,21 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        if (
-            args
-            and isinstance(args[0], OffloadedTensor)
-            and (_writes_first_argument(func) or kwargs.get("inplace") is True)
-        ):
+        writes = _writes_first_argument(func) or kwargs.get("inplace") is True
+        if args and isinstance(args[0], OffloadedTensor) and writes:
             result = args[0]._apply_in_place(func, args[1:], kwargs)
         elif isinstance(kwargs.get("out"), OffloadedTensor):
-            result = kwargs["out"]._apply_to_out(func, args, kwargs)
+            result = kwargs["out"]._apply_to_keyword("out", func, args, kwargs)
+        elif not args and writes and isinstance(kwargs.get("tensor"), OffloadedTensor):
+            result = kwargs["tensor"]._apply_to_keyword("tensor", func, args, kwargs)
+        elif writes and args and _holds_offloaded(args[0]):
+            raise T2NErrorNotImplemented(
+                f"{getattr(func, '__name__', func)!r} writes a list of tensors holding offloaded "
+                "ones in place (a multi-tensor op): its writes would be lost. Write each "
+                "tensor on its own (optimizers: foreach=False)"
+            )
+        elif _updates_running_stats(func, args, kwargs):
+            result = _apply_to_running_stats(func, args, kwargs)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
             scope = active_tensor_residency()
