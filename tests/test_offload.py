@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import gc
 import hashlib
@@ -336,6 +337,60 @@ def test_a_functional_op_with_inplace_true_is_a_write(
     with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
         F.relu(q, inplace=True)
     assert F.relu(offloaded, inplace=False) is not offloaded  # a read
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_nn_init_functions_given_the_tensor_by_keyword_write_it(
+    weight: torch.Tensor, tmp_path: Path, scoped: bool
+) -> None:
+    """``nn.init.constant_``, ``uniform_``, ``kaiming_uniform_``... hand torch the tensor as a
+    keyword (``tensor=``): they write it as ``t.fill_()`` does, in a scope and outside one."""
+    offloaded = OffloadedTensor.from_original_tensor(weight, "w", tmp_path)
+    with TensorResidencyPool() as pool, pool.scope() if scoped else contextlib.nullcontext():
+        assert nn.init.constant_(offloaded, 0.5) is offloaded
+        torch.manual_seed(0)
+        nn.init.kaiming_uniform_(offloaded, a=1.0)
+    torch.manual_seed(0)
+    expected = nn.init.kaiming_uniform_(torch.empty_like(weight), a=1.0)
+    assert torch.equal(offloaded.reload(), expected)
+    assert torch.equal(on_disk(offloaded), expected)
+
+
+def test_what_gradients_and_multi_tensor_writes_would_lose_is_refused(
+    offloaded: OffloadedTensor,
+) -> None:
+    """Setting ``requires_grad`` refuses as ``requires_grad_(True)`` does (a training loop
+    got no gradient, without a word); a multi-tensor in-place op (``torch._foreach_mul_``,
+    optimizers' ``foreach``) on a list holding offloaded tensors refuses instead of changing
+    loaded copies."""
+    with pytest.raises(T2NErrorMisuse, match="cannot require gradients"):
+        offloaded.requires_grad = True
+    offloaded.requires_grad = False
+    assert offloaded.requires_grad is False
+    before = offloaded.reload()
+    with pytest.raises(T2NErrorNotImplemented, match="multi-tensor op"):
+        torch._foreach_mul_([offloaded], 2.0)
+    assert torch.equal(offloaded.reload(), before)
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+def test_a_batch_norm_in_training_mode_writes_its_offloaded_running_statistics(
+    tmp_path: Path, scoped: bool
+) -> None:
+    """Its kernel updates the running mean and variance in place, unseen by torch's version
+    counter: they are written as in-place ops write, and match the dense model's."""
+    torch.manual_seed(0)
+    dense = nn.BatchNorm1d(4)
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    assert isinstance(model.running_mean, OffloadedTensor)
+    x = torch.randn(8, 4)
+    with TensorResidencyPool() as pool, pool.scope() if scoped else contextlib.nullcontext():
+        for _ in range(3):
+            assert torch.allclose(model(x), dense(x))
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(model, name).reload(), getattr(dense, name)), name
+    model.eval(), dense.eval()
+    assert torch.equal(model(x), dense(x))
 
 
 def test_copy_broadcasts_and_casts(offloaded: OffloadedTensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import gc
 import os
 import threading
@@ -621,3 +622,24 @@ def test_concurrent_streamed_forwards_while_the_weights_are_rewritten(tmp_path: 
     assert all(layer.weight is weight for layer, weight in zip(layers, weights, strict=True))
     for weight in weights:
         assert torch.equal(weight.reload(), torch.full((width, width), float(versions)))
+
+
+@pytest.mark.timeout(60)
+def test_a_streamed_batch_norm_in_training_mode_keeps_its_running_statistics(
+    tmp_path: Path,
+) -> None:
+    """A batch norm's kernel updates its running mean and variance in place without torch's
+    version counter moving: the stream takes them as changed in training mode (written back,
+    as a forward's in-place changes are), and leaves them alone in eval mode."""
+    torch.manual_seed(0)
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    x = torch.randn(8, 4)
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, list(model)):
+        for _ in range(3):
+            assert torch.allclose(model(x), dense(x))
+        model.eval(), dense.eval()
+        assert torch.equal(model(x), dense(x))
+    assert pool.stats().write_backs >= 2  # the running mean and variance, once closed
+    for name in ("running_mean", "running_var"):
+        assert torch.equal(getattr(model[1], name).reload(), getattr(dense[1], name)), name

@@ -46,6 +46,20 @@ _Watched = tuple["OffloadedTensor", torch.Tensor, int]
 """A value bound for a forward, with its version then (``Tensor._version``)."""
 
 
+def _running_stats(modules: Sequence[torch.nn.Module]) -> dict[int, Any]:
+    """The batch norms among ``modules`` by the id of their offloaded running mean and
+    variance (which a forward in training mode updates in place)."""
+    found: dict[int, Any] = {}
+    for module in modules:
+        for norm in module.modules():
+            if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+                for name in ("running_mean", "running_var"):
+                    buffer = norm._buffers.get(name)
+                    if isinstance(buffer, PoolSource):
+                        found[id(buffer)] = norm
+    return found
+
+
 def _places(module: torch.nn.Module, tensors: list[OffloadedTensor]) -> list[_Place]:
     wanted = {id(tensor): tensor for tensor in tensors}
     tables: list[dict[str, Any]] = [
@@ -162,6 +176,7 @@ class ModuleStream(Uncopyable):
         # whose current CUDA device may be another.
         self.device = None if device is None else storage.resolve_device(device)
         self.groups = [_offloaded_tensors(m) for m in modules]
+        self._running_stats = _running_stats(modules)
         self._places = [_places(m, g) for m, g in zip(modules, self.groups, strict=True)]
         # The places that hold a value in place of their tensor now, and that value.
         self._bound: dict[tuple[int, str], tuple[_Place, torch.Tensor]] = {}
@@ -338,7 +353,11 @@ class ModuleStream(Uncopyable):
                 elif current is not value:
                     table[name] = tensor
                     del bound[key]
-                watched[id(tensor)] = (tensor, value, value._version)
+                # Running statistics a batch norm in training mode updates in its kernel,
+                # unseen by torch's version counter: taken as changed.
+                norm = self._running_stats.get(id(tensor))
+                changed = norm is not None and norm.training and norm.track_running_stats
+                watched[id(tensor)] = (tensor, value, -1 if changed else value._version)
         return list(watched.values())
 
     def _unbind(self, index: int) -> None:
