@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 from pathlib import Path
 
@@ -103,3 +104,35 @@ def test_read_ahead_options(tmp_path: Path) -> None:
     assert TensorResidencyPool(max_cached_bytes=1000).read_ahead is None
     with pytest.raises(T2NErrorMisuse, match="read_ahead must be None, 'auto' or a number"):
         TensorResidencyPool(read_ahead=-1)
+
+
+@pytest.mark.timeout(120)
+def test_concurrent_forwards_reading_ahead_leave_no_lease_behind(tmp_path: Path) -> None:
+    """Two scoped forwards at once, in worker threads of an async server: both read ahead
+    the same tensors, and a lease one begins while the other has begun its own is dropped
+    (it was kept over the other's, which then held its value for ever: the pool went over
+    its budget and refused to close). Every output is the dense model's."""
+    torch.manual_seed(0)
+    width = 64
+    dense = nn.Sequential(*(nn.Linear(width, width) for _ in range(12)))
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    x = torch.randn(2, width)
+    with torch.no_grad():
+        expected = dense(x)
+    layer = (width * width + width) * 4
+    pool = TensorResidencyPool(max_cached_bytes=4 * layer, read_ahead="auto")
+
+    async def serve() -> None:
+        async with pool:
+
+            async def request() -> torch.Tensor:
+                with pool.scope(), torch.no_grad():
+                    return await asyncio.to_thread(model, x)
+
+            for _ in range(8):
+                for output in await asyncio.gather(request(), request(), request()):
+                    assert torch.equal(output, expected)
+            assert pool.resident_bytes <= 4 * layer + 2 * layer  # budget + the window
+
+    asyncio.run(serve())
+    assert pool.closed

@@ -144,10 +144,11 @@ class ReadAhead:
                 self._sources[key] = source
             held = self._held.pop(key, None)
         resident = pool.is_resident(source)  # type: ignore[arg-type]
-        if held is not None:
-            self._read_ahead += 1
-        elif not resident:
-            self._on_demand += 1
+        with self._lock:
+            if held is not None:
+                self._read_ahead += 1
+            elif not resident:
+                self._on_demand += 1
         planned = self._trace.touched(key, source.payload_nbytes)
         begin: list[PoolSource] = []
         with self._lock:
@@ -165,7 +166,11 @@ class ReadAhead:
             if not lease._begin():
                 continue  # on the pool's loop thread: no read-ahead there
             with self._lock:
-                self._held[id(ahead)] = lease
+                # Another forward may have begun one meanwhile: the first kept stands, this
+                # one is dropped (one overwritten would hold its value for ever).
+                kept = self._held.setdefault(id(ahead), lease)
+            if kept is not lease:
+                lease._cancel()
         return held
 
     def release(self) -> None:
