@@ -374,16 +374,22 @@ def test_what_gradients_and_multi_tensor_writes_would_lose_is_refused(
 
 
 @pytest.mark.parametrize("scoped", [False, True])
-def test_a_batch_norm_in_training_mode_writes_its_offloaded_running_statistics(
-    tmp_path: Path, scoped: bool
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_a_norm_in_training_mode_writes_its_offloaded_running_statistics(
+    tmp_path: Path, scoped: bool, norm: str
 ) -> None:
-    """Its kernel updates the running mean and variance in place, unseen by torch's version
-    counter: they are written as in-place ops write, and match the dense model's."""
+    """A batch norm's (or a tracking instance norm's) kernel updates the running mean and
+    variance in place, unseen by torch's version counter: they are written as in-place ops
+    write, and match the dense model's."""
     torch.manual_seed(0)
-    dense = nn.BatchNorm1d(4)
+    if norm == "batch":
+        dense: nn.Module = nn.BatchNorm1d(4)
+        x = torch.randn(8, 4)
+    else:
+        dense = nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+        x = torch.randn(3, 4, 5)
     model = offload_module(copy.deepcopy(dense), tmp_path)
     assert isinstance(model.running_mean, OffloadedTensor)
-    x = torch.randn(8, 4)
     with TensorResidencyPool() as pool, pool.scope() if scoped else contextlib.nullcontext():
         for _ in range(3):
             assert torch.allclose(model(x), dense(x))

@@ -625,16 +625,23 @@ def test_concurrent_streamed_forwards_while_the_weights_are_rewritten(tmp_path: 
 
 
 @pytest.mark.timeout(60)
-def test_a_streamed_batch_norm_in_training_mode_keeps_its_running_statistics(
-    tmp_path: Path,
+@pytest.mark.parametrize("norm", ["batch", "instance"])
+def test_a_streamed_norm_in_training_mode_keeps_its_running_statistics(
+    tmp_path: Path, norm: str
 ) -> None:
     """A batch norm's kernel updates its running mean and variance in place without torch's
     version counter moving: the stream takes them as changed in training mode (written back,
-    as a forward's in-place changes are), and leaves them alone in eval mode."""
+    as a forward's in-place changes are). A tracking instance norm copies them in (the
+    counter moves): kept as any in-place change."""
     torch.manual_seed(0)
-    dense = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.BatchNorm1d(4))
+    if norm == "batch":
+        layer: torch.nn.Module = torch.nn.BatchNorm1d(4)
+        x = torch.randn(8, 4)
+    else:
+        layer = torch.nn.InstanceNorm1d(4, affine=True, track_running_stats=True)
+        x = torch.randn(3, 4, 5)
+    dense = torch.nn.Sequential(torch.nn.Linear(x.shape[-1], x.shape[-1]), layer)
     model = offload_module(copy.deepcopy(dense), tmp_path)
-    x = torch.randn(8, 4)
     with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, list(model)):
         for _ in range(3):
             assert torch.allclose(model(x), dense(x))

@@ -407,42 +407,57 @@ def _holds_offloaded(value: Any) -> bool:
     return type(value) in (list, tuple) and any(isinstance(v, OffloadedTensor) for v in value)
 
 
-def _updates_running_stats(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Any) -> bool:
-    """Whether ``func`` is a batch norm in training mode whose running mean or variance (its
-    second and third arguments) is offloaded: its kernel updates them in place, without
-    torch's version counter knowing."""
-    return (
-        func is torch.nn.functional.batch_norm
-        and bool(kwargs.get("training"))
-        and any(isinstance(a, OffloadedTensor) for a in args[1:3])
-    )
+def _running_stats_written(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> list[int | str]:
+    """Where the offloaded running mean and variance of a normalization that updates them
+    are (argument positions, or keywords): a batch norm in training mode (they are its second
+    and third arguments), an instance norm using its input's statistics (keywords). Its kernel
+    updates them in place, without torch's version counter knowing."""
+    if func is torch.nn.functional.batch_norm and kwargs.get("training"):
+        places: list[int | str] = [1, 2]
+    elif func is torch.nn.functional.instance_norm and kwargs.get("use_input_stats"):
+        places = ["running_mean", "running_var"]
+    else:
+        return []
+    return [
+        place for place in places if isinstance(_argument(args, kwargs, place), OffloadedTensor)
+    ]
+
+
+def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], place: int | str) -> Any:
+    if isinstance(place, int):
+        return args[place] if place < len(args) else None
+    return kwargs.get(place)
 
 
 def _apply_to_running_stats(
-    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    written: list[int | str],
 ) -> Any:
-    """Run a batch norm in training mode with its offloaded running statistics written, as
+    """Run a normalization with its offloaded running statistics (at ``written``) written, as
     in-place ops write: under ``read_write`` leases in a scope, rewritten at once elsewhere."""
-    written = [i for i in (1, 2) if i < len(args) and isinstance(args[i], OffloadedTensor)]
-    keywords = {key: _expand_argument(item) for key, item in kwargs.items()}
-    for index in written:
-        if args[index]._binding.opaque:
-            args[index]._refuse_in_place(getattr(func, "__name__", repr(func)))
+    tensors = {place: _argument(args, kwargs, place) for place in written}
+    for tensor in tensors.values():
+        if tensor._binding.opaque:
+            tensor._refuse_in_place(getattr(func, "__name__", repr(func)))
     scope = active_tensor_residency()
     with contextlib.ExitStack() as stack:
-        values: dict[int, torch.Tensor] = {}
-        for index in written:
-            tensor = args[index]
+        values: dict[int | str, torch.Tensor] = {}
+        for place, tensor in tensors.items():
             if scope is not None:
-                values[index] = stack.enter_context(scope[0]._scope_lease(tensor, scope[1]))
+                values[place] = stack.enter_context(scope[0]._scope_lease(tensor, scope[1]))
             else:
-                values[index] = storage.handoff(tensor._reload_unmanaged())
-        arguments = [values[i] if i in values else _expand_argument(a) for i, a in enumerate(args)]
+                values[place] = storage.handoff(tensor._reload_unmanaged())
+        arguments = [values.get(i, _expand_argument(a)) for i, a in enumerate(args)]
+        keywords = {k: values.get(k, _expand_argument(v)) for k, v in kwargs.items()}
         with torch._C.DisableTorchFunctionSubclass():
             result = func(*arguments, **keywords)
         if scope is None:
-            for index, value in values.items():
-                args[index].update_values(value)
+            for place, value in values.items():
+                tensors[place].update_values(value)
     return result
 
 
@@ -1445,8 +1460,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 "ones in place (a multi-tensor op): its writes would be lost. Write each "
                 "tensor on its own (optimizers: foreach=False)"
             )
-        elif _updates_running_stats(func, args, kwargs):
-            result = _apply_to_running_stats(func, args, kwargs)
+        elif written := _running_stats_written(func, args, kwargs):
+            result = _apply_to_running_stats(func, args, kwargs, written)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
             scope = active_tensor_residency()
