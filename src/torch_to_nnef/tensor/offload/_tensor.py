@@ -437,28 +437,19 @@ def _apply_to_running_stats(
     kwargs: Mapping[str, Any],
     written: list[int | str],
 ) -> Any:
-    """Run a normalization with its offloaded running statistics (at ``written``) written, as
-    in-place ops write: under ``read_write`` leases in a scope, rewritten at once elsewhere."""
-    tensors = {place: _argument(args, kwargs, place) for place in written}
-    for tensor in tensors.values():
-        if tensor._binding.opaque:
-            tensor._refuse_in_place(getattr(func, "__name__", repr(func)))
-    scope = active_tensor_residency()
-    with contextlib.ExitStack() as stack:
-        values: dict[int | str, torch.Tensor] = {}
-        for place, tensor in tensors.items():
-            if scope is not None:
-                values[place] = stack.enter_context(scope[0]._scope_lease(tensor, scope[1]))
-            else:
-                values[place] = storage.handoff(tensor._reload_unmanaged())
+    """Run a normalization with its offloaded running statistics (at ``written``) written as
+    an in-place op writes each (:meth:`OffloadedTensor._change`, one inside the other)."""
+
+    def run(values: dict[int | str, torch.Tensor], places: list[int | str]) -> Any:
+        if places:
+            place, rest = places[0], places[1:]
+            tensor: OffloadedTensor = _argument(args, kwargs, place)
+            return tensor._change(func, lambda value: run({**values, place: value}, rest))
         arguments = [values.get(i, _expand_argument(a)) for i, a in enumerate(args)]
         keywords = {k: values.get(k, _expand_argument(v)) for k, v in kwargs.items()}
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*arguments, **keywords)
-        if scope is None:
-            for place, value in values.items():
-                tensors[place].update_values(value)
-    return result
+        return func(*arguments, **keywords)
+
+    return run({}, written)
 
 
 def _is_view_of_a_value(result: Any) -> bool:

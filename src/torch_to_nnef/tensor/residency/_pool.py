@@ -560,12 +560,14 @@ class TensorResidencyPool(Uncopyable):
             return
         self._end_interrupted_forwards()
         await runtime.acall(self._close_request())
-        self._warn_if_left_out()
-        if runtime.private and not runtime.on_loop_thread():
-            runtime.stop_private()
+        try:
+            self._warn_if_left_out()
+        finally:
+            self._stop_private_loop()
 
     def _stop_private_loop(self) -> None:
-        """Stop the private loop thread of a closed pool, if it still runs (not from it)."""
+        """Stop the private loop thread of a closed pool, if it still runs (not from it: a
+        close on the loop thread leaves the loop to stop when the thread's callback ends)."""
         runtime = self._runtime
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()

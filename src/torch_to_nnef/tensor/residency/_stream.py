@@ -46,13 +46,16 @@ _Watched = tuple["OffloadedTensor", torch.Tensor, int]
 """A value bound for a forward, with its version then (``Tensor._version``)."""
 
 
-def _running_stats(modules: Sequence[torch.nn.Module]) -> dict[int, Any]:
+_BatchNorm = torch.nn.modules.batchnorm._BatchNorm
+
+
+def _running_stats(modules: Sequence[torch.nn.Module]) -> dict[int, _BatchNorm]:
     """The batch norms among ``modules`` by the id of their offloaded running mean and
     variance (which a forward in training mode updates in place)."""
-    found: dict[int, Any] = {}
+    found: dict[int, _BatchNorm] = {}
     for module in modules:
         for norm in module.modules():
-            if isinstance(norm, torch.nn.modules.batchnorm._BatchNorm):
+            if isinstance(norm, _BatchNorm):
                 for name in ("running_mean", "running_var"):
                     buffer = norm._buffers.get(name)
                     if isinstance(buffer, PoolSource):
