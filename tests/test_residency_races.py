@@ -14,6 +14,7 @@ import itertools
 import random
 import sys
 import threading
+import time
 from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
@@ -158,6 +159,113 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
         for steps in range(400):
             asyncio.run(cancel_after(steps))
             assert _leased(pool) == 0, f"a lease is left after a cancellation at step {steps}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Requests to a pool served by a loop of the caller's that stops
+# ---------------------------------------------------------------------------------------------
+def _enter_on(loop: asyncio.AbstractEventLoop, pool: TensorResidencyPool) -> None:
+    async def enter() -> None:
+        await pool.__aenter__()  # an `async with pool:` block the loop leaves unfinished
+
+    loop.run_until_complete(enter())
+
+
+async def _in_other_loop(pool: TensorResidencyPool, t: OffloadedTensor, face: str) -> None:
+    if face == "aresolve":
+        await pool.aresolve(t)
+    else:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+
+
+def _request(pool: TensorResidencyPool, t: OffloadedTensor, face: str) -> None:
+    if face == "resolve":
+        pool.resolve(t)
+    elif face == "acquire":
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+    elif face == "prefetch":
+        pool.prefetch(t).wait()
+    elif face == "begun lease":
+        lease = pool.acquire(t)
+        assert lease._begin()  # as stream_modules and the read-ahead begin leases
+        with lease:
+            pass
+    else:
+        asyncio.run(_in_other_loop(pool, t, face))
+
+
+FACES = ("resolve", "acquire", "prefetch", "begun lease", "aresolve", "async acquire")
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_request_waiting_on_a_stopped_loop_fails_instead_of_hanging(
+    tmp_path: Path, face: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.3)
+    t = _tensor(tmp_path, "t", 1.0)
+    loop = asyncio.new_event_loop()
+    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+    _enter_on(loop, pool)  # the loop stops with the pool attached to it
+    outcome: list[BaseException | None] = []
+
+    def request() -> None:
+        try:
+            _request(pool, t, face)
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    thread.join(10.0)
+    assert not thread.is_alive(), f"{face} on a pool whose loop stopped hangs"
+    (error,) = outcome
+    assert isinstance(error, T2NErrorMisuse) and "not been running" in str(error)
+
+    async def close() -> None:
+        await asyncio.sleep(0.05)  # the request and its abandon, queued while it stopped
+        assert _leased(pool) == 0
+        await pool.__aexit__(None, None, None)
+
+    loop.run_until_complete(close())
+    loop.close()
+    assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))  # an abandoned lease wrote nothing
+
+
+@pytest.mark.parametrize("face", ("resolve", "acquire", "aresolve"))
+def test_a_loop_that_stops_for_a_moment_still_serves_a_waiting_request(
+    tmp_path: Path, face: str
+) -> None:
+    t = _tensor(tmp_path, "t", 1.0)
+    loop = asyncio.new_event_loop()
+    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+    _enter_on(loop, pool)
+    outcome: list[BaseException | None] = []
+
+    def request() -> None:
+        try:
+            _request(pool, t, face)
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=request)
+    thread.start()
+    time.sleep(0.2)  # the loop is not running: the request waits for it
+    assert thread.is_alive()
+
+    async def serve() -> None:
+        while thread.is_alive():
+            await asyncio.sleep(0.01)
+        await pool.__aexit__(None, None, None)
+
+    loop.run_until_complete(asyncio.wait_for(serve(), 10.0))
+    loop.close()
+    assert outcome == [None]
+    expected = 2.0 if face == "acquire" else 1.0
+    assert torch.equal(t.reload(), torch.full((NUMEL,), expected))
 
 
 def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(

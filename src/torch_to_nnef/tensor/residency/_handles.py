@@ -162,7 +162,7 @@ class TensorPrefetch(Uncopyable):
                 "TensorPrefetch.wait() would block the pool's event loop: "
                 "use `await handle` in async code"
             )
-        value = self._future.result()
+        value = self._pool._runtime.wait(self._future)
         if self._outdated():
             return self._pool.resolve(self._source, self._device)  # type: ignore[arg-type]
         return hand_over(value)
@@ -294,7 +294,7 @@ class TensorResidencyLease(Holder, Uncopyable):
             else:
                 self._begun = self._request = None
                 started = time.perf_counter()
-                begun.result()
+                self._pool._runtime.wait(begun)
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
                 if self._outdated():  # a write came since it began: enter the latest value

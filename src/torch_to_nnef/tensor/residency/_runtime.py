@@ -99,6 +99,16 @@ the churn benchmark). A longer grace wakes the loop less but keeps ended leases 
 budget longer: with 5 ms, streaming 384 MiB through a 96 MiB budget peaked 1 to 2 MiB
 higher (benchmarks/bench_memory.py)."""
 
+STOPPED_LOOP_PATIENCE = 2.0
+"""Seconds a request from another thread (or loop) waits on a loop of the caller's
+(``async with pool``) that is not running before it is abandoned with
+:class:`~torch_to_nnef.exceptions.T2NErrorMisuse`: nothing would ever answer it otherwise.
+A loop that runs again within that time (one ``run_until_complete`` after another) serves
+the request as usual."""
+
+_WATCH_INTERVAL = 0.1
+"""Seconds between two looks at that loop while such a request waits."""
+
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
 
@@ -180,6 +190,15 @@ def _abandon(operation: Operation) -> None:
         operation.abandon()
     except BaseException:  # its caller has its own error already
         LOGGER.exception("giving back what a failed request held failed")
+
+
+def _stopped_loop_error() -> T2NErrorMisuse:
+    return T2NErrorMisuse(
+        f"the event loop serving this TensorResidencyPool (`async with pool` in that loop) "
+        f"has not been running for {STOPPED_LOOP_PATIENCE:g} s while this request waited for "
+        f"it: the request is abandoned. Keep that loop running while other threads or loops "
+        f"use the pool, or serve it on its own thread with `with pool:`"
+    )
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -404,7 +423,7 @@ class Runtime:
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._caught_up, done)
-            done.result()
+            self.wait(done)
 
     def _caught_up(self, done: concurrent.futures.Future[None]) -> None:
         if self.actor.deferred:
@@ -519,13 +538,32 @@ class Runtime:
         done = concurrent.futures.Future()
         self.post(self.drive, operation, done)  # start(), knowing the thread
         try:
-            result = done.result()
+            result = self.wait(done)
             self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it.
             self.notify(operation.abandon)
             raise
         return result
+
+    def wait(self, done: concurrent.futures.Future[Any]) -> Any:
+        """Block until ``done`` is settled and return its result (a thread other than the
+        loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
+        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds: the request would wait
+        forever. The caller abandons what the request holds, in order after it."""
+        loop = self.loop
+        if self.private or loop is None or done.done():
+            return done.result()
+        stopped_since: float | None = None
+        while True:
+            with contextlib.suppress(TimeoutError):
+                return done.result(timeout=_WATCH_INTERVAL)
+            if loop.is_running():
+                stopped_since = None
+            elif stopped_since is None:
+                stopped_since = time.monotonic()
+            elif time.monotonic() - stopped_since >= STOPPED_LOOP_PATIENCE:
+                raise _stopped_loop_error()
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had
@@ -575,7 +613,20 @@ class Runtime:
         never cancels ``done``: the operation is abandoned in order instead."""
         wrapped = asyncio.wrap_future(done)
         try:
-            return await asyncio.shield(wrapped)
+            loop = self.loop
+            if self.private or loop is None:
+                return await asyncio.shield(wrapped)
+            stopped_since: float | None = None
+            while True:  # as wait(): asyncio.wait never cancels what it waits for
+                await asyncio.wait((wrapped,), timeout=_WATCH_INTERVAL)
+                if wrapped.done():
+                    return wrapped.result()
+                if loop.is_running():
+                    stopped_since = None
+                elif stopped_since is None:
+                    stopped_since = time.monotonic()
+                elif time.monotonic() - stopped_since >= STOPPED_LOOP_PATIENCE:
+                    raise _stopped_loop_error()
         except BaseException:
             wrapped.add_done_callback(_consume)
             if operation is not None:
