@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -429,6 +430,22 @@ def test_scope_routes_ops_through_the_pool(tmp_path: Path) -> None:
         stats = pool.stats()
         assert (stats.misses, stats.hits, stats.loads) == (1, 2, 1)
     assert active_tensor_residency() is None
+
+
+@pytest.mark.asyncio
+async def test_a_scope_left_in_another_task_says_so_and_stays_in_its_own(tmp_path: Path) -> None:
+    async with TensorResidencyPool(max_cached_bytes=1 << 20) as pool:
+        scope = pool.scope()
+        scope.__enter__()
+
+        async def leave() -> None:
+            scope.__exit__(None, None, None)
+
+        with pytest.raises(T2NErrorMisuse, match="left in another asyncio task"):
+            await asyncio.create_task(leave())
+        assert active_tensor_residency() == (pool, None)  # the entering task's scope is intact
+        with pool.scope():  # and nests as before
+            assert active_tensor_residency() == (pool, None)
 
 
 @pytest.mark.asyncio

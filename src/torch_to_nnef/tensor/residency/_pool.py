@@ -623,7 +623,14 @@ class TensorResidencyPool(Uncopyable):
         try:
             yield self
         finally:
-            ACTIVE_RESIDENCY.reset(token)
+            try:
+                ACTIVE_RESIDENCY.reset(token)
+            except ValueError:  # left in another context than the one that entered it
+                raise T2NErrorMisuse(
+                    "pool.scope() was left in another asyncio task (or contextvars context) "
+                    "than the one that entered it: enter and leave it in the same task, "
+                    "as `with pool.scope():` does"
+                ) from None
 
 
 def _reject_source(source: Any) -> NoReturn:
