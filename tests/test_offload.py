@@ -551,11 +551,41 @@ def test_deepcopy_keeps_models_offloaded(
     assert not duplicate.pointing.owns_payload
 
 
-def test_pickling_is_refused(offloaded: OffloadedTensor) -> None:
+def test_pickling_writes_the_latest_value_as_a_plain_tensor(
+    offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
     import pickle
 
-    with pytest.raises(T2NErrorNotImplemented, match="cannot be pickled"):
-        pickle.dumps(offloaded)
+    offloaded.add_(1.0)  # a direct write: pickles see it, as reload() does
+    restored = pickle.loads(pickle.dumps(offloaded))
+    assert type(restored) is torch.Tensor
+    assert torch.equal(restored, weight + 1.0)
+
+
+def test_torch_save_of_a_model_with_offloaded_weights_writes_a_whole_checkpoint(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    model = torch.nn.Linear(weight.shape[1], weight.shape[0])
+    bias = model.bias.detach().clone()
+    offloaded = OffloadedTensor.from_original_tensor(weight, "w", offload_dir=tmp_path)
+    model.weight = torch.nn.Parameter(offloaded, requires_grad=False)
+    path = tmp_path / "model.pt"
+    torch.save({"earlier": torch.ones(3)}, path)  # replaced by a whole file, never torn
+    torch.save(model.state_dict(), path)
+    loaded = torch.load(path, weights_only=True)
+    assert type(loaded["weight"]) is torch.Tensor
+    assert torch.equal(loaded["weight"], weight) and torch.equal(loaded["bias"], bias)
+    assert torch.equal(offloaded.reload(), weight)  # the payload is untouched
+
+
+def test_a_shallow_copy_is_a_copy_owning_its_own_payload(offloaded: OffloadedTensor) -> None:
+    import copy
+
+    copied = copy.copy(offloaded)
+    assert isinstance(copied, OffloadedTensor)
+    assert copied.offload_path != offloaded.offload_path
+    copied.mul_(0)
+    assert not torch.equal(offloaded.reload(), copied.reload())
 
 
 def test_force_gc_collect_collects_after_each_loading_op(

@@ -907,11 +907,19 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         memo[id(self)] = duplicate
         return duplicate
 
+    def __copy__(self) -> OffloadedTensor:
+        """A copy, as :meth:`__deepcopy__` makes: two tensors never share a payload they own."""
+        return self.__deepcopy__({})
+
     def __reduce_ex__(self, protocol: Any) -> Any:
-        raise T2NErrorNotImplemented(
-            f"OffloadedTensor {self._name!r} cannot be pickled: its value lives in "
-            f"'{self.offload_path}'; save ot.reload() instead, or keep the payload file"
-        )
+        """Pickled as its value: what :meth:`reload` returns, read when pickled.
+
+        ``torch.save(model.state_dict(), path)`` writes a whole checkpoint of plain tensors
+        (``torch.load`` gives them back as such), holding every value in memory until it
+        ends, as ``torch.save`` does; a refusal in the middle would leave ``path`` torn. To
+        keep values on disk, bind the checkpoint again instead (``load_offloaded_checkpoint``).
+        """
+        return self.reload().__reduce_ex__(protocol)
 
     # -- no memory of its own ----------------------------------------------------------------
     # Each load makes a new value: an address or a storage would be that of a copy freed at
