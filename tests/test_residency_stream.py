@@ -184,6 +184,26 @@ def test_a_forward_after_the_pool_closed_fails_clearly(tmp_path: Path) -> None:
     assert pool.closed
 
 
+def test_a_copy_of_a_streamed_model_is_not_streamed(tmp_path: Path) -> None:
+    dense, model = offloaded_blocks(tmp_path, count=3)
+    x = torch.randn(2, WIDTH)
+    expected = dense(x)
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    with stream_modules(pool, model.blocks, depth=1):
+        assert torch.allclose(model(x), expected)
+        copied = copy.deepcopy(model)
+        path = tmp_path / "model.pt"
+        torch.save(model, path)  # the hooks pickle as hooks that do nothing
+        loaded = torch.load(path, weights_only=False)
+        loads = pool.stats().loads
+        assert torch.allclose(copied(x), expected)
+        assert torch.allclose(loaded(x), expected)
+        assert pool.stats().loads == loads  # neither copy runs through the stream's pool
+    pool.close()
+    assert torch.allclose(copied(x), expected)  # nor needs it open
+    assert torch.allclose(loaded(x), expected)
+
+
 # ---------------------------------------------------------------------------------------------
 # Values bound in place of their tensors while a streamed module runs
 # ---------------------------------------------------------------------------------------------

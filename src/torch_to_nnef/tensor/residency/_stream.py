@@ -7,7 +7,7 @@ import logging
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
@@ -132,6 +132,28 @@ def _leave_scope(held: _Held) -> None:
             held.token = None
 
 
+class _Hook:
+    """A stream's hook on one of its modules. A copy of the module (``copy.deepcopy``, or a
+    model pickled by ``torch.save`` and loaded again) is not streamed: its hook does nothing,
+    and the copy computes on its own tensors."""
+
+    __slots__ = ("function",)
+
+    def __init__(self, function: Callable[..., None] | None) -> None:
+        self.function = function
+
+    def __call__(self, *args: Any) -> None:
+        function = self.function
+        if function is not None:
+            function(*args)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
+        return _Hook(None)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Hook, (None,))
+
+
 class ModuleStream(Uncopyable):
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
@@ -194,9 +216,9 @@ class ModuleStream(Uncopyable):
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
         for index, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(self._pre_hook(index)))
+            self._handles.append(module.register_forward_pre_hook(_Hook(self._pre_hook(index))))
             self._handles.append(
-                module.register_forward_hook(self._post_hook(index), always_call=True)
+                module.register_forward_hook(_Hook(self._post_hook(index)), always_call=True)
             )
 
     # -- hooks -------------------------------------------------------------------------------
