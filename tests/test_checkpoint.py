@@ -314,6 +314,20 @@ def test_no_tensor_stays_on_the_meta_device_silently(dense: Net, tmp_path: Path)
     assert "accelerate.init_empty_weights()" in message
 
 
+def test_a_missing_layer_weight_is_not_taken_for_a_tied_one(tmp_path: Path) -> None:
+    dense = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(3)))
+    state = {key: value.detach().clone() for key, value in dense.state_dict().items()}
+    del state["2.weight"]  # a truncated checkpoint: the last layer's weight is not there
+    write_sharded(state, tmp_path / "ckpt")
+    with torch.device("meta"):
+        model = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(3)))
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(model, tmp_path / "ckpt", strict=False)
+    message = str(caught.value)
+    assert "'2.weight' (absent from the checkpoint)" in message
+    assert "tied" not in message
+
+
 def test_swapped_arguments_are_named(tmp_path: Path) -> None:
     with pytest.raises(T2NErrorMisuse, match=r"checkpoint first and the model second"):
         load_offloaded_checkpoint(tmp_path, meta_model())  # type: ignore[arg-type]

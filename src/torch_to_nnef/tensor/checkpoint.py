@@ -398,15 +398,19 @@ def _left_on_meta(
     transient: set[str],
 ) -> list[str]:
     """Describe each unbound meta tensor, with the likely cause."""
-    by_shape: dict[tuple[tuple[int, ...], torch.dtype], str] = {}
+    by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
     for binding in bindings:
-        by_shape.setdefault((tuple(binding.tensor.shape), binding.tensor.dtype), binding.key)
+        by_shape.setdefault((tuple(binding.tensor.shape), binding.tensor.dtype), []).append(
+            binding.key
+        )
     described = []
     for names, tensor in unbound:
         if not tensor.is_meta:
             continue
-        # Tied weights are matrices (embeddings and heads); vectors of equal size are common.
-        twin = by_shape.get((tuple(tensor.shape), tensor.dtype)) if tensor.dim() >= 2 else None
+        # Tied weights are matrices (an embedding and a head) of a shape no other tensor has;
+        # one of many of a shape (a layer's weight among its siblings') is just missing.
+        twins = by_shape.get((tuple(tensor.shape), tensor.dtype), [])
+        twin = twins[0] if tensor.dim() >= 2 and len(twins) == 1 else None
         if all(name in transient for name in names):
             cause = _TRANSIENT
         elif twin is not None:
