@@ -192,13 +192,31 @@ def _abandon(operation: Operation) -> None:
         LOGGER.exception("giving back what a failed request held failed")
 
 
-def _stopped_loop_error() -> T2NErrorMisuse:
-    return T2NErrorMisuse(
-        f"the event loop serving this TensorResidencyPool (`async with pool` in that loop) "
-        f"has not been running for {STOPPED_LOOP_PATIENCE:g} s while this request waited for "
-        f"it: the request is abandoned. Keep that loop running while other threads or loops "
-        f"use the pool, or serve it on its own thread with `with pool:`"
-    )
+class _LoopWatch:
+    """Looks, between waits, at a loop of the caller's that a request waits for."""
+
+    __slots__ = ("loop", "stopped_since")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.stopped_since: float | None = None
+
+    def look(self) -> None:
+        """Raise once the loop has not been running for :data:`STOPPED_LOOP_PATIENCE`."""
+        if self.loop.is_running():
+            self.stopped_since = None
+            return
+        now = time.monotonic()
+        if self.stopped_since is None:
+            self.stopped_since = now
+        elif now - self.stopped_since >= STOPPED_LOOP_PATIENCE:
+            raise T2NErrorMisuse(
+                f"the event loop serving this TensorResidencyPool (`async with pool` in that "
+                f"loop) has not been running for {STOPPED_LOOP_PATIENCE:g} s while this "
+                f"request waited for it: the request is abandoned. Keep that loop running "
+                f"while other threads or loops use the pool, or serve it on its own thread "
+                f"with `with pool:`"
+            )
 
 
 def _consume(future: asyncio.Future[Any]) -> None:
@@ -554,16 +572,11 @@ class Runtime:
         loop = self.loop
         if self.private or loop is None or done.done():
             return done.result()
-        stopped_since: float | None = None
+        watch = _LoopWatch(loop)
         while True:
             with contextlib.suppress(TimeoutError):
                 return done.result(timeout=_WATCH_INTERVAL)
-            if loop.is_running():
-                stopped_since = None
-            elif stopped_since is None:
-                stopped_since = time.monotonic()
-            elif time.monotonic() - stopped_since >= STOPPED_LOOP_PATIENCE:
-                raise _stopped_loop_error()
+            watch.look()
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had
@@ -616,17 +629,12 @@ class Runtime:
             loop = self.loop
             if self.private or loop is None:
                 return await asyncio.shield(wrapped)
-            stopped_since: float | None = None
+            watch = _LoopWatch(loop)
             while True:  # as wait(): asyncio.wait never cancels what it waits for
                 await asyncio.wait((wrapped,), timeout=_WATCH_INTERVAL)
                 if wrapped.done():
                     return wrapped.result()
-                if loop.is_running():
-                    stopped_since = None
-                elif stopped_since is None:
-                    stopped_since = time.monotonic()
-                elif time.monotonic() - stopped_since >= STOPPED_LOOP_PATIENCE:
-                    raise _stopped_loop_error()
+                watch.look()
         except BaseException:
             wrapped.add_done_callback(_consume)
             if operation is not None:
