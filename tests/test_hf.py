@@ -191,6 +191,15 @@ def test_device_maps(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> No
     assert isinstance(mixed.model.layers[0].mlp.up_proj.weight, OffloadedTensor)
     assert torch.equal(generate_in_pool(mixed, budget=64 << 10), case.tokens)
 
+    # A dict that places some tensors nowhere is refused before anything is bound.
+    partial = case.skeleton()
+    with pytest.raises(
+        T2NErrorMisuse,
+        match=r"no device for 2 tensor\(s\): 'model.embed_tokens.weight', 'model.norm.weight'",
+    ):
+        t2n_load_checkpoint_and_dispatch(partial, case.path, {"model.layers": "disk"}, tmp_path)
+    assert all(t.is_meta for t in partial.parameters())
+
     # None: everything read into memory.
     dense = case.skeleton()
     t2n_load_checkpoint_and_dispatch(dense, case.path, None, tmp_path)

@@ -219,7 +219,7 @@ def load_state_dict(
     found = open_checkpoint(Path(checkpoint_file), allow_pickle=True)
     result: dict[str, torch.Tensor] = {}
     for key in found:
-        device = _device_for(key, device_map)
+        device = _device_for(key, device_map) or "cpu"
         if key in found.files:
             if apply_offload and _is_disk(device):
                 result[key] = OffloadedTensor.from_safetensors(
@@ -239,15 +239,36 @@ def load_state_dict(
     return result
 
 
-def _device_for(name: str, device_map: DeviceMap) -> DeviceLike:
-    """The device of the longest module name of ``device_map`` that ``name`` is inside."""
+def _device_for(name: str, device_map: DeviceMap) -> DeviceLike | None:
+    """The device of the longest module name of ``device_map`` that ``name`` is inside;
+    ``None`` when there is none."""
     module = name
     while True:
         if module in device_map:
             return device_map[module]
         if not module:
-            return "cpu"
+            return None
         module = module.rpartition(".")[0]
+
+
+def _binding_device(names: tuple[str, ...], device_map: DeviceMap) -> DeviceLike | None:
+    """Where a tensor goes: the device of the first of its names (tied weights have several)
+    that ``device_map`` covers."""
+    return next(
+        (d for d in (_device_for(name, device_map) for name in names) if d is not None), None
+    )
+
+
+def _check_covered(plan: BindingPlan, device_map: DeviceMap) -> None:
+    uncovered = [b.names[0] for b in plan.bindings if _binding_device(b.names, device_map) is None]
+    if uncovered:
+        listed = ", ".join(repr(name) for name in uncovered[:8])
+        more = f" and {len(uncovered) - 8} more" if len(uncovered) > 8 else ""
+        raise T2NErrorMisuse(
+            f"the device map sets no device for {len(uncovered)} tensor(s): {listed}{more}; "
+            'add their modules to it ("" names the whole model: {"": "disk"} offloads '
+            "what no other entry places)"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -390,6 +411,7 @@ def t2n_load_checkpoint_and_dispatch(
         dtype=dtype,
         ignored=lambda key: any(pattern.search(key) for pattern in ignored),
     )
+    _check_covered(plan, placement)
     _bind(plan, placement, offload_dir)
     if plan.unexpected:
         LOGGER.warning(
@@ -425,7 +447,8 @@ def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) ->
 
 def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None) -> None:
     for binding in plan.bindings:
-        device = _device_for(binding.names[0], placement)
+        device = _binding_device(binding.names, placement)
+        assert device is not None  # _check_covered
         if _is_disk(device):
             value: torch.Tensor = plan.offloaded(
                 binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
