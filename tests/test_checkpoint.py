@@ -205,6 +205,17 @@ def test_single_file_checkpoint_by_file_and_by_directory(dense: Net, tmp_path: P
     assert torch.equal(output(by_directory), output(dense))
 
 
+def test_a_directory_with_one_index_of_another_name(dense: Net, tmp_path: Path) -> None:
+    checkpoint = tmp_path / "checkpoint"
+    index = write_sharded(state_without_ties(dense), checkpoint)
+    index.rename(checkpoint / "consolidated.safetensors.index.json")
+    model = load_offloaded_checkpoint(meta_model(), checkpoint)
+    assert torch.equal(output(model), output(dense))
+    (checkpoint / "other.index.json").write_text("{}")  # two: which one is meant is unclear
+    with pytest.raises(T2NErrorCheckpoint, match=r"holds 2 indexes \(consolidated"):
+        load_offloaded_checkpoint(meta_model(), checkpoint)
+
+
 def test_checkpoint_by_index_path_and_target_device(dense: Net, tmp_path: Path) -> None:
     index = write_sharded(state_without_ties(dense), tmp_path / "ckpt", shards=3)
     model = load_offloaded_checkpoint(meta_model(), index, device="cuda:0")

@@ -570,7 +570,8 @@ def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
     """Find the checkpoint files and read their layouts.
 
     Args:
-        path: a checkpoint file, an index, or a directory holding one of them.
+        path: a checkpoint file, an index, or a directory holding one of them (the usual
+            names first, then an index of another name when it is the only one).
         allow_pickle: read pickle checkpoints (``pytorch_model.bin``) with
             ``torch.load(weights_only=True)``; refuse them otherwise.
     """
@@ -580,9 +581,15 @@ def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
             candidate = path / name
             if candidate.is_file():
                 return open_checkpoint(candidate, allow_pickle=allow_pickle)
+        # An index of another name (consolidated.safetensors.index.json), when it is alone.
+        indexes = sorted(p for p in path.glob("*.index.json") if p.is_file())
+        if len(indexes) == 1:
+            return open_checkpoint(indexes[0], allow_pickle=allow_pickle)
+        found = f": it holds {len(indexes)} indexes ({', '.join(p.name for p in indexes)})"
         raise T2NErrorCheckpoint(
             f"checkpoint directory '{path}' holds neither {SAFETENSORS_INDEX_NAME} nor "
-            f"{SAFETENSORS_SINGLE_NAME}; pass the .safetensors file or the index itself"
+            f"{SAFETENSORS_SINGLE_NAME} nor a single *.index.json"
+            f"{found if indexes else ''}; pass the .safetensors file or the index itself"
         )
     if not path.exists():
         raise T2NErrorCheckpoint(f"checkpoint '{path}' does not exist")
