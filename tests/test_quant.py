@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import json
+import pickle
 import platform
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +22,7 @@ from torch_to_nnef.exceptions import (
     T2NErrorNotImplemented,
     T2NErrorStorage,
 )
+from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.opaque import OpaqueTensor, SupportsOffloadState, offload_state_class
 from torch_to_nnef.tensor.quant import (
     QScalePerGroupF16,
@@ -475,7 +478,7 @@ def test_to_cuda_and_back() -> None:
 def test_clone_and_deepcopy_keep_the_type_and_own_their_codes(weight: torch.Tensor) -> None:
     q = fp_to_tract_q4_0_with_min_max_calibration(weight)
     q.nnef_name = "w"
-    for other in (q.clone(), copy.deepcopy(q)):
+    for other in (q.clone(), copy.deepcopy(q), copy.copy(q)):
         assert type(other) is QTensorTractScaleOnly
         assert other.nnef_name == "w"
         assert other.u8_blob.data_ptr() != q.u8_blob.data_ptr()
@@ -491,6 +494,23 @@ def test_deepcopy_of_a_module_keeps_quantized_weights() -> None:
     assert type(twin.weight) is QTensorTractScaleOnly
     x = torch.randn(2, 32)
     assert torch.equal(twin(x), linear(x))
+
+
+def test_a_saved_state_dict_keeps_quantized_weights_quantized(tmp_path: Path) -> None:
+    linear = nn.Linear(32, 8)
+    q = fp_to_tract_q4_0_with_min_max_calibration(linear.weight)
+    q.nnef_name = "w"
+    linear.weight = nn.Parameter(q, requires_grad=False)
+    offloaded = OffloadedTensor.from_original_tensor(q, "w", offload_dir=tmp_path)
+    torch.save({"state": linear.state_dict(), "offloaded": offloaded}, tmp_path / "m.pt")
+    loaded = torch.load(tmp_path / "m.pt", weights_only=False)
+    for value in (loaded["state"]["weight"], loaded["offloaded"]):
+        assert type(value) is QTensorTractScaleOnly
+        assert value.nnef_name == "w"
+        assert torch.equal(value.u8_blob, q.u8_blob)
+        assert torch.equal(value.decompress(), q.decompress())
+    with pytest.raises(pickle.UnpicklingError):  # a class torch.load does not know of
+        torch.load(tmp_path / "m.pt", weights_only=True)
 
 
 def test_module_to_same_device_keeps_the_parameter() -> None:

@@ -912,9 +912,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return self.__deepcopy__({})
 
     def __reduce_ex__(self, protocol: Any) -> Any:
-        """Pickled as its value: what :meth:`reload` returns, read when pickled.
+        """Pickled as its value: what :meth:`reload` returns, read when pickled (a plain
+        tensor, or a quantized value pickled as its ``QTensor``).
 
-        ``torch.save(model.state_dict(), path)`` writes a whole checkpoint of plain tensors
+        ``torch.save(model.state_dict(), path)`` writes a whole checkpoint of the values
         (``torch.load`` gives them back as such), holding every value in memory until it
         ends, as ``torch.save`` does; a refusal in the middle would leave ``path`` torn. To
         keep values on disk, bind the checkpoint again instead (``load_offloaded_checkpoint``).

@@ -338,6 +338,11 @@ def _check_compressed(blob: Any, compressor: U8Compressor, direction: str) -> to
     return blob
 
 
+def _rebuild_qtensor(cls: type[_Q], parts: dict[str, Any]) -> _Q:
+    """Unpickle a :class:`QTensor` (see ``QTensor.__reduce_ex__``)."""
+    return cls._from_parts(**parts)
+
+
 class QTensor(OpaqueTensor):
     """A tensor stored as uint8 codes plus a :class:`QScheme`, dequantized on use.
 
@@ -541,6 +546,25 @@ class QTensor(OpaqueTensor):
             dequant_to_dtype=self.dequant_to_dtype,
             u8_compressors=list(self.u8_compressors),
         )
+
+    def __copy__(self: _Q) -> _Q:
+        """A copy, as :meth:`__deepcopy__` makes (not a dequantized tensor)."""
+        return self.__deepcopy__({})
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled (``torch.save``, ``pickle``) as its parts (codes, scheme, compressors,
+        carried attributes), from which its class rebuilds it: a quantized value stays
+        quantized. ``torch.load`` needs ``weights_only=False`` for it, as for any class it
+        does not know."""
+        parts = {
+            "u8_blob": self.u8_blob,
+            "qscheme": self.qscheme,
+            "shape": tuple(self.shape),
+            "dequant_to_dtype": self.dequant_to_dtype,
+            "u8_compressors": list(self.u8_compressors),
+        }
+        parts.update((name, getattr(self, name)) for name in self._CARRIED_ATTRIBUTES)
+        return (_rebuild_qtensor, (type(self), parts))
 
     def __deepcopy__(self: _Q, memo: dict[int, Any]) -> _Q:
         if id(self) in memo:
