@@ -302,6 +302,13 @@ def test_to_trace_tensor_reads_nothing_on_meta(q_weight: QTensorTractScaleOnly) 
     assert torch.equal(q_weight.to_trace_tensor(None), q_weight.decompress())
 
 
+def test_upstream_instance_attributes(q_weight: QTensorTractScaleOnly, tmp_path: Path) -> None:
+    assert q_weight.decompressed_shape == q_weight.decompress_to_u8().shape
+    offloaded = OffloadedTensor.from_original_tensor(torch.ones(3, 4), "t", offload_dir=tmp_path)
+    shell = offloaded.elem
+    assert shell.is_meta and shell.shape == (3, 4) and shell.dtype == torch.float32
+
+
 # -- named tensors and references ------------------------------------------------------------------
 def test_get_or_add_named_tensor_shares_tied_weights() -> None:
     model = tied_model()

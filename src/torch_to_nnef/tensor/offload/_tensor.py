@@ -811,6 +811,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return self._target_device
 
     @property
+    def elem(self) -> torch.Tensor:
+        """A tensor on the meta device with this tensor's shape and dtype, holding no value
+        (upstream torch-to-nnef's shell)."""
+        return torch.empty(self.shape, dtype=self.dtype, device="meta")
+
+    @property
     def offload_path(self) -> Path:
         """The file the value is read from (a checkpoint, for a tensor pointing into one)."""
         return self._binding.layout.path

@@ -114,6 +114,14 @@ def dequantizes_through_f16(machine: str) -> bool:
 class QTensorTract(QTensor):
     """Base class of the QTensors that tract reads natively (see :class:`QTensorTractScaleOnly`)."""
 
+    @property
+    def decompressed_shape(self) -> torch.Size:
+        """The shape of the codes once every compressor is undone (of
+        :meth:`decompress_to_u8`)."""
+        if not self.u8_compressors:
+            return self.u8_blob.shape
+        return self.decompress_to_u8().shape
+
 
 class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
     """tract's Q4_0: 4-bit codes, groups of 32 values sharing a float16 scale.
