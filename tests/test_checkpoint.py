@@ -6,6 +6,7 @@ import copy
 import gc
 import hashlib
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -270,27 +271,43 @@ def test_non_strict_binding_of_the_common_keys(dense: Net, tmp_path: Path) -> No
     assert torch.equal(model.conv.weight.reload(), dense.conv.weight.detach())
 
 
-def test_a_checkpoint_of_a_model_holding_this_one_or_held_by_it_is_named(
-    dense: Net, tmp_path: Path
+def test_a_checkpoint_of_a_model_holding_this_one_or_held_by_it_is_bound(
+    dense: Net, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Keys that are the model's names under one prefix (a causal LM's checkpoint for its base
-    model), or the reverse, are refused with a hint naming the prefix and what to bind."""
+    """Keys that are the model's names with one dotted segment more (a causal LM's checkpoint
+    for its base model, a multimodal one for its text model) or less (the reverse) are bound,
+    as transformers' from_pretrained binds them."""
     state = state_without_ties(dense)
+    expected = output(dense)
     write_sharded({f"model.{k}": v for k, v in state.items()}, tmp_path / "larger")
-    with pytest.raises(T2NErrorCheckpoint) as caught:
-        load_offloaded_checkpoint(meta_model(), tmp_path / "larger", strict=False)
-    message = str(caught.value)
-    assert "in the checkpoint under the prefix 'model.'" in message
-    assert "check that the checkpoint belongs to this model" not in message
+    with caplog.at_level(logging.INFO, "torch_to_nnef.tensor.checkpoint"):
+        model = load_offloaded_checkpoint(meta_model(), tmp_path / "larger", strict=True)
+    assert torch.equal(output(model), expected)
+    assert model.head.weight is model.embed.weight
+    assert "8 key(s) bound under names with one dotted segment less, such as 'model." in caplog.text
+
+    inner = {k: v for k, v in state.items() if k.startswith("conv.")}
+    outer_keys = {f"conv.text.{k.partition('.')[2]}": v for k, v in inner.items()}
+    write_sharded({**state, **outer_keys}, tmp_path / "multimodal")  # both: direct keys win
+    model = load_offloaded_checkpoint(meta_model(), tmp_path / "multimodal", strict=False)
+    assert torch.equal(output(model), expected)
+    middle = {k: v for k, v in state.items() if not k.startswith("conv.")} | outer_keys
+    write_sharded(middle, tmp_path / "middle")  # a segment inserted inside the names
+    model = load_offloaded_checkpoint(meta_model(), tmp_path / "middle", strict=True)
+    assert torch.equal(output(model), expected)
 
     write_sharded(state, tmp_path / "smaller")
     outer = nn.Module()
     outer.model = meta_model()
-    with pytest.raises(T2NErrorCheckpoint) as caught:
-        load_offloaded_checkpoint(outer, tmp_path / "smaller", strict=False)
-    assert "bind the checkpoint to the model's 'model' module" in str(caught.value)
-    load_offloaded_checkpoint(outer.model, tmp_path / "smaller", strict=False)  # as it says
-    assert torch.equal(outer.model.conv.weight.reload(), dense.conv.weight.detach())
+    load_offloaded_checkpoint(outer, tmp_path / "smaller", strict=True)
+    assert torch.equal(output(outer.model), expected)
+
+    # A renaming that accounts for few of the names without a key is not applied.
+    partly = {k: v for k, v in state.items() if not k.startswith(("conv.", "proj."))}
+    partly["renamed.conv.bias"] = state["conv.bias"]
+    write_sharded(partly, tmp_path / "partly")
+    with pytest.raises(T2NErrorCheckpoint, match=r"'conv.bias' \(absent from the checkpoint\)"):
+        load_offloaded_checkpoint(meta_model(), tmp_path / "partly", strict=False)
 
 
 def test_no_tensor_stays_on_the_meta_device_silently(dense: Net, tmp_path: Path) -> None:

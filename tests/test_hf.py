@@ -281,6 +281,30 @@ def test_from_pretrained_inside_the_context_yields_offloaded_tensors(
         transformers.AutoModelForCausalLM.from_pretrained(case.path, device_map="auto")
 
 
+def test_a_base_model_and_its_causal_lm_bind_each_others_checkpoints(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """As from_pretrained does: a base model from a causal LM's checkpoint (keys under
+    ``model.``), a causal LM from its base model's checkpoint, both in the context too."""
+    case = saved[("qwen2", True)]
+    with torch.no_grad():
+        hidden = case.dense.model(PROMPT).last_hidden_state
+    with accelerate.init_empty_weights():
+        base = transformers.AutoModel.from_config(case.config).eval()
+    t2n_load_checkpoint_and_dispatch(base, case.path, "t2n_offload_disk", tmp_path)
+    with torch.no_grad():
+        assert torch.equal(base(PROMPT).last_hidden_state, hidden)
+    base_path = tmp_path / "base"
+    case.dense.model.save_pretrained(base_path)  # keys without the "model." prefix
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        causal = transformers.AutoModelForCausalLM.from_pretrained(base_path).eval()
+        from_causal = transformers.AutoModel.from_pretrained(case.path).eval()
+    assert offloaded_share(causal)[0] == offloaded_share(causal)[1]
+    assert torch.equal(generate(causal), case.tokens)  # the head is tied to the embedding
+    with torch.no_grad():
+        assert torch.equal(from_causal(PROMPT).last_hidden_state, hidden)
+
+
 def test_building_blocks(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> None:
     case = saved[("llama", False)]
     shard = sorted(case.path.glob("*.safetensors"))[0]

@@ -13,6 +13,7 @@ tensor, named after its first PyTorch path.
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -45,6 +46,8 @@ SAFETENSORS_SINGLE_NAME = "model.safetensors"
 PICKLE_NAME = "pytorch_model.bin"
 PICKLE_INDEX_NAME = "pytorch_model.bin.index.json"
 """Names of pickle checkpoints (``torch.save``), read only where pickle is allowed."""
+
+LOGGER = logging.getLogger(__name__)
 
 _M = TypeVar("_M", bound=nn.Module)
 
@@ -350,13 +353,21 @@ def plan_binding(
     """
     updater = ModTensorUpdater(model, add_buffers=True)
     transient = _non_persistent_buffer_names(model)
+    tensors = list(updater.iter_tensors())
+    renaming = _Renaming.between(tensors, found, transient, ignored)
     report = _Misfits()
     bindings: list[PlannedBinding] = []
     known: set[str] = set()
     unbound: list[tuple[tuple[str, ...], torch.Tensor]] = []
-    for names, tensor in updater.iter_tensors():
+    renamed: list[tuple[str, str]] = []
+    for names, tensor in tensors:
         known.update(names)
         key = next((name for name in names if name in found), None)
+        if key is None and renaming is not None:
+            key = next((k for k in map(renaming.key_for, names) if k in found), None)
+            if key is not None:
+                known.add(key)
+                renamed.append((key, names[0]))
         if key is None:
             if not all(name in transient for name in names):
                 report.missing.append(_tied_names(names))
@@ -376,8 +387,15 @@ def plan_binding(
     report.compared = len(bindings) + len(report.shapes) + report.dtype_count
     report.on_meta = _left_on_meta(unbound, bindings, transient)
     unexpected = sorted(key for key in found if key not in known and not ignored(key))
-    absent = [name for names, _ in unbound for name in names if name not in transient]
-    report.renaming = _prefix_between(absent, unexpected)
+    if renamed:
+        LOGGER.info(
+            "checkpoint '%s': %d key(s) bound under names with one dotted segment %s, "
+            "such as %r bound to %r",
+            found.source,
+            len(renamed),
+            "less" if renaming is not None and renaming.in_checkpoint else "more",
+            *renamed[0],
+        )
     if report.failed(strict, unexpected):
         raise T2NErrorCheckpoint(report.message(found.source, unexpected, strict=strict))
     return BindingPlan(found, updater, bindings, unexpected)
@@ -435,9 +453,6 @@ class _Misfits:
     dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = field(default_factory=dict)
     on_meta: list[str] = field(default_factory=list)
     compared: int = 0
-    # The model's names and the checkpoint's keys differ by a prefix (a model and one inside
-    # it): the hint that says so, or None.
-    renaming: str | None = None
 
     @property
     def dtype_count(self) -> int:
@@ -486,10 +501,8 @@ class _Misfits:
                     "real, rather than torch.device('meta'), or give those buffers real values "
                     "before binding"
                 )
-            if any(_ABSENT in item for item in self.on_meta) and self.renaming is None:
+            if any(_ABSENT in item for item in self.on_meta):
                 hints.append("check that the checkpoint belongs to this model")
-        if self.renaming is not None and (self.on_meta or (strict and self.missing)):
-            hints.append(self.renaming)
         return " ".join(parts) + " To fix: " + "; ".join(hints) + "."
 
     def _dtype_group(self, pair: tuple[torch.dtype, torch.dtype], keys: list[str]) -> str:
@@ -512,44 +525,60 @@ def _listed(items: list[str], limit: int = _LISTED) -> str:
     return shown if len(items) <= limit else f"{shown}, ... ({len(items) - limit} more)"
 
 
-def _prefix_between(absent: list[str], unexpected: list[str]) -> str | None:
-    """The hint when the checkpoint's keys the model lacks are the model's absent names under
-    one prefix, or the reverse (one model holds the other, as a causal LM holds its base
-    model as ``model``); ``None`` when no prefix accounts for half of the absent names."""
-    if not absent or not unexpected:
-        return None
-    names, keys = set(absent), set(unexpected)
-    under = _heads_matching(unexpected, names)  # checkpoint key = prefix + model name
-    over = _heads_matching(absent, keys)  # model name = prefix + checkpoint key
-    for counts, larger in ((under, "checkpoint"), (over, "model")):
+@dataclass(frozen=True)
+class _Renaming:
+    """The checkpoint's keys are the model's names with one dotted segment more, or one less,
+    at one position: a model and one inside it (a ``...ForCausalLM`` holds its base model as
+    ``model``), or a multimodal checkpoint holding a text model under
+    ``model.language_model``. Transformers' ``from_pretrained`` and upstream torch-to-nnef
+    bind such checkpoints; so does :func:`plan_binding`, for the names it finds no key for."""
+
+    position: int
+    segment: str
+    in_checkpoint: bool  # the keys have the segment, the names do not
+
+    @classmethod
+    def between(
+        cls,
+        tensors: list[tuple[tuple[str, ...], torch.Tensor]],
+        found: Checkpoint,
+        transient: set[str],
+        ignored: Callable[[str], bool],
+    ) -> _Renaming | None:
+        """The renaming that accounts for the most names without a key, when it accounts
+        for at least half of them (``None`` otherwise)."""
+        names = {name for group, _ in tensors for name in group}
+        absent = {
+            name
+            for group, _ in tensors
+            if not any(name in found for name in group)
+            for name in group
+            if name not in transient
+        }
+        unexpected = {key for key in found if key not in names and not ignored(key)}
+        if not absent or not unexpected:
+            return None
+        counts: dict[_Renaming, int] = {}
+        for pool, other, in_checkpoint in ((absent, unexpected, False), (unexpected, absent, True)):
+            for name in pool:
+                parts = name.split(".")
+                for position, segment in enumerate(parts[:-1]):
+                    if ".".join(parts[:position] + parts[position + 1 :]) in other:
+                        rule = cls(position, segment, in_checkpoint)
+                        counts[rule] = counts.get(rule, 0) + 1
         if not counts:
-            continue
-        prefix, count = max(counts.items(), key=lambda item: item[1])
-        if 2 * count < len(names):
-            continue
-        if larger == "checkpoint":
-            return (
-                f"{count} of the tensors the model lacks are in the checkpoint under the prefix "
-                f"'{prefix}.': it holds a larger model containing this one (as a ...ForCausalLM "
-                "holds its base model); load it into that larger model's class"
-            )
-        return (
-            f"{count} of the tensors the model lacks are in the checkpoint without the prefix "
-            f"'{prefix}.': this model contains the checkpoint's (as a ...ForCausalLM holds its "
-            f"base model); bind the checkpoint to the model's '{prefix}' module"
-        )
-    return None
+            return None
+        rule, count = max(counts.items(), key=lambda item: item[1])
+        return rule if 2 * count >= len(absent) else None
 
-
-def _heads_matching(names: list[str], wanted: set[str]) -> dict[str, int]:
-    """For each first dotted component ``head`` of ``names``, how many ``head.rest`` have
-    their ``rest`` in ``wanted``."""
-    counts: dict[str, int] = {}
-    for name in names:
-        head, _, rest = name.partition(".")
-        if rest in wanted:
-            counts[head] = counts.get(head, 0) + 1
-    return counts
+    def key_for(self, name: str) -> str:
+        """The checkpoint key of the model's ``name`` under this renaming."""
+        parts = name.split(".")
+        if self.in_checkpoint:
+            parts.insert(self.position, self.segment)
+        elif len(parts) > self.position + 1 and parts[self.position] == self.segment:
+            del parts[self.position]
+        return ".".join(parts)
 
 
 def _tied_names(names: tuple[str, ...]) -> str:
