@@ -620,22 +620,30 @@ def test_force_gc_collect_collects_after_each_loading_op(
 def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path) -> None:
     path = storage.payload_path(tmp_path, "adopted", "sid0")
     storage.write_payload(path, {"tensor": weight})
-    adopted = OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
-    assert adopted.offload_path == path
-    assert torch.equal(adopted.reload(), weight)
-    announced = torch.empty(6, 8, device="meta")
-    again = OffloadedTensor(announced, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
-    assert again.shape == (6, 8)
     wrong = torch.empty(2, 2, device="meta")
     with pytest.raises(T2NErrorInconsistentTensor, match=re.escape("(2, 2)")):
         OffloadedTensor(wrong, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
     gc.collect()
     assert path.exists()  # a refused adoption takes nothing
+    announced = torch.empty(6, 8, device="meta")
+    adopted = OffloadedTensor(
+        announced, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0"
+    )
+    assert adopted.offload_path == path and adopted.shape == (6, 8)
+    assert torch.equal(adopted.reload(), weight)
+    # A second owner would remove the file under the first one when it goes.
+    with pytest.raises(T2NErrorMisuse, match="belongs to a live OffloadedTensor"):
+        OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
+    gc.collect()
+    assert torch.equal(adopted.reload(), weight)
     with pytest.raises(T2NErrorMisuse, match="storage_id"):
         OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor)
     with pytest.raises(T2NErrorStorage, match="No such file"):
         OffloadedTensor(None, "cpu", tmp_path, "absent", torch.Tensor, storage_id="sid0")
-    del again, adopted
+    created = OffloadedTensor.from_original_tensor(weight, "made", tmp_path)
+    with pytest.raises(T2NErrorMisuse, match="belongs to a live OffloadedTensor"):
+        OffloadedTensor(None, "cpu", tmp_path, "made", torch.Tensor, storage_id=created.storage_id)
+    del adopted
     gc.collect()
     assert not path.exists()  # adopted files are owned
 

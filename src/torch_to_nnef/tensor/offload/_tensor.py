@@ -98,6 +98,21 @@ class _OwnedFile:
         self.path = path
         self._keepalive = keepalive  # the private directory holding the file, if any
         weakref.finalize(self, _remove_file, path, os.getpid())
+        _OWNED[os.path.abspath(path)] = self
+
+    @staticmethod
+    def check_free(path: Path, name: str) -> None:
+        """Refuse to own ``path`` while a live tensor owns it: both would remove it."""
+        if _OWNED.get(os.path.abspath(path)) is not None:
+            raise T2NErrorMisuse(
+                f"payload file '{path}' belongs to a live OffloadedTensor already (removed "
+                f"with it): {name!r} cannot adopt it as well; use that tensor, or "
+                "copy.deepcopy() of it for an independent one"
+            )
+
+
+_OWNED: weakref.WeakValueDictionary[str, _OwnedFile] = weakref.WeakValueDictionary()
+"""The payload files owned by live tensors, by absolute path."""
 
 
 class _PrivateDir:
@@ -619,6 +634,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             )
         directory = Path(offload_dir)
         path = storage.payload_path(directory, name, storage_id)
+        _OwnedFile.check_free(path, name)
         layout = storage.read_layout(path)
         binding = _bind_file(layout, owned=None)  # owned only once every check passed
         if binding.opaque:
