@@ -8,6 +8,7 @@ import concurrent.futures
 import contextlib
 import copy
 import gc
+import logging
 import os
 import sys
 import threading
@@ -833,6 +834,29 @@ def test_a_read_write_lease_that_reshapes_the_value_in_place_is_refused(
     assert pool.closed
     assert torch.equal(on_disk(t), latest * 2.0)
     assert t.shape == (8,) and t.dtype == torch.float32
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("new", ["dtype", "shape"])
+def test_a_direct_write_of_a_new_dtype_or_shape_under_a_read_write_lease_drops_its_change(
+    tmp_path: Path, new: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A direct write giving the tensor a new dtype or shape while a read_write lease holds
+    it supersedes the lease's change, as a write of the same dtype does: the lease ends
+    without error, its value is left as the lease made it, and every read sees the write."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(16), "t", tmp_path)
+    written = torch.full((16,), 5.0, dtype=torch.float16) if new == "dtype" else torch.ones(32)
+    with TensorResidencyPool() as pool:
+        with caplog.at_level(logging.WARNING), pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+            t.update_values(written, strict_shape=False, strict_dtype=False)
+        assert "the lease's change is dropped, the later write stands" in caplog.text
+        assert value.dtype == torch.float32 and value.shape == (16,)  # the caller's, untouched
+        assert torch.equal(value, torch.ones(16))
+        assert torch.equal(pool.resolve(t), written)
+        assert torch.equal(t.reload(), written)
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), written)
 
 
 @pytest.mark.timeout(60)

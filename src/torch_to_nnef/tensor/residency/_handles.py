@@ -77,14 +77,17 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
 
 
 def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
-    """A ``read_write`` lease's change keeps the tensor's shape and dtype. A value reshaped
+    """A ``read_write`` lease's change keeps the value's shape and dtype. A value reshaped
     or retyped in place under the lease (``unsqueeze_``, ``resize_``, ``set_``, ``.data =``)
     is put back as the tensor's latest write, read while the lease still holds it (no
-    write-back runs meanwhile); the error to raise says so (``None``: the change fits)."""
+    write-back runs meanwhile); the error to raise says so (``None``: the change fits).
+    A direct write that gave the tensor itself a new shape or dtype meanwhile is no
+    reshaping of the value: the lease's change is dropped as any change a later write
+    supersedes."""
     value, source = slot.value, slot.entry.source
-    shape, dtype = tuple(source.shape), source.dtype
-    if tuple(value.shape) == shape and value.dtype == dtype:
+    if value.shape == slot.shape and value.dtype == slot.dtype:
         return None
+    shape, dtype = tuple(slot.shape), slot.dtype
     became = f"{tuple(value.shape)} {value.dtype}"
     with torch.no_grad():
         value.data = storage.handoff(source._reload_unmanaged(slot.device), slot.device)

@@ -159,7 +159,8 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``key``, ``value``, ``device`` and ``as_is`` (fixed at creation) and
+    Every field but ``key``, ``value``, ``device``, ``as_is``, ``shape`` and ``dtype`` (fixed
+    at creation: the value's shape and dtype are what a lease's change must keep) and
     ``aliased`` (a flag any thread sets, never cleared) changes under the actor's lock only.
     A thread takes or ends a lease here without the loop thread
     (reading and writing the slot only, never its entry); the actor never evicts, reuses or
@@ -175,11 +176,13 @@ class Slot:
         "changed",
         "device",
         "dirty",
+        "dtype",
         "entry",
         "key",
         "leases",
         "open",
         "seen",
+        "shape",
         "tracked",
         "used",
         "value",
@@ -192,6 +195,8 @@ class Slot:
         self.entry = entry
         self.key = entry.key
         self.value = value
+        self.shape = value.shape
+        self.dtype = value.dtype
         self.device = entry.device
         # Handed over as it is: ``hand_over`` has work on CUDA devices only (their streams),
         # and reading ``device.type`` on every hit costs more than the rest of a hit's checks.
