@@ -640,14 +640,15 @@ print("ok", flush=True)
 def _saved_at_exit(tmp_path: Path, numel: int, fill: float, then: str) -> torch.Tensor:
     """Run a script that fills a tensor of ``numel`` zeros with ``fill`` under a
     ``read_write`` lease of a pool, runs the lines ``then`` and returns; give back the tensor's
-    file as it was at exit (copied by an ``atexit`` hook, which runs after the pool's exit
-    work and before the tensor's file is removed)."""
+    file as it was at exit (copied by a finalizer made after the tensor: finalizers pending at
+    exit run after the pool's exit work, newest first, so before the tensor's file is
+    removed)."""
     import subprocess
     import sys
 
     saved = tmp_path / "saved.bin"
     script = f"""
-import atexit, gc, shutil, threading, time
+import gc, shutil, threading, time, weakref
 import torch
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
@@ -656,7 +657,9 @@ pool = TensorResidencyPool()
 with pool.acquire(t, mode="read_write") as value:
     value.fill_({fill})
 del value
-atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+class Anchor: pass
+anchor = Anchor()
+weakref.finalize(anchor, shutil.copy, t.offload_path, {str(saved)!r})
 {then}
 print("ok", flush=True)
 """
@@ -694,6 +697,167 @@ def test_a_pool_never_closed_writes_its_changes_back_at_exit(tmp_path: Path, the
     assert torch.equal(written, torch.full((1 << 22,), 9.0))
 
 
+_EXIT_PROLOGUE = """
+import asyncio, gc, os, shutil, sys, threading, time, weakref
+import torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+directory = sys.argv[1]
+ts = [OffloadedTensor.from_original_tensor(torch.zeros(1024), f"t{i}", offload_dir=directory)
+      for i in range(3)]
+def save():  # the files as they are at exit: after the pools' exit work, before removal
+    for i, t in enumerate(ts):
+        shutil.copy(t.offload_path, os.path.join(directory, f"saved{i}.bin"))
+class Anchor: pass
+anchor = Anchor()  # finalizers pending at exit run after the pools' exit work, newest first
+weakref.finalize(anchor, save)
+"""
+
+
+def _files_at_exit(tmp_path: Path, body: str) -> tuple[list[float], str]:
+    """Run ``body`` after :data:`_EXIT_PROLOGUE` in a fresh interpreter; the first value of
+    each of its three tensors' files at exit, and what it wrote on stderr."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore::ResourceWarning",
+            "-c",
+            _EXIT_PROLOGUE + body,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    values = []
+    for i in range(3):
+        (saved,) = storage.read_payload(storage.read_layout(tmp_path / f"saved{i}.bin")).values()
+        values.append(float(saved[0]))
+    leftovers = sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".bin"))
+    assert leftovers == [], leftovers  # every payload file removed with its tensor
+    return values, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_threads_that_outlive_the_main_thread_use_pools_and_their_changes_are_kept(
+    tmp_path: Path,
+) -> None:
+    """Python waits for the threads that are not daemons before it exits: they go on using
+    the pool the main thread left open, or a new one, and every change reaches its file."""
+    values, stderr = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+with pool.acquire(ts[0], mode="read_write") as value:
+    value.fill_(9.0)
+def later():
+    time.sleep(0.3)  # the main thread has ended
+    for _ in range(3):
+        with pool.acquire(ts[1], mode="read_write") as value:
+            value.add_(1.0)
+    fresh = TensorResidencyPool()
+    with fresh.acquire(ts[2], mode="read_write") as value:
+        value.fill_(5.0)
+threading.Thread(target=later).start()
+""",
+    )
+    assert values == [9.0, 3.0, 5.0], stderr
+    assert "Traceback" not in stderr, stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("then", ["", "del pool\ngc.collect()"], ids=["kept", "dropped"])
+def test_a_pool_whose_async_with_exit_failed_is_written_back_at_exit(
+    tmp_path: Path, then: str
+) -> None:
+    """A request timed out while a thread held a lease: the `async with` exit cannot close
+    the pool, which no loop serves any more. The thread goes on with it; kept or dropped,
+    the pool is closed at exit and every change reaches its file."""
+    values, stderr = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+def work():
+    for _ in range(10):
+        for t in ts:
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+                time.sleep(0.01)
+async def serve():
+    async with pool:
+        await asyncio.wait_for(asyncio.to_thread(work), timeout=0.1)
+try:
+    asyncio.run(serve())
+except TimeoutError:
+    pass
+"""
+        + then,
+    )
+    assert values == [10.0, 10.0, 10.0], stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_collected_just_before_exit_closes_and_the_interpreter_exits_cleanly(
+    tmp_path: Path,
+) -> None:
+    """Its close runs on its loop thread, which stops itself without being waited for:
+    interpreter exit waits for it, so that it runs no code while the interpreter tears
+    down (which aborted the process while the script's own exit work ran)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import atexit, gc, os, torch
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+directory = {str(tmp_path)!r}
+ts = [OffloadedTensor.from_original_tensor(torch.zeros(1 << 20), f"t{{i}}", offload_dir=directory)
+      for i in range(3)]
+atexit.register(lambda: [os.link(t.offload_path, t.offload_path.with_suffix(".link")) for t in ts])
+pool = TensorResidencyPool(max_cached_bytes=2 * (1 << 22))
+for t in ts:
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(7.0)
+del value, pool
+gc.collect()
+"""
+    for _ in range(3):
+        result = subprocess.run(
+            [sys.executable, "-W", "ignore", "-c", script], capture_output=True, timeout=100
+        )
+        assert result.returncode == 0, result.stderr
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_leased_by_a_daemon_thread_at_exit_writes_every_other_change(
+    tmp_path: Path,
+) -> None:
+    values, stderr = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+for i, t in enumerate(ts[1:], start=1):
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(float(i + 1))
+held = threading.Event()
+def hold():
+    with pool.acquire(ts[0], mode="read_write") as value:
+        value.fill_(100.0)
+        held.set()
+        time.sleep(60)
+threading.Thread(target=hold, daemon=True).start()
+held.wait()
+""",
+    )
+    assert values == [0.0, 2.0, 3.0]  # the daemon's change under way is not whole: dropped
+    assert "still had values leased by threads still running" in stderr
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("loop_closed", [False, True], ids=["loop-left", "loop-closed"])
 def test_an_async_with_block_never_left_writes_its_changes_back_at_exit(
@@ -708,11 +872,13 @@ def test_an_async_with_block_never_left_writes_its_changes_back_at_exit(
 
     saved = tmp_path / "saved.bin"
     script = f"""
-import asyncio, atexit, shutil, torch
+import asyncio, shutil, torch, weakref
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
 t = OffloadedTensor.from_original_tensor(torch.zeros(1024), "w", offload_dir={str(tmp_path)!r})
-atexit.register(shutil.copy, t.offload_path, {str(saved)!r})
+class Anchor: pass
+anchor = Anchor()  # its finalizer runs at exit after the pool's exit work, before t's
+weakref.finalize(anchor, shutil.copy, t.offload_path, {str(saved)!r})
 pool = TensorResidencyPool()
 async def serve():
     async with pool:

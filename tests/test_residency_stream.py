@@ -498,7 +498,7 @@ def test_a_script_interrupted_in_a_streamed_forward_keeps_the_changes_made_befor
     import sys
 
     script = f"""
-import atexit, os, shutil, signal, torch
+import os, shutil, signal, torch, weakref
 from torch import nn
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
@@ -509,7 +509,9 @@ weights = [module.weight for module in model]
 def save():  # after the pool's exit work, before the tensors' files are removed
     for i, weight in enumerate(weights):
         shutil.copy(weight.offload_path, os.path.join(directory, f"saved{{i}}.bin"))
-atexit.register(save)
+class Anchor: pass
+anchor = Anchor()  # finalizers pending at exit run after the pool's exit work, newest first
+weakref.finalize(anchor, save)
 pool = TensorResidencyPool()
 stream = stream_modules(pool, list(model))
 def change(module, args):

@@ -652,7 +652,8 @@ class _Unclosed:
     """Writes back the changes of a pool that was never closed, as :meth:`close` would:
     when the pool is garbage collected (in the background: gc may run on any thread, amid
     anything), or at interpreter exit (waited for, before the loop thread stops). Holds the
-    pool weakly."""
+    pool weakly. A pool collected while no loop served it (its ``async with`` exit failed)
+    is kept for interpreter exit, which closes it."""
 
     def __init__(self, pool: TensorResidencyPool, runtime: Runtime) -> None:
         self._pool = weakref.ref(pool)
@@ -663,13 +664,18 @@ class _Unclosed:
         """The pool was garbage collected (a finalizer): close it on its loop thread."""
         runtime = self._runtime
         actor = runtime.actor
-        if actor.closed or not runtime.private:
+        if actor.closed:
             return
         dirty = _has_changes(actor)
-        closing: concurrent.futures.Future[None] = concurrent.futures.Future()
-        self._closing = closing
-        if not runtime.post_lock_free(self._close_collected, closing):
-            closing.set_result(None)
+        if not runtime.private:
+            if runtime.loop is not None or not dirty:
+                return  # a loop of the caller's serves it: closed by it, or at exit
+            _ORPHANS.add(self)  # no loop: nothing here can write; interpreter exit will
+        else:
+            closing: concurrent.futures.Future[None] = concurrent.futures.Future()
+            self._closing = closing
+            if not runtime.post_lock_free(self._close_collected, closing):
+                closing.set_result(None)
         if dirty:  # last: warnings turned into errors must not stop the close
             warnings.warn(
                 "a TensorResidencyPool with unsaved changes was garbage collected without "
@@ -711,13 +717,38 @@ class _Unclosed:
                     _EXIT_WRITE_TIMEOUT,
                 )
             return
-        pool = self._pool()
-        if pool is None or pool.closed or not _has_changes(self._runtime.actor):
+        runtime = self._runtime
+        if runtime.actor.closed or not _has_changes(runtime.actor):
             return
+        pool = self._pool()
         try:
-            pool.close()
-        except T2NError as error:  # leased by a thread still running, or a write failed
+            if pool is not None:
+                pool.close()
+            else:  # collected while no loop served it: a private loop closes it now
+                try:
+                    runtime.call(Close(runtime.actor, _nothing))
+                finally:
+                    runtime.stop_private()
+        except T2NErrorMisuse as error:  # leased by a thread still running (a daemon)
+            self._flush_unleased(error)
+        except T2NError as error:  # a write failed
             _log_unwritten("open at interpreter exit", error)
+
+    def _flush_unleased(self, refused: T2NErrorMisuse) -> None:
+        """Close refused (values leased): write back every change but those under a
+        ``read_write`` lease still held, which cannot be whole."""
+        runtime = self._runtime
+        try:
+            runtime.call(Flush(runtime.actor, None))
+        except T2NError as error:
+            _log_unwritten("open at interpreter exit", error)
+            return
+        LOGGER.error(
+            "a TensorResidencyPool open at interpreter exit still had values leased by "
+            "threads still running (%s); the other changes were written back, those made "
+            "under read_write leases still held are lost",
+            refused,
+        )
 
     def _close_stranded(self) -> None:
         """Close a pool whose ``async with`` block on a loop of the caller's was never left,
@@ -752,6 +783,9 @@ def _has_changes(actor: Actor) -> bool:
     except RuntimeError:  # the loop thread changed the entries meanwhile
         return True
 
+
+_ORPHANS: set[_Unclosed] = set()
+"""Pools collected with changes while no loop served them, closed at interpreter exit."""
 
 _EXIT_WRITE_TIMEOUT = 300.0
 """Seconds interpreter exit waits for the write-backs of a collected pool."""

@@ -9,10 +9,12 @@ which runs them in the order they were sent; there is no other queue.
 **Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
 (:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
 transition for that job. A sync call on the loop thread itself waits for a job inline. At
-interpreter exit a ``threading`` hook runs the ``at_exit`` of each private loop and of each loop
-of the caller's that no longer runs (the pool writes back what it never closed), then stops the
-private loops (each runs what was posted, then its workers' queued jobs to their end) before
-the interpreter tears down.
+interpreter exit, once the interpreter waited for the threads that are not daemons (a thread
+of yours may use a pool after the main thread ended), an ``atexit`` hook runs the ``at_exit``
+of each pool that no running loop of the caller's serves (the pool writes back what it never
+closed), then stops the private loops (each runs what was posted, then its workers' queued
+jobs to their end), and waits for those a collected pool's close was stopping, before the
+interpreter tears down.
 
 **Ended leases.** A thread ending a lease the actor counts as in use wakes the loop when the
 value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
@@ -34,6 +36,7 @@ operation holds is undone instead.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import concurrent.futures
 import contextlib
 import logging
@@ -112,6 +115,10 @@ _WATCH_INTERVAL = 0.1
 _private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Runtimes whose private loop thread runs."""
 
+_stopping: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+"""Private loop threads told to stop without being waited for (a collected pool's close):
+interpreter exit waits for them."""
+
 _runtimes: weakref.WeakSet[Runtime] = weakref.WeakSet()
 """Every runtime of this process."""
 
@@ -127,26 +134,30 @@ if hasattr(os, "register_at_fork"):
 
 
 def _close_and_stop_at_exit() -> None:
-    """Before the interpreter finalizes, and before the workers stop: run the pools' exit
-    work (``at_exit``) for private loops and for loops of the caller's that no longer run
-    (:meth:`Runtime.stranded`), then stop private loop threads (they are daemons): each runs
-    what was posted, then its workers' jobs to their end. No daemon thread of a pool is left
-    running Python or torch code while the interpreter tears down."""
+    """Once the interpreter waited for the threads that are not daemons, and before the
+    workers stop: run the exit work (``at_exit``) of every pool that no running loop of the
+    caller's serves (a private loop; a loop that no longer runs, see :meth:`Runtime.stranded`;
+    none, after an ``async with`` exit that failed), then stop private loop threads (they are
+    daemons): each runs what was posted, then its workers' jobs to their end; then wait for
+    the loop threads a collected pool's close stops. No thread of a pool is left running
+    Python or torch code while the interpreter tears down."""
     for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
-        private = runtime.private
-        if runtime.at_exit is not None and (private or runtime.stranded()):
+        if runtime.at_exit is not None and not runtime.served_by_callers_loop():
             try:
                 runtime.at_exit()
             except BaseException:  # a second Ctrl-C included: the loops still stop
                 LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
-        if private:
+        if runtime.private:
             runtime.stop_private()
+    for thread in list(_stopping):
+        if thread is not threading.current_thread():
+            thread.join(30.0)
 
 
 # Registered after the workers' hook (imported above), so it runs before it.
-threading._register_atexit(_close_and_stop_at_exit)  # type: ignore[attr-defined]
+atexit.register(_close_and_stop_at_exit)
 
 
 def uvloop_wanted(use_uvloop: bool | None) -> bool:
@@ -270,6 +281,12 @@ class Runtime:
     def private(self) -> bool:
         return self._thread is not None
 
+    def served_by_callers_loop(self) -> bool:
+        """Served on a loop of the caller's (``async with pool``) that runs: whoever runs
+        that loop drives the pool."""
+        loop = self.loop
+        return self._thread is None and loop is not None and loop.is_running()
+
     def stranded(self) -> bool:
         """Served on a loop of the caller's (``async with pool``) that no longer runs: the
         block was never left (its task pending, or destroyed with the loop). Nothing drives
@@ -372,6 +389,8 @@ class Runtime:
                 loop.call_soon_threadsafe(loop.stop)
         if wait and thread is not threading.current_thread():
             thread.join(30.0)
+        else:
+            _stopping.add(thread)
         self._thread = None
 
     def post(self, callback: Callable[..., Any], *args: Any) -> None:

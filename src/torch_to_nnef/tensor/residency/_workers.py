@@ -7,14 +7,17 @@ completion to the loop. Nothing else runs on a worker, and no future or conditio
 involved: a job costs one queue put, one queue get and one post.
 
 Stopping (:meth:`Workers.shutdown`) queues one stop mark per thread behind the jobs already
-queued, so every job sent runs to its end, then joins the threads. Worker threads are not
-daemons: at interpreter exit, a hook registered with ``threading`` (run before threads are
-joined, as ``concurrent.futures`` does) stops every pool's workers the same way, so that
-write-backs queued then still reach their files.
+queued, so every job sent runs to its end, then joins the threads. Worker threads are
+daemons, so that the interpreter's wait for non-daemon threads at exit does not wait for
+them: a thread of yours still using a pool after the main thread ended is served. An
+``atexit`` hook, run once those threads ended (and after the pools' own exit work, see
+:mod:`._runtime`), stops every pool's workers the same way, so that write-backs queued then
+still reach their files, and no worker runs while the interpreter tears down.
 """
 
 from __future__ import annotations
 
+import atexit
 import os
 import queue
 import threading
@@ -39,7 +42,16 @@ def _stop_all_at_exit() -> None:
             workers.shutdown()
 
 
-threading._register_atexit(_stop_all_at_exit)  # type: ignore[attr-defined]
+class _Anchor:
+    """Something to attach a weak reference finalizer to."""
+
+
+# weakref.finalize runs the finalizers still pending at exit (the removal of offloaded
+# tensors' payload files among them) from an atexit function it registers with the first
+# finalizer of the process. One made here registers it before the pools' hooks, so that it
+# runs after them: a file written back at exit is removed with its tensor after, not before.
+weakref.finalize(_Anchor(), int)
+atexit.register(_stop_all_at_exit)
 
 
 class Workers:
@@ -64,7 +76,7 @@ class Workers:
             self._queue.put(job)
             if not self._idle and len(self._threads) < self._max:
                 thread = threading.Thread(
-                    target=self._serve, name=f"t2n-residency-io_{len(self._threads)}"
+                    target=self._serve, name=f"t2n-residency-io_{len(self._threads)}", daemon=True
                 )
                 self._threads.append(thread)
                 thread.start()  # under the lock: a shutdown joins started threads only
@@ -98,16 +110,15 @@ class Workers:
 
     def shutdown(self) -> None:
         """Run the jobs queued so far to their end, then stop and join the threads
-        (idempotent; not on a worker thread)."""
+        (idempotent: a second call, from another thread too, waits for the same end)."""
         with self._lock:
-            if self._stopped:
-                return
-            self._stopped = True
+            first, self._stopped = not self._stopped, True
             threads = list(self._threads)
-        _running.discard(self)
-        for _ in threads:
-            self._queue.put(_STOP)
+        if first:
+            for _ in threads:
+                self._queue.put(_STOP)
         current = threading.current_thread()
         for thread in threads:
             if thread is not current:
                 thread.join()
+        _running.discard(self)
