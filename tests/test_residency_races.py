@@ -199,12 +199,11 @@ def _request(pool: TensorResidencyPool, t: OffloadedTensor, face: str) -> None:
 FACES = ("resolve", "acquire", "prefetch", "begun lease", "aresolve", "async acquire")
 
 
-@pytest.mark.parametrize("face", FACES)
-def test_a_request_waiting_on_a_stopped_loop_fails_instead_of_hanging(
-    tmp_path: Path, face: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.3)
-    t = _tensor(tmp_path, "t", 1.0)
+def _request_on_a_stopped_loop(
+    t: OffloadedTensor, face: str
+) -> tuple[asyncio.AbstractEventLoop, TensorResidencyPool, threading.Thread, list[Any]]:
+    """A pool entered on a loop that then stops, and a thread making a request of it through
+    ``face``; the thread's outcome (``None`` or the error) goes in the list once it ends."""
     loop = asyncio.new_event_loop()
     pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
     _enter_on(loop, pool)  # the loop stops with the pool attached to it
@@ -219,6 +218,16 @@ def test_a_request_waiting_on_a_stopped_loop_fails_instead_of_hanging(
 
     thread = threading.Thread(target=request)
     thread.start()
+    return loop, pool, thread, outcome
+
+
+@pytest.mark.parametrize("face", FACES)
+def test_a_request_waiting_on_a_stopped_loop_fails_instead_of_hanging(
+    tmp_path: Path, face: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.3)
+    t = _tensor(tmp_path, "t", 1.0)
+    loop, pool, thread, outcome = _request_on_a_stopped_loop(t, face)
     thread.join(10.0)
     assert not thread.is_alive(), f"{face} on a pool whose loop stopped hangs"
     (error,) = outcome
@@ -239,20 +248,7 @@ def test_a_loop_that_stops_for_a_moment_still_serves_a_waiting_request(
     tmp_path: Path, face: str
 ) -> None:
     t = _tensor(tmp_path, "t", 1.0)
-    loop = asyncio.new_event_loop()
-    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
-    _enter_on(loop, pool)
-    outcome: list[BaseException | None] = []
-
-    def request() -> None:
-        try:
-            _request(pool, t, face)
-            outcome.append(None)
-        except BaseException as error:
-            outcome.append(error)
-
-    thread = threading.Thread(target=request)
-    thread.start()
+    loop, pool, thread, outcome = _request_on_a_stopped_loop(t, face)
     time.sleep(0.2)  # the loop is not running: the request waits for it
     assert thread.is_alive()
 
