@@ -834,6 +834,51 @@ gc.collect()
 
 
 @pytest.mark.timeout(120)
+def test_ctrl_c_during_the_exit_write_back_leaves_every_file_whole_and_written(
+    tmp_path: Path,
+) -> None:
+    """A storm of SIGINTs while the pools' exit work writes back: it is reported, not
+    raised, so every write ends whole (no temporary file left), no pool thread outlives it
+    (which aborted the process), and every change reaches its file."""
+    import subprocess
+    import sys
+
+    script = (
+        _EXIT_PROLOGUE.replace("torch.zeros(1024)", "torch.zeros(1 << 22)")
+        + """
+import atexit, signal
+pool = TensorResidencyPool(max_cached_bytes=1 << 24)
+for i, t in enumerate(ts):
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(float(i + 1))
+def storm():  # a burst of Ctrl-C once a write-back's temporary file is there
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        if any(name.endswith(".tmp") for name in os.listdir(directory)):
+            for _ in range(5):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.002)
+            return
+        time.sleep(0.0005)
+# Runs just before the pools' exit work (atexit functions run last registered first).
+atexit.register(lambda: threading.Thread(target=storm, daemon=True).start())
+"""
+    )
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore::ResourceWarning", "-c", script, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode in (0, -2), result.stderr  # never an abort (-6)
+    assert "interrupted at exit" in result.stderr, result.stderr
+    for i in range(3):
+        (saved,) = storage.read_payload(storage.read_layout(tmp_path / f"saved{i}.bin")).values()
+        assert torch.equal(saved, torch.full((1 << 22,), float(i + 1)))
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.endswith(".bin")]
+
+
+@pytest.mark.timeout(120)
 def test_a_pool_leased_by_a_daemon_thread_at_exit_writes_every_other_change(
     tmp_path: Path,
 ) -> None:

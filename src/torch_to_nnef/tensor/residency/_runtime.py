@@ -51,7 +51,7 @@ from typing import Any
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
-from torch_to_nnef.tensor.residency._workers import Workers
+from torch_to_nnef.tensor.residency._workers import Workers, exit_interrupts, join_at_exit
 
 __all__ = ["Operation", "Runtime", "uvloop_wanted"]
 
@@ -141,6 +141,7 @@ def _close_and_stop_at_exit() -> None:
     daemons): each runs what was posted, then its workers' jobs to their end; then wait for
     the loop threads a collected pool's close stops. No thread of a pool is left running
     Python or torch code while the interpreter tears down."""
+    exit_interrupts.hold()  # until the workers' hook ends
     for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
@@ -150,10 +151,10 @@ def _close_and_stop_at_exit() -> None:
             except BaseException:  # a second Ctrl-C included: the loops still stop
                 LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
         if runtime.private:
-            runtime.stop_private()
+            runtime.stop_private(wait=False)
     for thread in list(_stopping):
         if thread is not threading.current_thread():
-            thread.join(30.0)
+            join_at_exit(thread)
 
 
 # Registered after the workers' hook (imported above), so it runs before it.

@@ -18,28 +18,81 @@ still reach their files, and no worker runs while the interpreter tears down.
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import queue
+import signal
 import threading
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._state import Job
 
 __all__ = ["Workers"]
 
+LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
+
+EXIT_JOIN_TIMEOUT = 300.0
+"""Seconds interpreter exit waits, at most, for each thread of a pool to end its work."""
+
 _STOP = None
 _running: weakref.WeakSet[Workers] = weakref.WeakSet()
 _exiting = False
 
 
+def join_at_exit(thread: threading.Thread) -> None:
+    """Join ``thread`` at interpreter exit, for at most :data:`EXIT_JOIN_TIMEOUT` seconds."""
+    thread.join(EXIT_JOIN_TIMEOUT)
+
+
+class _ExitInterrupts:
+    """From the pools' first exit hook to their last, Ctrl-C in the main thread is reported
+    instead of raised: a write under way ends whole instead of leaving its temporary file,
+    and no pool thread is left running while the interpreter tears down (a
+    ``KeyboardInterrupt`` in ``Thread.join`` may even take a running thread for ended)."""
+
+    def __init__(self) -> None:
+        self.previous: Any = None
+        self.held = False
+
+    def hold(self) -> None:
+        if self.held or threading.current_thread() is not threading.main_thread():
+            return
+        try:
+            self.previous = signal.signal(signal.SIGINT, self._report)
+        except (ValueError, TypeError):  # no signals here (an embedded interpreter)
+            return
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            signal.signal(signal.SIGINT, self.previous)
+
+    @staticmethod
+    def _report(signum: int, frame: Any) -> None:
+        LOGGER.warning(
+            "interrupted at exit: the TensorResidencyPool disk work under way ends first "
+            "(at most %.0f s)",
+            EXIT_JOIN_TIMEOUT,
+        )
+
+
+exit_interrupts = _ExitInterrupts()
+
+
 def _stop_all_at_exit() -> None:
     global _exiting
     _exiting = True
-    for workers in list(_running):
-        if workers.pid == os.getpid():  # a forked child has none of its parent's threads
-            workers.shutdown()
+    exit_interrupts.hold()  # held since the pools' first hook, usually
+    try:
+        for workers in list(_running):
+            if workers.pid == os.getpid():  # a forked child has none of its parent's threads
+                workers.shutdown(at_exit=True)
+    finally:
+        exit_interrupts.release()
 
 
 class _Anchor:
@@ -108,9 +161,10 @@ class Workers:
             waiter = job.waiter = threading.Event()
         waiter.wait()
 
-    def shutdown(self) -> None:
+    def shutdown(self, at_exit: bool = False) -> None:
         """Run the jobs queued so far to their end, then stop and join the threads
-        (idempotent: a second call, from another thread too, waits for the same end)."""
+        (idempotent: a second call, from another thread too, waits for the same end);
+        ``at_exit``: for at most :data:`EXIT_JOIN_TIMEOUT` seconds each."""
         with self._lock:
             first, self._stopped = not self._stopped, True
             threads = list(self._threads)
@@ -119,6 +173,10 @@ class Workers:
                 self._queue.put(_STOP)
         current = threading.current_thread()
         for thread in threads:
-            if thread is not current:
+            if thread is current:
+                continue
+            if at_exit:
+                join_at_exit(thread)
+            else:
                 thread.join()
         _running.discard(self)
