@@ -879,6 +879,69 @@ atexit.register(lambda: threading.Thread(target=storm, daemon=True).start())
 
 
 @pytest.mark.timeout(120)
+def test_pools_refuse_to_start_threads_once_their_exit_work_began(tmp_path: Path) -> None:
+    """A daemon thread starting pools over and over while the exit work runs is refused
+    (its threads would run while the interpreter tears down) instead of racing the exit
+    work, which writes every change back; use after the exit work says why it fails."""
+    import subprocess
+    import sys
+
+    body = """
+import atexit
+pool = TensorResidencyPool()
+for i, t in enumerate(ts):
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(float(i + 1))
+spare = OffloadedTensor.from_original_tensor(torch.ones(4), "spare", offload_dir=directory)
+refusals = []
+def churn():
+    while True:
+        try:
+            with TensorResidencyPool() as other:
+                other.resolve(spare)
+        except Exception as error:
+            refusals.append(error)
+            return
+def report():  # a finalizer: after the pools' exit work
+    print("daemon:", refusals[0] if refusals else "never refused", flush=True)
+    try:
+        pool.resolve(ts[0])
+    except Exception as error:
+        print("after exit:", error, flush=True)
+    try:
+        TensorResidencyPool().resolve(ts[0])
+    except Exception as error:
+        print("new pool after exit:", error, flush=True)
+keep = Anchor()
+weakref.finalize(keep, report)
+atexit.register(lambda: threading.Thread(target=churn, daemon=True).start())
+"""
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-W",
+            "ignore::ResourceWarning",
+            "-c",
+            _EXIT_PROLOGUE + body,
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "Traceback" not in result.stderr and "Exception ignored" not in result.stderr
+    # Refused at its next start, or its pool closed under it by the exit work.
+    daemon = r"daemon: the (interpreter is exiting|TensorResidencyPool is closed)"
+    assert re.search(daemon, result.stdout), result.stdout
+    assert "after exit: the TensorResidencyPool is closed" in result.stdout, result.stdout
+    assert "new pool after exit: the interpreter is exiting" in result.stdout, result.stdout
+    for i in range(3):
+        (saved,) = storage.read_payload(storage.read_layout(tmp_path / f"saved{i}.bin")).values()
+        assert float(saved[0]) == i + 1
+
+
+@pytest.mark.timeout(120)
 def test_a_pool_leased_by_a_daemon_thread_at_exit_writes_every_other_change(
     tmp_path: Path,
 ) -> None:

@@ -28,7 +28,7 @@ from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool, _runtime
+from torch_to_nnef.tensor.residency import TensorPrefetch, TensorResidencyPool, _runtime
 from torch_to_nnef.tensor.residency._actor import Actor
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -262,6 +262,74 @@ def test_a_loop_that_stops_for_a_moment_still_serves_a_waiting_request(
     assert outcome == [None]
     expected = 2.0 if face == "acquire" else 1.0
     assert torch.equal(t.reload(), torch.full((NUMEL,), expected))
+
+
+def test_a_loop_run_in_short_bursts_serves_a_request_longer_than_the_patience(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loop that runs in bursts (one run_until_complete after another) is seldom running
+    when looked at; a request waiting longer than the patience is still served."""
+    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.3)
+    t = _tensor(tmp_path, "t", 1.0)
+    with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point:
+        point.armed.set()  # the first load pauses until go()
+        loop, pool, thread, outcome = _request_on_a_stopped_loop(t, "resolve")
+        started = time.monotonic()
+        while time.monotonic() - started < 1.5:  # five times the patience
+            loop.run_until_complete(asyncio.sleep(0))
+            time.sleep(0.05)
+        point.go()
+        while thread.is_alive() and time.monotonic() - started < 10:
+            loop.run_until_complete(asyncio.sleep(0.01))
+    assert outcome == [None]
+    loop.run_until_complete(pool.__aexit__(None, None, None))
+    loop.close()
+
+
+def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiters(
+    tmp_path: Path,
+) -> None:
+    """The exit of `async with pool` cannot close it (a thread holds a lease) while a load
+    runs: the load ends after the loop stopped serving, and its end is still applied, so
+    its prefetch handle, later requests and the close are answered."""
+    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
+    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(ts[0]):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+
+    async def serve() -> TensorPrefetch:
+        async with pool:
+            holder.start()
+            while not held.is_set():
+                await asyncio.sleep(0.01)
+            point.armed.set()
+            handle = pool.prefetch(ts[1])
+            while not point.paused.is_set():
+                await asyncio.sleep(0.01)
+            threading.Timer(0.2, point.go).start()  # the load ends after the exit began
+        return handle
+
+    with (
+        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point,
+        pytest.raises(T2NErrorMisuse, match="cannot close"),
+    ):
+        asyncio.run(serve())
+    waited: list[torch.Tensor] = []
+    waiter = threading.Thread(target=lambda: waited.append(pool.prefetch(ts[1]).wait()))
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive() and torch.equal(waited[0], torch.full((NUMEL,), 1.0))
+    assert torch.equal(pool.resolve(ts[1]), torch.full((NUMEL,), 1.0))
+    release.set()
+    holder.join(10)
+    pool.close()
+    assert pool.closed
 
 
 def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(

@@ -702,7 +702,8 @@ class _Unclosed:
 
     def at_exit(self) -> None:
         """Interpreter exit, before the loop thread stops: finish the close of a collected
-        pool, or close a pool still open that holds changes."""
+        pool, or close a pool still open (it writes its changes back; a later use says it is
+        closed instead of taking a change nobody would write)."""
         if self._runtime.stranded():
             self._close_stranded()
             return
@@ -718,8 +719,9 @@ class _Unclosed:
                 )
             return
         runtime = self._runtime
-        if runtime.actor.closed or not _has_changes(runtime.actor):
-            return
+        actor = runtime.actor
+        if actor.closed or (not runtime.running and not _has_changes(actor)):
+            return  # closed, or never served: nothing to write
         pool = self._pool()
         try:
             if pool is not None:

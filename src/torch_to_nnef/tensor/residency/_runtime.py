@@ -133,6 +133,29 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
+class _Exit:
+    """Where interpreter exit stands for the pools: their threads may start until their
+    exit work begins, then only on the thread doing it, and never after it."""
+
+    def __init__(self) -> None:
+        self.thread: threading.Thread | None = None  # the one doing the exit work
+        self.done = False
+
+    def check_start(self) -> None:
+        """Refuse to start a pool's threads where they could run while the interpreter
+        tears down."""
+        if self.done or (self.thread is not None and self.thread is not threading.current_thread()):
+            raise T2NErrorMisuse(
+                "the interpreter is exiting: a TensorResidencyPool cannot start its threads "
+                "any more (they would run while the interpreter tears down); use pools before "
+                "the end of the program, or in atexit functions registered after importing "
+                "torch_to_nnef"
+            )
+
+
+_exit = _Exit()
+
+
 def _close_and_stop_at_exit() -> None:
     """Once the interpreter waited for the threads that are not daemons, and before the
     workers stop: run the exit work (``at_exit``) of every pool that no running loop of the
@@ -142,13 +165,21 @@ def _close_and_stop_at_exit() -> None:
     the loop threads a collected pool's close stops. No thread of a pool is left running
     Python or torch code while the interpreter tears down."""
     exit_interrupts.hold()  # until the workers' hook ends
+    _exit.thread = threading.current_thread()
+    try:
+        _close_and_stop_pools()
+    finally:
+        _exit.done = True
+
+
+def _close_and_stop_pools() -> None:
     for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
         if runtime.at_exit is not None and not runtime.served_by_callers_loop():
             try:
                 runtime.at_exit()
-            except BaseException:  # a second Ctrl-C included: the loops still stop
+            except BaseException:  # the loops still stop
                 LOGGER.exception("a TensorResidencyPool's work at interpreter exit failed")
         if runtime.private:
             runtime.stop_private(wait=False)
@@ -205,19 +236,29 @@ def _abandon(operation: Operation) -> None:
 
 
 class _LoopWatch:
-    """Looks, between waits, at a loop of the caller's that a request waits for."""
+    """Looks, between waits, at a loop of the caller's that a request waits for. A loop run
+    in short bursts (one ``run_until_complete`` after another) may never be running when
+    looked at: a beat posted to it, run by the next burst, says it still runs."""
 
-    __slots__ = ("loop", "stopped_since")
+    __slots__ = ("beat", "loop", "stopped_since")
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.stopped_since: float | None = None
+        self.beat: list[bool] | None = None  # [ran], once posted
 
     def look(self) -> None:
-        """Raise once the loop has not been running for :data:`STOPPED_LOOP_PATIENCE`."""
-        if self.loop.is_running():
+        """Raise once the loop has neither been running nor run a beat for
+        :data:`STOPPED_LOOP_PATIENCE` seconds."""
+        beat = self.beat
+        if self.loop.is_running() or (beat is not None and beat[0]):
             self.stopped_since = None
+            self.beat = None
             return
+        if beat is None:
+            beat = self.beat = [False]
+            with contextlib.suppress(RuntimeError):  # a closed loop runs nothing
+                self.loop.call_soon_threadsafe(beat.__setitem__, 0, True)
         now = time.monotonic()
         if self.stopped_since is None:
             self.stopped_since = now
@@ -255,6 +296,7 @@ class Runtime:
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
         self._grace: asyncio.TimerHandle | None = None  # the actor's look at releases
+        self._unposted: list[Job] = []  # jobs that ended after the loop stopped serving
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
@@ -336,6 +378,7 @@ class Runtime:
         workers = self._detach()
         if workers is not None:
             workers.shutdown()  # jobs run to their end; nothing is left behind
+        self._complete_unposted()
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
@@ -346,6 +389,7 @@ class Runtime:
             if self.loop is not None:
                 return
             self.actor.check_open()
+            _exit.check_start()
             self._start_private()
 
     def _start_private(self) -> None:
@@ -366,6 +410,7 @@ class Runtime:
                 loop.run_until_complete(asyncio.sleep(0))
                 if workers is not None:
                     workers.shutdown()
+                self._complete_unposted()
                 try:
                     loop.run_until_complete(loop.shutdown_asyncgens())
                 finally:
@@ -380,7 +425,10 @@ class Runtime:
     def stop_private(self, wait: bool = True) -> None:
         """Stop the private loop thread (it stops its workers), waiting for it with ``wait``
         unless called on it."""
-        thread = self._thread
+        if self._thread is None:
+            return
+        with self._start_lock:  # a start under way ends first: its thread is started
+            thread = self._thread
         if thread is None:
             return
         _private_loops.discard(self)
@@ -498,11 +546,23 @@ class Runtime:
         return job
 
     def _job_ended(self, job: Job) -> None:
-        """A worker ran ``job`` (worker thread): its transition goes to the loop."""
-        try:  # noqa: SIM105 (contextlib.suppress costs a context manager on every job)
+        """A worker ran ``job`` (worker thread): its transition goes to the loop. When the
+        loop stopped serving meanwhile, the thread that stopped it runs the transition once
+        the workers ended (:meth:`_complete_unposted`): its waiters are answered."""
+        try:
             self.post(job.complete)
-        except T2NErrorMisuse:  # the loop is gone: nobody to tell
-            pass
+        except T2NErrorMisuse:
+            self._unposted.append(job)
+
+    def _complete_unposted(self) -> None:
+        """Run the transitions of the jobs that ended after the loop stopped serving (the
+        thread that stopped it, once the workers ended: nothing else runs the actor)."""
+        while self._unposted:
+            job = self._unposted.pop(0)
+            try:
+                job.complete()
+            except BaseException:
+                LOGGER.exception("a TensorResidencyPool's job ended as it stopped; its end failed")
 
     # ------------------------------------------------------------------------------------------
     # The driver

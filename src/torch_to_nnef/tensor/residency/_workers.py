@@ -44,7 +44,8 @@ _exiting = False
 
 def join_at_exit(thread: threading.Thread) -> None:
     """Join ``thread`` at interpreter exit, for at most :data:`EXIT_JOIN_TIMEOUT` seconds."""
-    thread.join(EXIT_JOIN_TIMEOUT)
+    if thread.ident is not None:  # started
+        thread.join(EXIT_JOIN_TIMEOUT)
 
 
 class _ExitInterrupts:
