@@ -310,6 +310,43 @@ def test_a_checkpoint_of_a_model_holding_this_one_or_held_by_it_is_bound(
         load_offloaded_checkpoint(meta_model(), tmp_path / "partly", strict=False)
 
 
+def test_a_renaming_never_binds_a_key_taken_nor_picks_among_equal_ones(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A key a tensor has under its own name is not also another's under the renaming (the
+    other is missing); two renamings that fit as well are ambiguous: none is applied."""
+
+    class Wrapped(nn.Module):  # a model holding a base model, and its own final norm
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.LayerNorm(WIDTH))
+            self.norm = nn.LayerNorm(WIDTH)
+
+    dense = Wrapped()
+    inner = {f"0.{k}": v for k, v in dense.model[0].state_dict().items()}
+    write_sharded(
+        {**inner, "norm.weight": dense.norm.weight.detach(), "norm.bias": dense.norm.bias.detach()},
+        tmp_path / "base",
+    )
+    with torch.device("meta"):
+        model = Wrapped()
+    with pytest.raises(T2NErrorCheckpoint, match=r"2 missing key\(s\): 'model.1.weight'"):
+        load_offloaded_checkpoint(model, tmp_path / "base", strict=True)
+
+    twin = nn.Linear(WIDTH, WIDTH)
+    state = {
+        f"{prefix}.{k}": v.detach().clone()
+        for prefix in ("ema", "online")
+        for k, v in twin.state_dict().items()
+    }
+    write_sharded(state, tmp_path / "two")
+    with torch.device("meta"):
+        single = nn.Linear(WIDTH, WIDTH)
+    with caplog.at_level(logging.WARNING), pytest.raises(T2NErrorCheckpoint, match="meta device"):
+        load_offloaded_checkpoint(single, tmp_path / "two", strict=False)
+    assert "under several renamings ('ema', 'online')" in caplog.text
+
+
 def test_no_tensor_stays_on_the_meta_device_silently(dense: Net, tmp_path: Path) -> None:
     state = state_without_ties(dense)
     del state["conv.bias"]

@@ -632,7 +632,7 @@ def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path)
     assert adopted.offload_path == path and adopted.shape == (6, 8)
     assert torch.equal(adopted.reload(), weight)
     # A second owner would remove the file under the first one when it goes.
-    with pytest.raises(T2NErrorMisuse, match="belongs to a live OffloadedTensor"):
+    with pytest.raises(T2NErrorMisuse, match="is read by the live OffloadedTensor"):
         OffloadedTensor(None, "cpu", tmp_path, "adopted", torch.Tensor, storage_id="sid0")
     gc.collect()
     assert torch.equal(adopted.reload(), weight)
@@ -641,8 +641,18 @@ def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path)
     with pytest.raises(T2NErrorStorage, match="No such file"):
         OffloadedTensor(None, "cpu", tmp_path, "absent", torch.Tensor, storage_id="sid0")
     created = OffloadedTensor.from_original_tensor(weight, "made", tmp_path)
-    with pytest.raises(T2NErrorMisuse, match="belongs to a live OffloadedTensor"):
+    with pytest.raises(T2NErrorMisuse, match="is read by the live OffloadedTensor 'made'"):
         OffloadedTensor(None, "cpu", tmp_path, "made", torch.Tensor, storage_id=created.storage_id)
+    # A checkpoint a tensor reads in place, under another name (a link) too, is not adopted:
+    # the adopter would remove it.
+    checkpoint = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({"w": weight}, str(checkpoint))
+    reader = OffloadedTensor.from_safetensors(checkpoint, "w")
+    os.link(checkpoint, storage.payload_path(tmp_path, "linked", "sid1"))
+    with pytest.raises(T2NErrorMisuse, match="is read by the live OffloadedTensor 'w'"):
+        OffloadedTensor(None, "cpu", tmp_path, "linked", torch.Tensor, storage_id="sid1")
+    gc.collect()
+    assert torch.equal(reader.reload(), weight)
     del adopted
     gc.collect()
     assert not path.exists()  # adopted files are owned

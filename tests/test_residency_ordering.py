@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from breakpoints import paused_in_new_threads
 from forking import in_forked_child
@@ -622,16 +623,24 @@ def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Pat
 # ---------------------------------------------------------------------------------------------
 # 6. copy.deepcopy inside a scope
 # ---------------------------------------------------------------------------------------------
-def test_deepcopy_in_a_scope_copies_the_latest_value(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bound", ["owned", "checkpoint"])
+def test_deepcopy_in_a_scope_copies_the_latest_value(tmp_path: Path, bound: str) -> None:
+    """A copy (deep or shallow) takes the change a pool holds, for a tensor owning its
+    payload as for one reading a checkpoint in place (copied as a pointer otherwise)."""
+    if bound == "owned":
+        weight = OffloadedTensor.from_original_tensor(torch.zeros(4, 4), "w", tmp_path)
+    else:
+        safetensors.torch.save_file({"w": torch.zeros(4, 4)}, str(tmp_path / "m.safetensors"))
+        weight = OffloadedTensor.from_safetensors(tmp_path / "m.safetensors", "w")
+        assert not copy.copy(weight).owns_payload  # no change yet: another pointer
     model = nn.Linear(4, 4, bias=False)
-    model.weight = nn.Parameter(
-        OffloadedTensor.from_original_tensor(torch.zeros(4, 4), "w", offload_dir=tmp_path),
-        requires_grad=False,
-    )
+    model.weight = nn.Parameter(weight, requires_grad=False)
     with TensorResidencyPool() as pool, pool.scope():
         model.weight.add_(1.0)  # a change the pool holds
         duplicate = copy.deepcopy(model)
+        shallow = copy.copy(model.weight)
         assert torch.equal(duplicate.weight.reload(), torch.ones(4, 4))
+        assert torch.equal(shallow.reload(), torch.ones(4, 4))
         assert torch.equal(model.weight.clone(), torch.ones(4, 4))
 
 

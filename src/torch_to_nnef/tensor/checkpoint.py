@@ -360,12 +360,17 @@ def plan_binding(
     known: set[str] = set()
     unbound: list[tuple[tuple[str, ...], torch.Tensor]] = []
     renamed: list[tuple[str, str]] = []
+    # A key some tensor has under its own name is never another's under a renaming.
+    taken = {name for names, _ in tensors for name in names if name in found}
     for names, tensor in tensors:
         known.update(names)
         key = next((name for name in names if name in found), None)
         if key is None and renaming is not None:
-            key = next((k for k in map(renaming.key_for, names) if k in found), None)
+            key = next(
+                (k for k in map(renaming.key_for, names) if k in found and k not in taken), None
+            )
             if key is not None:
+                taken.add(key)
                 known.add(key)
                 renamed.append((key, names[0]))
         if key is None:
@@ -568,7 +573,15 @@ class _Renaming:
                         counts[rule] = counts.get(rule, 0) + 1
         if not counts:
             return None
-        rule, count = max(counts.items(), key=lambda item: item[1])
+        ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
+        rule, count = ranked[0]
+        if len(ranked) > 1 and ranked[1][1] == count:
+            LOGGER.warning(
+                "checkpoint keys fit the model's names under several renamings (%s): none is "
+                "applied; bind the checkpoint to the right module, or give it the model's names",
+                ", ".join(sorted(repr(r.segment) for r, c in ranked if c == count)),
+            )
+            return None
         return rule if 2 * count >= len(absent) else None
 
     def key_for(self, name: str) -> str:

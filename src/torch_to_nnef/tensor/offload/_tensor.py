@@ -98,21 +98,32 @@ class _OwnedFile:
         self.path = path
         self._keepalive = keepalive  # the private directory holding the file, if any
         weakref.finalize(self, _remove_file, path, os.getpid())
-        _OWNED[os.path.abspath(path)] = self
 
     @staticmethod
     def check_free(path: Path, name: str) -> None:
-        """Refuse to own ``path`` while a live tensor owns it: both would remove it."""
-        if _OWNED.get(os.path.abspath(path)) is not None:
-            raise T2NErrorMisuse(
-                f"payload file '{path}' belongs to a live OffloadedTensor already (removed "
-                f"with it): {name!r} cannot adopt it as well; use that tensor, or "
-                "copy.deepcopy() of it for an independent one"
-            )
-
-
-_OWNED: weakref.WeakValueDictionary[str, _OwnedFile] = weakref.WeakValueDictionary()
-"""The payload files owned by live tensors, by absolute path."""
+        """Refuse to own the file ``path`` while a live tensor reads it (under any name: a
+        link): the adopter would remove it under that tensor, or a checkpoint with it."""
+        try:
+            wanted = os.stat(path)
+        except OSError:
+            return  # reading the layout says what is wrong
+        seen: set[Path] = set()
+        for tensor in list(_LIVE.values()):
+            read = tensor._binding.layout.path
+            if read in seen:
+                continue
+            seen.add(read)
+            try:
+                found = os.stat(read)
+            except OSError:
+                continue
+            if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
+                raise T2NErrorMisuse(
+                    f"payload file '{path}' is read by the live OffloadedTensor "
+                    f"{tensor._name!r}: {name!r} cannot adopt it (an adopted file is removed "
+                    "with its tensor); use that tensor, or copy.deepcopy() of it for an "
+                    "independent one"
+                )
 
 
 class _PrivateDir:
@@ -897,16 +908,18 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def __deepcopy__(self, memo: dict[int, Any]) -> OffloadedTensor:
         """An independent offloaded copy (``copy.deepcopy`` of a model keeps it offloaded).
 
-        A tensor pointing into a checkpoint is copied as another pointer into it; one owning
-        its payload gets a new payload file in the same directory (a private directory
-        stays private). Parameter status, target device, name and options are kept.
+        A tensor pointing into a checkpoint is copied as another pointer into it, unless a
+        pool holds an unsaved change of it; otherwise the copy gets a new payload file of the
+        latest value in the same directory (a private directory stays private). Parameter
+        status, target device, name and options are kept.
         """
         existing = memo.get(id(self))
         if isinstance(existing, OffloadedTensor):
             return existing
         binding = self._binding
         duplicate: OffloadedTensor
-        if binding.owned is None:
+        self._wait_announced_writes()
+        if binding.owned is None and self._latest_unsaved() is None:
             duplicate = type(self).from_safetensors(
                 binding.layout,
                 binding.names[_PLAIN_ENTRY],
