@@ -573,9 +573,14 @@ def test_torch_save_of_a_model_with_offloaded_weights_writes_a_whole_checkpoint(
     torch.save({"earlier": torch.ones(3)}, path)  # replaced by a whole file, never torn
     torch.save(model.state_dict(), path)
     loaded = torch.load(path, weights_only=True)
-    assert type(loaded["weight"]) is torch.Tensor
+    assert not isinstance(loaded["weight"], OffloadedTensor)
     assert torch.equal(loaded["weight"], weight) and torch.equal(loaded["bias"], bias)
     assert torch.equal(offloaded.reload(), weight)  # the payload is untouched
+    torch.save(model, path)  # a parameter comes back as a parameter
+    again = torch.load(path, weights_only=False)
+    assert isinstance(again.weight, torch.nn.Parameter) and not again.weight.requires_grad
+    assert [name for name, _ in again.named_parameters()] == ["weight", "bias"]
+    assert torch.equal(again.weight, weight)
 
 
 def test_a_shallow_copy_is_a_copy_owning_its_own_payload(offloaded: OffloadedTensor) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import dataclasses
 import gc
@@ -954,8 +955,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         (``torch.load`` gives them back as such), holding every value in memory until it
         ends, as ``torch.save`` does; a refusal in the middle would leave ``path`` torn. To
         keep values on disk, bind the checkpoint again instead (``load_offloaded_checkpoint``).
+        A parameter (``nn.Parameter(t, requires_grad=False)``) comes back as a parameter.
         """
-        return self.reload().__reduce_ex__(protocol)
+        value = self.reload()
+        if self.__dict__.get("_is_param"):
+            return (torch._utils._rebuild_parameter, (value, False, collections.OrderedDict()))
+        return value.__reduce_ex__(protocol)
 
     # -- no memory of its own ----------------------------------------------------------------
     # Each load makes a new value: an address or a storage would be that of a copy freed at
