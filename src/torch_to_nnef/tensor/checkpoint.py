@@ -354,8 +354,8 @@ def plan_binding(
     updater = ModTensorUpdater(model, add_buffers=True)
     transient = _non_persistent_buffer_names(model)
     tensors = list(updater.iter_tensors())
-    renaming = _Renaming.between(tensors, found, transient, ignored)
-    report = _Misfits()
+    renaming, tied = _Renaming.between(tensors, found, transient, ignored)
+    report = _Misfits(tied_renamings=tied)
     bindings: list[PlannedBinding] = []
     known: set[str] = set()
     unbound: list[tuple[tuple[str, ...], torch.Tensor]] = []
@@ -458,6 +458,8 @@ class _Misfits:
     dtypes: dict[tuple[torch.dtype, torch.dtype], list[str]] = field(default_factory=dict)
     on_meta: list[str] = field(default_factory=list)
     compared: int = 0
+    # Segments of renamings that fit the names without a key equally well (none applied).
+    tied_renamings: list[str] = field(default_factory=list)
 
     @property
     def dtype_count(self) -> int:
@@ -506,7 +508,14 @@ class _Misfits:
                     "real, rather than torch.device('meta'), or give those buffers real values "
                     "before binding"
                 )
-            if any(_ABSENT in item for item in self.on_meta):
+            if self.tied_renamings:
+                segments = ", ".join(repr(segment) for segment in self.tied_renamings)
+                hints.append(
+                    f"the checkpoint's keys fit the model's names under several renamings "
+                    f"(one dotted segment {segments} more or less), so none is applied: bind "
+                    "the checkpoint to the module that matches, or give it the model's names"
+                )
+            elif any(_ABSENT in item for item in self.on_meta):
                 hints.append("check that the checkpoint belongs to this model")
         return " ".join(parts) + " To fix: " + "; ".join(hints) + "."
 
@@ -549,9 +558,10 @@ class _Renaming:
         found: Checkpoint,
         transient: set[str],
         ignored: Callable[[str], bool],
-    ) -> _Renaming | None:
+    ) -> tuple[_Renaming | None, list[str]]:
         """The renaming that accounts for the most names without a key, when it accounts
-        for at least half of them (``None`` otherwise)."""
+        for at least half of them (``None`` otherwise); and, when several account for as
+        many (none is applied), their segments."""
         names = {name for group, _ in tensors for name in group}
         absent = {
             name
@@ -562,7 +572,7 @@ class _Renaming:
         }
         unexpected = {key for key in found if key not in names and not ignored(key)}
         if not absent or not unexpected:
-            return None
+            return None, []
         counts: dict[_Renaming, int] = {}
         for pool, other, in_checkpoint in ((absent, unexpected, False), (unexpected, absent, True)):
             for name in pool:
@@ -572,17 +582,14 @@ class _Renaming:
                         rule = cls(position, segment, in_checkpoint)
                         counts[rule] = counts.get(rule, 0) + 1
         if not counts:
-            return None
+            return None, []
         ranked = sorted(counts.items(), key=lambda item: item[1], reverse=True)
         rule, count = ranked[0]
+        if 2 * count < len(absent):
+            return None, []
         if len(ranked) > 1 and ranked[1][1] == count:
-            LOGGER.warning(
-                "checkpoint keys fit the model's names under several renamings (%s): none is "
-                "applied; bind the checkpoint to the right module, or give it the model's names",
-                ", ".join(sorted(repr(r.segment) for r, c in ranked if c == count)),
-            )
-            return None
-        return rule if 2 * count >= len(absent) else None
+            return None, sorted({r.segment for r, c in ranked if c == count})
+        return rule, []
 
     def key_for(self, name: str) -> str:
         """The checkpoint key of the model's ``name`` under this renaming."""
