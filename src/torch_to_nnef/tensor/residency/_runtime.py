@@ -374,11 +374,14 @@ class Runtime:
         self._attach(asyncio.get_running_loop())
 
     def detach_current(self) -> None:
-        """Stop serving on the caller's loop (end of ``async with pool``)."""
-        workers = self._detach()
-        if workers is not None:
-            workers.shutdown()  # jobs run to their end; nothing is left behind
-        self._complete_unposted()
+        """Stop serving on the caller's loop (end of ``async with pool``). No private loop
+        starts meanwhile (a thread's request to a pool whose exit failed): the ends of the
+        jobs under way are applied here first, the actor being this thread's alone."""
+        with self._start_lock:
+            workers = self._detach()
+            if workers is not None:
+                workers.shutdown()  # jobs run to their end; nothing is left behind
+            self._complete_unposted()
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
