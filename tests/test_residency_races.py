@@ -28,7 +28,12 @@ from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorPrefetch, TensorResidencyPool, _runtime
+from torch_to_nnef.tensor.residency import (
+    TensorPrefetch,
+    TensorResidencyLease,
+    TensorResidencyPool,
+    _runtime,
+)
 from torch_to_nnef.tensor.residency._actor import Actor
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -284,6 +289,42 @@ def test_a_loop_run_in_short_bursts_serves_a_request_longer_than_the_patience(
     assert outcome == [None]
     loop.run_until_complete(pool.__aexit__(None, None, None))
     loop.close()
+
+
+def test_reads_of_the_state_never_wait_for_a_stopped_loop(tmp_path: Path) -> None:
+    """A lease ended while the pool's loop is stopped rides on a look at ended leases that
+    only that loop can run; reads of the state from threads answer at once meanwhile."""
+    t = _tensor(tmp_path, "t", 1.0)
+    loop = asyncio.new_event_loop()
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    held: list[TensorResidencyLease] = []
+
+    async def enter() -> None:
+        await pool.__aenter__()
+
+        def take() -> None:
+            lease = pool.acquire(t)
+            lease.__enter__()  # a miss, granted by the loop; kept
+            held.append(lease)
+
+        await asyncio.to_thread(take)
+
+    loop.run_until_complete(enter())  # then the loop stops, as between two bursts
+    took: list[float] = []
+
+    def read() -> None:
+        held[0].__exit__(None, None, None)  # over the budget: the loop's next look evicts
+        started = time.monotonic()
+        pool.stats(), pool.resident_bytes, pool.is_resident(t), repr(pool)
+        took.append(time.monotonic() - started)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    reader.join(30)
+    assert took and took[0] < 0.5, took
+    loop.run_until_complete(pool.__aexit__(None, None, None))
+    loop.close()
+    assert pool.closed
 
 
 def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiters(

@@ -501,7 +501,8 @@ class Runtime:
     def catch_up(self) -> None:
         """Wait until the notifications sent so far ran, releases that rode on the actor's
         next look at them were seen, and a transition applying them ended (reads of state
-        from other threads)."""
+        from other threads). Reads never block: on a loop of the caller's that is not
+        running, they answer at once, with the state as that loop left it."""
         actor = self.actor
         if (self._sent == self._ran and not actor.deferred and not actor.syncing) or (
             not self.running
@@ -509,6 +510,8 @@ class Runtime:
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
+        if self.stranded():
+            return  # nothing would run them before that loop runs again
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._caught_up, done)
