@@ -100,32 +100,6 @@ class _OwnedFile:
         self._keepalive = keepalive  # the private directory holding the file, if any
         weakref.finalize(self, _remove_file, path, os.getpid())
 
-    @staticmethod
-    def check_free(path: Path, name: str) -> None:
-        """Refuse to own the file ``path`` while a live tensor reads it (under any name: a
-        link): the adopter would remove it under that tensor, or a checkpoint with it."""
-        try:
-            wanted = os.stat(path)
-        except OSError:
-            return  # reading the layout says what is wrong
-        seen: set[Path] = set()
-        for tensor in list(_LIVE.values()):
-            read = tensor._binding.layout.path
-            if read in seen:
-                continue
-            seen.add(read)
-            try:
-                found = os.stat(read)
-            except OSError:
-                continue
-            if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
-                raise T2NErrorMisuse(
-                    f"payload file '{path}' is read by the live OffloadedTensor "
-                    f"{tensor._name!r}: {name!r} cannot adopt it (an adopted file is removed "
-                    "with its tensor); use that tensor, or copy.deepcopy() of it for an "
-                    "independent one"
-                )
-
 
 class _PrivateDir:
     """A temporary directory shared by tensors offloaded without an explicit directory.
@@ -149,6 +123,32 @@ def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
 
 _LIVE: weakref.WeakValueDictionary[int, OffloadedTensor] = weakref.WeakValueDictionary()
 """The offloaded tensors of this process, by id."""
+
+
+def _refuse_if_read(path: Path, name: str) -> None:
+    """Refuse to let ``name`` own the file ``path`` while a live tensor reads it (under any
+    name: a link): the adopter would remove it under that tensor, or a checkpoint with it."""
+    try:
+        wanted = os.stat(path)
+    except OSError:
+        return  # reading the layout says what is wrong
+    seen: set[Path] = set()
+    for tensor in list(_LIVE.values()):
+        read = tensor._binding.layout.path
+        if read in seen:
+            continue
+        seen.add(read)
+        try:
+            found = os.stat(read)
+        except OSError:
+            continue
+        if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
+            raise T2NErrorMisuse(
+                f"payload file '{path}' is read by the live OffloadedTensor "
+                f"{tensor._name!r}: {name!r} cannot adopt it (an adopted file is removed "
+                "with its tensor); use that tensor, or copy.deepcopy() of it for an "
+                "independent one"
+            )
 
 
 def _reset_writes_in_child() -> None:
@@ -646,7 +646,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             )
         directory = Path(offload_dir)
         path = storage.payload_path(directory, name, storage_id)
-        _OwnedFile.check_free(path, name)
+        _refuse_if_read(path, name)
         layout = storage.read_layout(path)
         binding = _bind_file(layout, owned=None)  # owned only once every check passed
         if binding.opaque:

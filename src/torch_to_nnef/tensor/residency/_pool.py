@@ -533,11 +533,9 @@ class TensorResidencyPool(Uncopyable):
                 pool's own loop thread (use ``await pool.aclose()``).
             T2NErrorStorage: a write-back failed (the pool stays open; retry after fixing).
         """
-        runtime = self._runtime
         if self._actor.closed:
             self._stop_private_loop()  # a close that an interrupt cut short stopped nothing
             return
-        private = runtime.private or not runtime.running
         self._end_interrupted_forwards()
         self._call_blocking(self._close_request())
         if not self._actor.closed:  # nothing was loaded: nothing to write
@@ -546,8 +544,7 @@ class TensorResidencyPool(Uncopyable):
         try:
             self._warn_if_left_out()
         finally:
-            if private:
-                runtime.stop_private()
+            self._stop_private_loop()
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`."""

@@ -112,9 +112,6 @@ the request as usual."""
 _WATCH_INTERVAL = 0.1
 """Seconds between two looks at that loop while such a request waits."""
 
-_private_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
-"""Runtimes whose private loop thread runs."""
-
 _stopping: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 """Private loop threads told to stop without being waited for (a collected pool's close):
 interpreter exit waits for them."""
@@ -421,7 +418,6 @@ class Runtime:
 
         thread = threading.Thread(target=run, name="t2n-residency-loop", daemon=True)
         self._thread = thread
-        _private_loops.add(self)
         thread.start()
         ready.wait()
 
@@ -434,7 +430,6 @@ class Runtime:
             thread = self._thread
         if thread is None:
             return
-        _private_loops.discard(self)
         with self._lock:
             loop = self.loop
             if loop is not None:

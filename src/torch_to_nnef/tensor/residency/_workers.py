@@ -70,7 +70,9 @@ class _ExitInterrupts:
     def release(self) -> None:
         if self.held:
             self.held = False
-            signal.signal(signal.SIGINT, self.previous)
+            # None: a handler set from outside Python, which Python cannot put back.
+            previous = signal.SIG_DFL if self.previous is None else self.previous
+            signal.signal(signal.SIGINT, previous)
 
     @staticmethod
     def _report(signum: int, frame: Any) -> None:
