@@ -44,8 +44,13 @@ def _check(pool: TensorResidencyPool) -> None:
         )
         if entry.slot is not None and entry.slot.leases and entry.slot.tracked:
             assert entry.held
+    # A value on its way out is held by nothing, and no victim again: evicting it frees nothing.
+    assert not any(e.held for e in resident if e.evicting), "an evicting value is held"
     budget = pool.max_cached_bytes
     unheld = [e for e in resident if not e.held and not e.evicting]
+    if not isinstance(actor.policy, FixedPolicy):
+        # The eviction order holds exactly the values an eviction would free.
+        assert actor.policy.evictable_bytes() == sum(e.nbytes for e in unheld if e.retained)
     if budget is not None:
         # Values leased without the actor count as cached until it needs their room.
         assert all(e.retained or e.slot.leases for e in unheld), (

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import random
 import sys
 import threading
@@ -373,6 +374,51 @@ def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiter
     assert pool.closed
 
 
+def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_evict(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As above, and the ended load puts the pool over its budget, where the victim is a
+    changed value: no write-back can start while no loop serves the pool, so the value
+    stays, changed, and the close writes it; nothing fails on the way."""
+    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(3)]
+    pool = TensorResidencyPool(max_cached_bytes=NBYTES)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(ts[0]):
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    handles: list[TensorPrefetch] = []
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(ts[2], mode="read_write") as value:
+                value.fill_(7.0)  # cached and changed: the next value in makes it leave
+            holder.start()
+            while not held.is_set():
+                await asyncio.sleep(0.01)
+            point.armed.set()
+            handles.append(pool.prefetch(ts[1]))
+            while not point.paused.is_set():
+                await asyncio.sleep(0.01)
+            threading.Timer(0.2, point.go).start()  # the load ends after the exit began
+
+    with (
+        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point,
+        pytest.raises(T2NErrorMisuse, match="cannot close"),
+    ):
+        asyncio.run(serve())
+    assert torch.equal(handles[0].wait(), torch.full((NUMEL,), 1.0))
+    assert torch.equal(pool.resolve(ts[2]), torch.full((NUMEL,), 7.0))
+    release.set()
+    holder.join(10)
+    pool.close()
+    assert bool((on_disk(ts[2]) == 7.0).all())
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -667,6 +713,70 @@ def test_threads_writing_under_leases_while_evictions_write_back_never_tear_a_pa
     for t in tensors:
         written = on_disk(t)
         assert bool((written == written[0]).all())
+
+
+def test_a_value_whose_eviction_writes_it_back_is_no_victim_again(tmp_path: Path) -> None:
+    """A changed value is evicted: it leaves once its write-back ends. Loads meanwhile put
+    the pool over its budget of one value: the eviction they start frees a value that stays,
+    not the one already on its way out (which frees nothing more)."""
+    a, b, c = (_tensor(tmp_path, name) for name in "abc")
+    with (
+        paused_in_new_threads(OffloadedTensor._write_back.__code__, on="call") as write,
+        TensorResidencyPool(max_cached_bytes=NBYTES, max_workers=2) as pool,
+    ):
+        with pool.acquire(a, mode="read_write") as value:
+            value.fill_(1.0)
+        write.armed.set()
+        evicting = threading.Thread(target=pool.evict, args=(a,))
+        evicting.start()
+        assert write.paused.wait(30)  # a's write-back has begun
+        pool.resolve(b)
+        pool.resolve(c)  # b and c cached: one must leave
+        check_invariants(pool)
+        leaving = pool.resident_bytes
+        kept = [pool.is_resident(t) for t in (b, c)]
+        write.go()
+        evicting.join(30)
+        assert leaving == 2 * NBYTES, "a value beyond the budget stayed while one was written"
+        assert kept == [False, True]
+        assert not pool.is_resident(a) and bool((on_disk(a) == 1.0).all())
+        check_invariants(pool)
+
+
+def test_a_lease_ended_as_an_eviction_looks_leaves_the_value_held_by_nothing(
+    tmp_path: Path,
+) -> None:
+    """A thread ends its ``read_write`` lease just after an eviction of the value looked at
+    the leases (still held then): the eviction goes on, and the value on its way out is
+    neither counted as held nor as a victim for later evictions."""
+    t = _tensor(tmp_path, "t")
+    caller = Actor.evict_step.__code__
+    with paused_in_new_threads(Actor.sync.__code__, caller=caller) as point:
+        pool = TensorResidencyPool(max_cached_bytes=NBYTES)
+        lease = pool.acquire(t, mode="read_write")
+        lease.__enter__().fill_(1.0)  # granted by the loop thread: counted as held
+        point.armed.set()
+        evicting = threading.Thread(target=pool.evict, args=(t,))
+        evicting.start()
+        assert point.paused.wait(30)  # the eviction saw the lease held
+        seen: list[BaseException | None] = []
+
+        def look() -> None:  # on the loop thread, before the write-back can end
+            try:
+                check_invariants(pool)
+                seen.append(None)
+            except BaseException as error:
+                seen.append(error)
+
+        assert pool._runtime.loop is not None
+        pool._runtime.loop.call_soon_threadsafe(look)
+        lease.__exit__(None, None, None)
+        point.go()
+        evicting.join(30)
+        assert not evicting.is_alive() and seen == [None], seen
+    assert not pool.is_resident(t) and bool((on_disk(t) == 1.0).all())
+    check_invariants(pool)
+    pool.close()
 
 
 def _pool_works_in_another_thread(directory: Path) -> None:

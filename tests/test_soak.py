@@ -6,7 +6,7 @@ and ``read_write`` ones adding a known increment), resolves, prefetches, pins, u
 evictions, flushes and cancelled requests (``anyio.move_on_after``). A reference model counts
 the increments. Checks, during the run: every lease sees exactly the reference value, every
 resolve a value between the reference before and after the request, the pool invariants hold
-(checked on the loop thread every quarter second); after it: every payload on disk equals the
+(checked on the loop thread every 50 ms); after it: every payload on disk equals the
 reference, ``resident_bytes`` is exact and ``stats()`` agrees with what the workers did.
 
 ``T2N_SOAK_SECONDS`` sets the duration (10 s, or 60 s under ``T2N_STRESS=1``), split between
@@ -336,7 +336,7 @@ async def soak(
                 )
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline and not world.stop.is_set():
-                await anyio.sleep(0.25)
+                await anyio.sleep(0.05)
                 check_invariants(pool)
                 invariant_checks += 1
             world.stop.set()

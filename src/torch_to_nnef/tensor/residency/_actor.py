@@ -686,8 +686,11 @@ class Actor:
             self._to_eviction_order(entry)
 
     def _to_eviction_order(self, entry: Entry) -> None:
-        """A resident value no longer held goes (back) into the policy's eviction order."""
-        self.policy.release(entry.key, entry.nbytes, entry.retained)
+        """A resident value no longer held goes (back) into the policy's eviction order,
+        unless it is on its way out already: a victim is a value whose eviction frees its
+        bytes."""
+        if not entry.evicting:
+            self.policy.release(entry.key, entry.nbytes, entry.retained)
 
     @staticmethod
     def _take_dirty(entry: Entry) -> None:
@@ -699,7 +702,9 @@ class Actor:
 
     def _close_slot(self, entry: Entry) -> bool:
         """Stop handing ``entry``'s value out without the actor, unless a lease holds it:
-        then count those leases as holding it and return ``False``."""
+        then count those leases as holding it and return ``False``. Leases counted before
+        that ended since the actor last looked hold it no more: an evicted value is held by
+        nothing."""
         slot = entry.slot
         if slot is None:
             return True
@@ -709,8 +714,8 @@ class Actor:
                 slot.open = False
                 self.published.pop(entry.key, None)
             self._take_dirty(entry)
-        if leased:
-            self._hold(entry, track=True)
+        if leased != slot.tracked:
+            self._hold(entry, track=leased)
         return not leased
 
     def _reopen(self, entry: Entry) -> None:
@@ -760,6 +765,12 @@ class Actor:
         """Remove an unheld value, writing it back first when it is dirty."""
         if not self._close_slot(entry):
             return  # leased by a thread: counted as held now
+        if entry.dirty and entry.write is None and self.submit is None:
+            # No loop serves the pool (an `async with` exit that failed): no write-back can
+            # start, so the changed value stays, for the close to write.
+            self._reopen(entry)
+            self._to_eviction_order(entry)
+            return
         if entry.dirty or entry.write is not None:
             self._set_evicting(entry, True)
             if entry.write is None:
@@ -771,6 +782,8 @@ class Actor:
         if entry.evicting != evicting:
             entry.evicting = evicting
             self.evicting_bytes += entry.nbytes if evicting else -entry.nbytes
+            if evicting:  # out of the eviction order (see _to_eviction_order)
+                self.policy.hold(entry.key)
 
     def _remove(self, entry: Entry, reuse: bool = True) -> None:
         """Forget ``entry``; with ``reuse``, its CPU buffers may serve a later load."""
@@ -826,7 +839,9 @@ class Actor:
             raise
         entry.write = job
         entry.dirty = False
-        entry.stuck = False
+        if entry.stuck:  # a failed write-back retried: evictable again (evicting waits for it)
+            entry.stuck = False
+            self._maybe_release(entry)
         return job
 
     def _on_written(self, entry: Entry, job: Job) -> None:
