@@ -34,6 +34,7 @@ from torch_to_nnef.tensor.residency import (
     TensorResidencyLease,
     TensorResidencyPool,
     _runtime,
+    stream_modules,
 )
 from torch_to_nnef.tensor.residency._actor import Actor
 
@@ -57,8 +58,9 @@ def _leased(pool: TensorResidencyPool) -> int:
 # ---------------------------------------------------------------------------------------------
 # Interrupts: a KeyboardInterrupt at every function entry of a blocking acquire
 # ---------------------------------------------------------------------------------------------
-def _interrupt_at(n: int) -> Callable[[FrameType, str, Any], None]:
-    """A trace function raising KeyboardInterrupt on entry to the ``n``-th function called.
+def _interrupt_at(n: int, within: str = "") -> Callable[[FrameType, str, Any], None]:
+    """A trace function raising KeyboardInterrupt on entry to the ``n``-th function called
+    (counting those of files whose path contains ``within``).
 
     Finalizers and weak reference callbacks are left alone: an exception raised in one is
     lost by Python (reported as unraisable), whatever the code does."""
@@ -69,6 +71,8 @@ def _interrupt_at(n: int) -> Callable[[FrameType, str, Any], None]:
         if event != "call" or frame.f_code.co_name == "__del__":
             return
         if frame.f_code.co_filename.endswith(("weakref.py", "_weakrefset.py")):
+            return
+        if within not in frame.f_code.co_filename:
             return
         calls += 1
         if calls == n:
@@ -137,6 +141,83 @@ def test_an_interrupt_at_any_call_of_a_begun_lease_leaves_no_lease(tmp_path: Pat
 
     with TensorResidencyPool() as pool:
         assert _interrupted_everywhere(pool, run) > 10
+
+
+def _layers(directory: Path) -> torch.nn.Sequential:
+    model = torch.nn.Sequential(*(torch.nn.Linear(16, 16) for _ in range(3)))
+    for index, layer in enumerate(model):
+        for name, tensor in list(layer.named_parameters()):
+            offloaded = OffloadedTensor.from_original_tensor(
+                tensor.detach(), f"{index}.{name}", offload_dir=directory
+            )
+            setattr(layer, name, torch.nn.Parameter(offloaded, requires_grad=False))
+    return model
+
+
+_POOL_CODE = "torch_to_nnef/tensor/residency/"
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupt_at_any_call_of_the_pool_in_a_streamed_forward_leaves_no_lease(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C at any entry to the pool's code during a forward through ``stream_modules``
+    (loads under way, values read ahead, values entered): once the stream is closed, no
+    lease is left, and the pool closes."""
+    model, x = _layers(tmp_path), torch.randn(2, 16)
+    with TensorResidencyPool(max_cached_bytes=10**6) as pool:
+        for n in itertools.count(1):
+            for layer in model:
+                for tensor in layer.parameters():
+                    pool.evict(tensor)  # type: ignore[arg-type]
+            stream = stream_modules(pool, list(model), depth=1)
+            sys.settrace(_interrupt_at(n, within=_POOL_CODE))
+            try:
+                with torch.no_grad():
+                    model(x)
+            except KeyboardInterrupt:
+                pass
+            else:
+                break
+            finally:
+                sys.settrace(None)
+                stream.close()
+            assert _leased(pool) == 0, f"a lease is left after an interrupt at entry {n}"
+        assert n > 20  # the injection reached the pool's code
+    assert pool.closed
+
+
+@pytest.mark.timeout(300)
+def test_an_interrupt_at_any_call_of_the_pool_in_a_forward_read_ahead_leaves_no_lease(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C at any entry to the pool's code during a scoped forward whose next values are
+    read ahead: the next forward is right, and the pool closes."""
+    model, x = _layers(tmp_path), torch.randn(2, 16)
+    with torch.no_grad():
+        expected = model(x)
+    for n in itertools.count(1):
+        pool = TensorResidencyPool(max_cached_bytes=10**6, read_ahead="auto")
+        with pool.scope(), torch.no_grad():
+            model(x)  # the order is learnt: the next forward reads ahead
+            for layer in model:
+                for tensor in layer.parameters():
+                    pool.evict(tensor)  # type: ignore[arg-type]
+            sys.settrace(_interrupt_at(n, within=_POOL_CODE))
+            try:
+                model(x)
+            except KeyboardInterrupt:
+                interrupted = True
+            else:
+                interrupted = False
+            finally:
+                sys.settrace(None)
+            torch.testing.assert_close(model(x), expected)
+        pool.close()  # refused while a lease is left
+        assert pool.closed
+        if not interrupted:
+            break
+    assert n > 20
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import torch
 from forking import in_forked_child
 from residency_checks import settle
 
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -181,6 +181,23 @@ def test_a_forward_after_the_pool_closed_fails_clearly(tmp_path: Path) -> None:
         pool.close()
         with pytest.raises(T2NErrorMisuse, match="closed"):
             model(torch.randn(2, WIDTH))
+    assert pool.closed
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+def test_a_failed_load_in_a_streamed_forward_leaves_no_lease(tmp_path: Path, depth: int) -> None:
+    """A module's weight cannot be loaded (its payload file went missing): the forward fails
+    with that error, and the leases begun for the module's other tensors are dropped."""
+    _, model = offloaded_blocks(tmp_path, count=6)
+    model.blocks[3].weight.offload_path.unlink()
+    pool = TensorResidencyPool(max_cached_bytes=10**6)
+    with (
+        stream_modules(pool, model.blocks, depth=depth),
+        pytest.raises(T2NErrorStorage, match="cannot open payload file"),
+    ):
+        model(torch.randn(2, WIDTH))
+    assert pool._actor.leased_count() == 0
+    pool.close()  # refused while a lease is left
     assert pool.closed
 
 

@@ -306,12 +306,15 @@ class TensorResidencyPool(Uncopyable):
 
     def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:
         """The value of ``source`` for a read inside :meth:`scope` (what tensors call)."""
-        held = None if self.read_ahead is None else self.read_ahead.touched(source, device)
+        read_ahead = self.read_ahead
+        if read_ahead is None:
+            return self.resolve(source, device)  # type: ignore[arg-type]
+        held = read_ahead.touched(source, device)
         try:
             return self.resolve(source, device)  # type: ignore[arg-type]
         finally:
             if held is not None:
-                held._cancel()
+                read_ahead.let_go(held)
 
     def _scope_aliased(self, source: PoolSource) -> None:
         """An op of the scope returned a view of ``source``'s value (what tensors call)."""

@@ -288,13 +288,16 @@ class ModuleStream(Uncopyable):
                 # exit); drop what it began for modules this one does not start with.
                 _cancel_begun(begun, keep=range(index, index + self.depth + 1))
             state.last = index
-            token = None
-            scope = ACTIVE_RESIDENCY.get()
-            if scope is None:  # a forward outside `pool.scope()`
-                token = ACTIVE_RESIDENCY.set((pool, self.device))
-            entered: list[TensorResidencyLease] = []
+            # Recorded before it holds anything: whatever interrupts this forward, the leases
+            # it entered and the scope it opened are where the stream's close finds them.
+            entry = _Held(None, [], [])
+            stack = held.setdefault(index, [])
+            stack.append(entry)
             values: dict[int, torch.Tensor] = {}
             try:
+                scope = ACTIVE_RESIDENCY.get()
+                if scope is None:  # a forward outside `pool.scope()`
+                    entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
                 # Queue this module's loads, then those ahead, before waiting for any: a late
                 # value does not delay the reads behind it.
                 self._begin(index, begun)
@@ -305,22 +308,28 @@ class ModuleStream(Uncopyable):
                         self._begin(ahead, begun)
                     else:
                         self._begin_next_forward(ahead - count)
-                for lease in begun.pop(index):
+                # The begun leases stay in ``begun`` until all are entered: whatever stops
+                # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
+                for lease in begun[index]:
                     value = lease.__enter__()
-                    entered.append(lease)
+                    entry.leases.append(lease)
                     values[id(lease._source)] = value
+                del begun[index]
                 # Its ops run on the values themselves where the tensors would serve the same
                 # (a trace records the tensors, not their values).
                 same = scope is None or (scope[0] is pool and scope[1] == self.device)
-                watched = self._bind(index, values) if same and not _is_tracing() else []
+                if same and not _is_tracing():
+                    entry.watched = self._bind(index, values)
             except BaseException:
                 self._unbind(index)
-                for lease in entered:
+                for lease in entry.leases:
                     lease.__exit__(None, None, None)
-                if token is not None:
-                    ACTIVE_RESIDENCY.reset(token)
+                for lease in begun.pop(index, ()):
+                    lease._cancel()  # (nothing for those entered)
+                _leave_scope(entry)
+                with contextlib.suppress(ValueError):  # a close from another thread took it
+                    stack.remove(entry)
                 raise
-            held.setdefault(index, []).append(_Held(token, entered, watched))
 
         return hook
 
@@ -334,18 +343,24 @@ class ModuleStream(Uncopyable):
                     for lease in leases:
                         lease._cancel()
                 begun.clear()
-            try:  # (one pop: a close from another thread may pop it first)
-                ended = held[index].pop()
-            except (KeyError, IndexError):
+            stack = held.get(index)
+            if not stack:
                 return  # the pre-hook failed, or the stream was closed: nothing is held
+            # It leaves the stack once its leases ended: whatever interrupts this, what it
+            # holds stays where the stream's close (or the pool's) finds it.
+            ended = stack[-1]
             try:
                 self._unbind(index)
                 self._keep_changes(ended.watched)
             finally:
+                ended.watched = []
                 for lease in ended.leases:
-                    lease.__exit__(None, None, None)
+                    lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
                 if ended.token is not None:
                     ACTIVE_RESIDENCY.reset(ended.token)
+                    ended.token = None
+                with contextlib.suppress(ValueError):  # a close from another thread took it
+                    stack.remove(ended)
 
         return hook
 

@@ -118,6 +118,10 @@ class ReadAhead:
         self._trace = AccessTrace(window_bytes)
         self._sources: weakref.WeakValueDictionary[int, PoolSource] = weakref.WeakValueDictionary()
         self._held: dict[int, TensorResidencyLease] = {}
+        # Leases out of the window that a thread is dropping (or holding while it resolves),
+        # with that thread: whatever interrupts it, its next access or the pool's close
+        # drops them.
+        self._leaving: dict[TensorResidencyLease, int] = {}
         self._lock = threading.Lock()
         self._read_ahead = 0
         self._on_demand = 0
@@ -132,17 +136,24 @@ class ReadAhead:
         """Record an access of ``source`` by a scoped forward and read ahead of it.
 
         Returns the lease that held ``source``'s value when it was read ahead: the caller
-        cancels it once it has resolved the value.
+        lets it go (:meth:`let_go`) once it has resolved the value.
         """
         pool = self._pool()
         if pool is None:
             return None
         key = id(source)
+        thread = threading.get_ident()
         with self._lock:
+            # What an interrupt left this thread dropping: it is no longer used.
+            left = [lease for lease, owner in self._leaving.items() if owner == thread]
             if self._sources.get(key) is not source:
                 self._trace.forget(key)  # a new tensor reusing a dead one's id
                 self._sources[key] = source
             held = self._held.pop(key, None)
+            if held is not None:
+                self._leaving[held] = thread
+        for lease in left:
+            self.let_go(lease)
         resident = pool.is_resident(source)  # type: ignore[arg-type]
         with self._lock:
             if held is not None:
@@ -153,29 +164,44 @@ class ReadAhead:
         begin: list[PoolSource] = []
         with self._lock:
             dropped = [self._held.pop(k) for k in list(self._held) if k not in planned]
+            for lease in dropped:
+                self._leaving[lease] = thread
             for k in planned:
                 ahead = self._sources.get(k)
                 if k not in self._held and ahead is not None:
                     begin.append(ahead)
         for lease in dropped:  # left the window: the order changed
-            lease._cancel()
+            self.let_go(lease)
         for ahead in begin:
             if pool.is_resident(ahead):  # type: ignore[arg-type]
                 continue
             lease = pool.acquire(ahead, device)  # type: ignore[arg-type]
-            if not lease._begin():
-                continue  # on the pool's loop thread: no read-ahead there
             with self._lock:
-                # Another forward may have begun one meanwhile: the first kept stands, this
-                # one is dropped (one overwritten would hold its value for ever).
-                kept = self._held.setdefault(id(ahead), lease)
-            if kept is not lease:
-                lease._cancel()
+                # Another forward may have begun one meanwhile: the first stands. A lease is
+                # held here before it begins, where release() finds it whatever comes.
+                if self._held.setdefault(id(ahead), lease) is not lease:
+                    continue
+                began = False
+                try:
+                    began = lease._begin()
+                finally:
+                    if not began:  # refused, or failed: it holds nothing
+                        del self._held[id(ahead)]
+                        lease._cancel()
+            if not began:
+                break  # on the pool's loop thread: no read-ahead there
         return held
+
+    def let_go(self, lease: TensorResidencyLease) -> None:
+        """Drop a lease taken out of the window (idempotent)."""
+        lease._cancel()
+        with self._lock:
+            self._leaving.pop(lease, None)
 
     def release(self) -> None:
         """Drop every held lease (before the pool closes)."""
         with self._lock:
-            held, self._held = self._held, {}
-        for lease in held.values():
+            held = [*self._held.values(), *self._leaving]
+            self._held, self._leaving = {}, {}
+        for lease in held:
             lease._cancel()
