@@ -726,6 +726,90 @@ def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path
     assert bool((on_disk(t) == 2.0).all()), "the change of a lease ending was lost"
 
 
+def test_read_write_leases_held_at_once_make_one_change_never_seen_half_made(
+    tmp_path: Path,
+) -> None:
+    """Two ``read_write`` leases on one value, the second entered before the first ends:
+    reads outside the pool see neither change until the last lease ends, then both, whole;
+    a direct write in between stands (the leases' change is dropped, as for one lease)."""
+    t = _tensor(tmp_path, "t")
+    other = TensorResidencyPool()
+    with TensorResidencyPool() as pool:
+        first, second = pool.acquire(t, mode="read_write"), pool.acquire(t, mode="read_write")
+        first.__enter__().add_(1.0)
+        value = second.__enter__()
+        value[: NUMEL // 2] += 10.0  # the second change, half made
+        first.__exit__(None, None, None)
+        assert bool((t.reload() == 0.0).all())
+        assert bool((other.resolve(t) == 0.0).all())
+        value[NUMEL // 2 :] += 10.0
+        second.__exit__(None, None, None)
+        assert bool((t.reload() == 11.0).all())
+    assert bool((on_disk(t) == 11.0).all())
+    other.close()
+
+    u = _tensor(tmp_path, "u")
+    with TensorResidencyPool() as pool:
+        first, second = pool.acquire(u, mode="read_write"), pool.acquire(u, mode="read_write")
+        first.__enter__().add_(1.0)
+        value = second.__enter__()
+        value[: NUMEL // 2] += 10.0
+        first.__exit__(None, None, None)
+        u.add_(5.0)  # a direct write, outside any scope: it comes after the leases' value
+        value[NUMEL // 2 :] += 10.0
+        second.__exit__(None, None, None)
+        assert bool((pool.resolve(u) == 5.0).all())
+    assert bool((on_disk(u) == 5.0).all())
+
+
+def test_threads_sharing_read_write_leases_never_show_a_half_made_change(
+    tmp_path: Path,
+) -> None:
+    """Threads change one value in two halves under overlapping ``read_write`` leases (one
+    half at a time, under a lock of their own, so that others end their leases in between);
+    reads outside the pool, and the file after the close, always see a whole value."""
+    t = _tensor(tmp_path, "t")
+    stop = threading.Event()
+    change = threading.Lock()
+    failures: list[BaseException] = []
+    torn: list[list[float]] = []
+    done = [0]
+
+    def writer() -> None:
+        try:
+            while not stop.is_set():
+                with pool.acquire(t, mode="read_write") as value:
+                    with change:
+                        value[: NUMEL // 2] += 1.0
+                    time.sleep(0)
+                    with change:
+                        value[NUMEL // 2 :] += 1.0
+                        done[0] += 1
+        except BaseException as error:
+            failures.append(error)
+            stop.set()
+
+    def reader() -> None:
+        while not stop.is_set():
+            seen = t.reload()
+            if not bool((seen == seen[0]).all()):
+                torn.append(sorted(set(seen.tolist())))
+                stop.set()
+
+    with TensorResidencyPool() as pool:
+        threads = [threading.Thread(target=writer) for _ in range(3)]
+        threads.append(threading.Thread(target=reader))
+        for thread in threads:
+            thread.start()
+        stop.wait(2.0)
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        assert not failures, failures[0]
+        assert not torn, f"a read outside the pool saw a change half made: {torn[0]}"
+    assert bool((on_disk(t) == float(done[0])).all())
+
+
 def test_threads_writing_under_leases_while_evictions_write_back_never_tear_a_payload(
     tmp_path: Path,
 ) -> None:

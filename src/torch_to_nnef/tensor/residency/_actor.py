@@ -195,6 +195,17 @@ class Actor:
         if slot is None:
             return False
         changed = changed and holder.read_write
+        if holder.read_write:
+            with self.lock:
+                if holder.slot is None:  # released meanwhile by another thread
+                    return False
+                if slot.writers > 1:
+                    # Another read_write lease is changing the value: the change is not
+                    # whole yet, and the last of them to end notes it. All in this step,
+                    # with no call an interrupt could land on.
+                    slot.unnoted = slot.unnoted or changed
+                    return self._ended(slot, holder, changed=False)
+                changed, slot.unnoted = changed or slot.unnoted, False
         if changed:
             source = slot.entry.source
             changed = source._note_unsaved(self, slot.value, slot.version)
@@ -205,36 +216,42 @@ class Actor:
                     source.name,
                 )
         with self.lock:
-            slot, holder.slot = holder.slot, None
-            if slot is None:  # released meanwhile by another thread
+            if holder.slot is None:  # released meanwhile by another thread
                 return False
-            slot.leases -= 1
-            slot.writers -= holder.read_write
-            if holder.read_write:
-                slot.seen = slot.value._version  # what the lease did is its change
-            if changed:
-                slot.dirty = True
-            self._touches.append(slot.key)
-            if slot.leases:
+            return self._ended(slot, holder, changed)
+
+    def _ended(self, slot: Slot, holder: Holder, changed: bool) -> bool:
+        """The end of :meth:`release` for the lease ``holder`` holds on ``slot`` (under the
+        lock): the counts, and whether the actor must hear of it. The holder lets go of the
+        slot and the counts drop in one step, with no call in between."""
+        holder.slot = None
+        slot.leases -= 1
+        slot.writers -= holder.read_write
+        if holder.read_write:
+            slot.seen = slot.value._version  # what the lease did is its change
+        if changed:
+            slot.dirty = True
+        self._touches.append(slot.key)
+        if slot.leases:
+            return False
+        if not slot.changed:
+            self._changed.append(slot)
+            slot.changed = True
+        if not slot.tracked:
+            return False
+        # The slot was queued before this: a pending wake-up sees it.
+        entry = slot.entry
+        self._released_bytes += entry.nbytes
+        # Else a value the policy did not retain leaves with its last holder.
+        if entry.retained:
+            budget = self.policy.budget
+            cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
+            if budget is None or cached + self._released_bytes <= budget:
                 return False
-            if not slot.changed:
-                self._changed.append(slot)
-                slot.changed = True
-            if not slot.tracked:
-                return False
-            # The slot was queued before this: a pending wake-up sees it.
-            entry = slot.entry
-            self._released_bytes += entry.nbytes
-            # Else a value the policy did not retain leaves with its last holder.
-            if entry.retained:
-                budget = self.policy.budget
-                cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
-                if budget is None or cached + self._released_bytes <= budget:
-                    return False
-            pending, self._wake_pending = self._wake_pending, True
-            if not pending and self.expecting:  # the look that is due takes note
-                self.deferred = True
-                return False
+        pending, self._wake_pending = self._wake_pending, True
+        if not pending and self.expecting:  # the look that is due takes note
+            self.deferred = True
+            return False
         return not pending
 
     def drop(self, holder: Holder, changed: bool) -> None:

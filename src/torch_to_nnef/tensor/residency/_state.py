@@ -184,6 +184,7 @@ class Slot:
         "seen",
         "shape",
         "tracked",
+        "unnoted",
         "used",
         "value",
         "version",
@@ -211,6 +212,10 @@ class Slot:
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
         self.writers = 0  # of which read_write leases
+        # read_write leases held at once share the value: their changes are one change, the
+        # tensor's latest write once the last of them ends (never half made). ``unnoted``: a
+        # change of one that ended before the others, for the last to note.
+        self.unnoted = False
         self.dirty = False  # a read_write lease ended since the actor last looked
         self.tracked = False  # the actor counts leases as holding the value (outside the budget)
         self.writing = False  # a write-back runs: read_write leases go to the actor
