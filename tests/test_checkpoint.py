@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -15,7 +16,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.checkpoint import (
     SAFETENSORS_INDEX_NAME,
     load_offloaded_checkpoint,
@@ -511,6 +512,36 @@ def test_index_symlink_leading_outside_is_refused(tmp_path: Path) -> None:
     write_index(directory, {"proj.bias": "link.safetensors"})
     with pytest.raises(T2NErrorCheckpoint, match="outside its directory"):
         load_offloaded_checkpoint(meta_model(), directory, strict=False)
+
+
+@pytest.mark.timeout(10)
+@pytest.mark.parametrize("which", ["file", "shard", "index"])
+def test_a_fifo_in_place_of_a_checkpoint_file_is_refused_without_blocking(
+    dense: Net, tmp_path: Path, which: str
+) -> None:
+    """A FIFO nobody writes to, as the checkpoint file, as a shard its index names or as the
+    index itself, is refused at once (files are opened without blocking, and must be regular
+    ones) rather than waited on forever; the model stays on the meta device."""
+    directory = tmp_path / "ckpt"
+    index = write_sharded(state_without_ties(dense), directory)
+    if which == "file":
+        target = directory / "model.safetensors"
+        os.mkfifo(target)
+        expected: type[Exception] = T2NErrorStorage
+    elif which == "shard":
+        target = directory / json.loads(index.read_text())["weight_map"]["proj.weight"]
+        target.unlink()
+        os.mkfifo(target)
+        expected = T2NErrorStorage
+    else:
+        target = index
+        target.unlink()
+        os.mkfifo(target)
+        expected = T2NErrorCheckpoint
+    model = meta_model()
+    with pytest.raises(expected, match=rf"'{re.escape(str(target))}' is not a regular file"):
+        load_offloaded_checkpoint(model, target if which != "shard" else directory)
+    assert model.proj.weight.is_meta
 
 
 def test_invalid_checkpoints(dense: Net, tmp_path: Path) -> None:

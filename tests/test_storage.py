@@ -683,6 +683,7 @@ def test_public_api_is_exactly_exported() -> None:
             "set_mapped_reads",
             "MAPPED_MIN_BYTES",
             "allocate",
+            "open_regular_file",
             "resolve_device",
             "to_device",
             "read_to_device",

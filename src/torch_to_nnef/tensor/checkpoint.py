@@ -657,10 +657,10 @@ def _is_pickle(path: Path) -> bool:
     first byte may be that of a pickle, so it is recognised first.
     """
     try:
-        with path.open("rb") as file:
+        with storage.open_regular_file(path) as file:
             head = file.read(9)
     except OSError:
-        return False  # storage.read_layout reports it
+        return False  # storage.read_layout reports it (a FIFO too: nothing blocks)
     if head[8:9] == b"{":
         return False
     return head.startswith(_ZIP_MAGIC) or (head[:1] == _PICKLE_MAGIC and head[1:2] in _PROTOCOLS)
@@ -685,7 +685,7 @@ def _load_pickle(path: Path, allow: bool) -> dict[str, torch.Tensor]:
             "and writes each tensor once into offload_dir"
         )
     try:
-        with path.open("rb") as file:
+        with storage.open_regular_file(path) as file:
             zipped = file.read(4) == _ZIP_MAGIC
         state = torch.load(path, map_location="cpu", weights_only=True, mmap=zipped)
     except Exception as exc:  # unpickling refused or failed: the file is not plain tensors
@@ -745,7 +745,8 @@ def _open_index(index: Path, allow_pickle: bool) -> Checkpoint:
 
 def _read_weight_map(index: Path) -> dict[str, str]:
     try:
-        document: Any = json.loads(index.read_text(encoding="utf-8"))
+        with storage.open_regular_file(index) as file:
+            document: Any = json.loads(file.read().decode("utf-8"))
     except OSError as exc:
         raise T2NErrorCheckpoint(f"cannot read checkpoint index '{index}': {exc}") from exc
     except (UnicodeDecodeError, ValueError) as exc:

@@ -14,6 +14,8 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
   copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
   :func:`load_payload` maps entries of :data:`MAPPED_MIN_BYTES` or more and reads smaller
   ones, as :func:`set_mapped_reads` chose.
+- :func:`open_regular_file` opens any other file read from disk (a checkpoint's index, a
+  shard's first bytes) under the same rules: a regular file, opened without blocking.
 - The CUDA rules of values handed to consumers: :func:`resolve_device` (``"cuda"`` resolved
   in the calling thread), :func:`handoff` (safe on the consumer's current stream),
   :func:`record_writes` / :func:`wait_for_writes` (a write-back waits for the kernels that
@@ -48,6 +50,7 @@ from torch_to_nnef.tensor.storage._format import MAX_HEADER_BYTES as MAX_HEADER_
 from torch_to_nnef.tensor.storage._format import EntrySpec as EntrySpec
 from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
 from torch_to_nnef.tensor.storage._io import make_private_dir as make_private_dir
+from torch_to_nnef.tensor.storage._io import open_regular_file as open_regular_file
 from torch_to_nnef.tensor.storage._io import read_layout as read_layout
 from torch_to_nnef.tensor.storage._io import read_payload as read_payload
 from torch_to_nnef.tensor.storage._io import read_to_device as read_to_device
@@ -84,6 +87,7 @@ __all__ = [
     "set_mapped_reads",
     "MAPPED_MIN_BYTES",
     "allocate",
+    "open_regular_file",
     # devices
     "resolve_device",
     "to_device",

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import io
 import os
 import shutil
 import stat as stat_module
@@ -55,6 +56,7 @@ from torch_to_nnef.tensor.storage._paths import (
 
 __all__ = [
     "make_private_dir",
+    "open_regular_file",
     "read_layout",
     "read_payload",
     "read_to_device",
@@ -104,6 +106,29 @@ def open_for_reading(path: Path) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, stat
+
+
+def open_regular_file(path: str | os.PathLike[str]) -> io.FileIO:
+    """Open ``path`` for reading as every reader of payload files does: without blocking
+    (a FIFO nobody writes to is refused at once) and only when it is a regular file.
+
+    Args:
+        path: the file to open (a payload, a checkpoint shard or index).
+
+    Returns:
+        the open file, unbuffered; the caller closes it.
+
+    Raises:
+        T2NErrorStorage: the file cannot be opened or is not a regular file (a directory, a
+            device, a FIFO); the message names the path.
+    """
+    path = Path(path)
+    fd, _stat = open_for_reading(path)
+    try:
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def check_regular_file(path: Path, fd: int) -> os.stat_result:
