@@ -373,6 +373,32 @@ def test_what_gradients_and_multi_tensor_writes_would_lose_is_refused(
     assert torch.equal(offloaded.reload(), before)
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("optimizer", [torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD])
+@pytest.mark.parametrize("scoped", [False, True])
+def test_a_fused_optimizer_step_on_offloaded_parameters_is_refused(
+    tmp_path: Path, optimizer: type[torch.optim.Optimizer], scoped: bool
+) -> None:
+    """A fused optimizer step (``fused=True``: ``torch._fused_adamw_``, ``_fused_sgd_``...)
+    writes its list of parameters in one kernel, as a foreach op does: it refuses, naming
+    ``fused=False``, and leaves the parameters as they were, in a scope and outside one."""
+    model = offload_module(nn.Linear(8, 8), tmp_path)
+    before = {name: p.reload() for name, p in model.named_parameters()}
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    step = optimizer(list(model.parameters()), lr=0.1, fused=True)
+    refused = pytest.raises(T2NErrorNotImplemented, match=r"multi-tensor op.*fused=False")
+    with (
+        TensorResidencyPool() as pool,
+        pool.scope() if scoped else contextlib.nullcontext(),
+        refused,
+    ):
+        step.step()
+    for name, p in model.named_parameters():
+        assert torch.equal(p.reload(), before[name]), name
+        assert torch.equal(on_disk(p), before[name]), name
+
+
 @pytest.mark.parametrize("scoped", [False, True])
 @pytest.mark.parametrize("norm", ["batch", "instance"])
 def test_a_norm_in_training_mode_writes_its_offloaded_running_statistics(

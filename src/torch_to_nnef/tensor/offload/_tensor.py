@@ -409,10 +409,13 @@ _INPLACE_OPERATORS = frozenset(
 # Trailing-underscore methods that do not write the tensor's values.
 _NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
 _WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
+# Private in-place ops that write a list of tensors: foreach and fused optimizer kernels.
+_MULTI_TENSOR_PREFIXES = ("_foreach_", "_fused_")
 
 
 def _writes_first_argument(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` writes the values of its first argument (``add_``, ``__setitem__``)."""
+    """Whether ``func`` writes the values of its first argument (``add_``, ``__setitem__``,
+    the multi-tensor ``_foreach_mul_`` and ``_fused_adamw_``)."""
     try:
         return _WRITES_FIRST_ARGUMENT[func]
     except KeyError:
@@ -422,7 +425,7 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
     name = getattr(func, "__name__", "")
     writes = name in _INPLACE_OPERATORS or (
         name.endswith("_")
-        and (not name.startswith("_") or name.startswith("_foreach_"))
+        and (not name.startswith("_") or name.startswith(_MULTI_TENSOR_PREFIXES))
         and name not in _NOT_VALUE_WRITES
     )
     _WRITES_FIRST_ARGUMENT[func] = writes
@@ -1498,7 +1501,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             raise T2NErrorNotImplemented(
                 f"{getattr(func, '__name__', func)!r} writes a list of tensors holding offloaded "
                 "ones in place (a multi-tensor op): its writes would be lost. Write each "
-                "tensor on its own (optimizers: foreach=False)"
+                "tensor on its own (optimizers: foreach=False, fused=False)"
             )
         elif written := _running_stats_written(func, args, kwargs):
             result = _apply_to_running_stats(func, args, kwargs, written)
