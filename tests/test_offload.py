@@ -6,10 +6,16 @@ import contextlib
 import copy
 import gc
 import hashlib
+import itertools
 import os
 import re
+import signal
+import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
+from typing import Any
 
 import pytest
 import safetensors
@@ -475,6 +481,93 @@ def test_concurrent_writer_and_readers_see_whole_values(
         thread.join(timeout=30)
     assert not errors
     assert seen and all(seen)
+
+
+def _sigint_at_call(n: int) -> Callable[[FrameType, str, Any], None]:
+    """A trace function sending SIGINT to this process on entry to the ``n``-th function of
+    the package the thread calls: its handler runs there, as a Ctrl-C's handler would.
+
+    Only the package's functions count: one landing inside the standard library (between
+    ``logging``'s lock acquire and its ``try``, say) would leave a lock of the process held
+    for the tests after this one, whatever the package does."""
+    calls = 0
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        nonlocal calls
+        if event != "call" or "torch_to_nnef" not in frame.f_code.co_filename:
+            return
+        calls += 1
+        if calls == n:
+            sys.settrace(None)
+            signal.raise_signal(signal.SIGINT)
+
+    return trace
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a, b)
+
+
+def _other_float(value: torch.Tensor) -> torch.Tensor:
+    return value.to(torch.float64 if value.dtype == torch.float32 else torch.float32)
+
+
+# A direct write: the value it writes (from the current one), and the write itself.
+_DIRECT_WRITES: dict[
+    str,
+    tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[OffloadedTensor, torch.Tensor], Any]],
+] = {
+    "update_values": (lambda value: value + 1, lambda t, new: t.update_values(new)),
+    "setitem": (
+        lambda value: torch.cat([value[:3], value[3:] + 1]),
+        lambda t, new: t.__setitem__(slice(3, None), new[3:]),
+    ),
+    "add_": (lambda value: value + 1, lambda t, new: t.add_(1)),
+    "to(dtype)": (_other_float, lambda t, new: t.to(new.dtype)),
+}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("write", sorted(_DIRECT_WRITES))
+def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
+    tmp_path: Path, write: str
+) -> None:
+    """A SIGINT (Ctrl-C) landing on entry to any function a direct write calls, the rename of
+    the new payload and the tensor's switch to it included: the ``KeyboardInterrupt`` reaches
+    the caller, the tensor reads the value on disk (the old one, or the new one when the
+    file was replaced), a pool that had it cached serves that value, and no temporary file
+    is left."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    t = OffloadedTensor.from_original_tensor(torch.zeros(8), "t", tmp_path)
+    payload = t.offload_path
+    replaced = 0
+    with TensorResidencyPool() as pool:
+        for n in itertools.count(1):
+            before = t.reload()
+            assert _same(pool.resolve(t), before)  # cached
+            value_of, run = _DIRECT_WRITES[write]
+            new = value_of(before)
+            sys.settrace(_sigint_at_call(n))
+            try:
+                run(t, new)
+            except KeyboardInterrupt:
+                interrupted = True
+            else:
+                interrupted = False
+            finally:
+                sys.settrace(None)
+            disk = on_disk(t)
+            assert _same(disk, before) or _same(disk, new), f"interrupt at call {n}"
+            assert _same(t.reload(), disk), f"interrupt at call {n}"
+            assert t.dtype == disk.dtype, f"interrupt at call {n}"
+            assert _same(pool.resolve(t), disk), f"interrupt at call {n}"
+            assert files_in(tmp_path) == {payload.name}, f"interrupt at call {n}"
+            if not interrupted:
+                break
+            replaced += _same(disk, new)
+    assert n > 10  # the interrupts reached the write's code
+    assert replaced  # some came after the rename: held, then raised once the tensor switched
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # ---------------------------------------------------------------------------------------------

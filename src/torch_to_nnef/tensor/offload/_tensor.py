@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 import torch
 
 from torch_to_nnef._forksafe import fork_safe_lock
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -1267,27 +1268,35 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self, encoded: _Encoded, device: torch.device | None, keep: object | None
     ) -> None:
         """The write itself, under the write lock. Ends the unsaved value registered with
-        token ``keep`` (the one written), or any unsaved value when ``keep`` is ``None``."""
+        token ``keep`` (the one written), or any unsaved value when ``keep`` is ``None``.
+
+        From the rename of the new file to the end of the tensor's switch to it, Ctrl-C is
+        held (raised once the switch is done): a tensor never points at a replaced file."""
         binding = self._binding
         if binding.owned is not None:
             path, owned = binding.owned.path, binding.owned
         else:
             path, owned = self._copy_on_write_path()
-        layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
-        storage.forget_file(path)  # the descriptor of the file it replaced
-        with self._pending:
-            self._binding = (
-                _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)
-                if encoded.opaque
-                else _bind_plain(layout, owned)
+        with InterruptHold() as hold:
+            layout = storage.write_payload(
+                path, encoded.tensors, encoded.metadata, before_replace=hold.start
             )
-            if keep is None:  # a direct write
-                self._count_write(None)
-                self._unsaved = None
-            elif self._unsaved is not None and self._unsaved[1] is keep:
-                self._unsaved = None
-        self.offloaded_tensor_type = encoded.value_type
-        self._reshell(encoded.shape, encoded.dtype, device or self.device)
+            storage.forget_file(path)  # the descriptor of the file it replaced
+            with self._pending:
+                self._binding = (
+                    _Binding.create(
+                        layout, {n: n for n in layout.entries}, opaque=True, owned=owned
+                    )
+                    if encoded.opaque
+                    else _bind_plain(layout, owned)
+                )
+                if keep is None:  # a direct write
+                    self._count_write(None)
+                    self._unsaved = None
+                elif self._unsaved is not None and self._unsaved[1] is keep:
+                    self._unsaved = None
+            self.offloaded_tensor_type = encoded.value_type
+            self._reshell(encoded.shape, encoded.dtype, device or self.device)
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:

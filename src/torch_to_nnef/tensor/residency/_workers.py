@@ -21,12 +21,12 @@ import atexit
 import logging
 import os
 import queue
-import signal
 import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
 
+from torch_to_nnef._interrupts import hold_sigint, restore_sigint
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._state import Job
 
@@ -59,20 +59,13 @@ class _ExitInterrupts:
         self.held = False
 
     def hold(self) -> None:
-        if self.held or threading.current_thread() is not threading.main_thread():
-            return
-        try:
-            self.previous = signal.signal(signal.SIGINT, self._report)
-        except (ValueError, TypeError):  # no signals here (an embedded interpreter)
-            return
-        self.held = True
+        if not self.held:
+            self.held, self.previous = hold_sigint(self._report)
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            # None: a handler set from outside Python, which Python cannot put back.
-            previous = signal.SIG_DFL if self.previous is None else self.previous
-            signal.signal(signal.SIGINT, previous)
+            restore_sigint(self.previous)
 
     @staticmethod
     def _report(signum: int, frame: Any) -> None:

@@ -406,10 +406,13 @@ class AtomicFile:
         while len(view):
             view = view[os.write(self.fd, view) :]
 
-    def commit(self, *, fsync: bool) -> os.stat_result:
+    def commit(
+        self, *, fsync: bool, before_replace: Callable[[], object] | None = None
+    ) -> os.stat_result:
         """Flush, close and rename the temporary file over the destination.
 
-        With ``fsync`` the data and then the directory entry are forced to disk.
+        With ``fsync`` the data and then the directory entry are forced to disk;
+        ``before_replace`` is called right before the rename.
 
         Returns:
             the ``stat`` of the committed file.
@@ -420,6 +423,8 @@ class AtomicFile:
         stat = os.fstat(self.fd)
         fd, self.fd = self.fd, None
         os.close(fd)
+        if before_replace is not None:
+            before_replace()
         os.replace(self.temp, self.destination.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         self.temp = None
         self.replaced = True
@@ -609,6 +614,7 @@ def write_payload(
     metadata: Mapping[str, str] | None = None,
     *,
     fsync: bool = True,
+    before_replace: Callable[[], object] | None = None,
 ) -> PayloadLayout:
     """Write ``tensors`` and ``metadata`` to the payload file ``path``, atomically.
 
@@ -625,6 +631,9 @@ def write_payload(
         metadata: strings stored as the header's ``__metadata__``.
         fsync: force data and directory entry to disk before returning (turn off only for
             scratch files that need not survive a power loss).
+        before_replace: called right before the new file is renamed over ``path``, once
+            everything else is written; for a caller that must not be interrupted from the
+            rename to its own switch to the new file (an ``InterruptHold`` started there).
 
     Returns:
         the layout of the written file.
@@ -643,7 +652,7 @@ def write_payload(
         for name in plan.entries:
             for piece in tensor_pieces(by_name[name]):
                 atomic.write(piece)
-        stat = atomic.commit(fsync=fsync)
+        stat = atomic.commit(fsync=fsync, before_replace=before_replace)
     except OSError as exc:
         raise write_error(path, exc, replaced=atomic.replaced) from exc
     finally:
