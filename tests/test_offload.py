@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import gc
 import hashlib
 import itertools
@@ -24,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
 from forking import in_forked_child
+from interrupts import interrupted
 from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
 from torch import nn
@@ -547,22 +549,14 @@ def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
             assert _same(pool.resolve(t), before)  # cached
             value_of, run = _DIRECT_WRITES[write]
             new = value_of(before)
-            sys.settrace(_sigint_at_call(n))
-            try:
-                run(t, new)
-            except KeyboardInterrupt:
-                interrupted = True
-            else:
-                interrupted = False
-            finally:
-                sys.settrace(None)
+            was_interrupted = interrupted(_sigint_at_call(n), functools.partial(run, t, new))
             disk = on_disk(t)
             assert _same(disk, before) or _same(disk, new), f"interrupt at call {n}"
             assert _same(t.reload(), disk), f"interrupt at call {n}"
             assert t.dtype == disk.dtype, f"interrupt at call {n}"
             assert _same(pool.resolve(t), disk), f"interrupt at call {n}"
             assert files_in(tmp_path) == {payload.name}, f"interrupt at call {n}"
-            if not interrupted:
+            if not was_interrupted:
                 break
             replaced += _same(disk, new)
     assert n > 10  # the interrupts reached the write's code

@@ -13,18 +13,17 @@ import asyncio
 import itertools
 import logging
 import random
-import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
-from types import FrameType
 from typing import Any
 
 import pytest
 import torch
 from breakpoints import paused_in_new_threads
+from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -58,48 +57,12 @@ def _leased(pool: TensorResidencyPool) -> int:
 # ---------------------------------------------------------------------------------------------
 # Interrupts: a KeyboardInterrupt at every function entry of a blocking acquire
 # ---------------------------------------------------------------------------------------------
-class _InterruptAt:
-    """A trace function raising KeyboardInterrupt on entry to the ``n``-th function called
-    (counting those of files whose path contains ``within``); ``fired`` once it did.
-
-    Finalizers and weak reference callbacks are left alone: an exception raised in one is
-    lost by Python (reported as unraisable), whatever the code does."""
-
-    def __init__(self, n: int, within: str = "") -> None:
-        self.n, self.within = n, within
-        self.calls = 0
-        self.fired = False
-
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code.co_name == "__del__":
-            return
-        finalizers = ("weakref.py", "_weakrefset.py")
-        if frame.f_code.co_filename.endswith(finalizers) or (
-            frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(finalizers)
-        ):
-            return
-        if self.within not in frame.f_code.co_filename:
-            return
-        self.calls += 1
-        if self.calls == self.n:
-            sys.settrace(None)
-            self.fired = True
-            raise KeyboardInterrupt
-
-
 def _interrupted_everywhere(pool: TensorResidencyPool, run: Callable[[], None]) -> int:
     """Run ``run`` once per function entry it makes, interrupted there; check after each
     that no lease is left. Return how many runs were interrupted."""
     for n in itertools.count(1):
-        sys.settrace(_InterruptAt(n))
-        try:
-            run()
-        except KeyboardInterrupt:
-            pass
-        else:
+        if not interrupted(InterruptAt(n), run):
             return n - 1
-        finally:
-            sys.settrace(None)
         assert _leased(pool) == 0, f"a lease is left after an interrupt at function entry {n}"
     raise AssertionError("unreachable")
 
@@ -176,15 +139,11 @@ def test_an_interrupt_at_any_call_of_the_pool_in_a_streamed_forward_leaves_no_le
                 for tensor in layer.parameters():
                     pool.evict(tensor)  # type: ignore[arg-type]
             stream = stream_modules(pool, list(model), depth=1)
-            interrupt = _InterruptAt(n, within=_POOL_CODE)
-            sys.settrace(interrupt)
+            interrupt = InterruptAt(n, within=_POOL_CODE)
             try:
                 with torch.no_grad():
-                    model(x)
-            except KeyboardInterrupt:
-                pass
+                    interrupted(interrupt, lambda: model(x))
             finally:
-                sys.settrace(None)
                 stream.close()
             assert _leased(pool) == 0, f"a lease is left after an interrupt at entry {n}"
             if not interrupt.fired:  # (one fired in a finalizer is lost: the next entry)
@@ -209,14 +168,8 @@ def test_an_interrupt_at_any_call_of_the_pool_in_a_forward_read_ahead_leaves_no_
             for layer in model:
                 for tensor in layer.parameters():
                     pool.evict(tensor)  # type: ignore[arg-type]
-            interrupt = _InterruptAt(n, within=_POOL_CODE)
-            sys.settrace(interrupt)
-            try:
-                model(x)
-            except KeyboardInterrupt:
-                pass
-            finally:
-                sys.settrace(None)
+            interrupt = InterruptAt(n, within=_POOL_CODE)
+            interrupted(interrupt, lambda: model(x))
             torch.testing.assert_close(model(x), expected)
         pool.close()  # refused while a lease is left
         assert pool.closed
@@ -414,6 +367,52 @@ def test_reads_of_the_state_never_wait_for_a_stopped_loop(tmp_path: Path) -> Non
     assert pool.closed
 
 
+def _load_ending_after_a_failed_async_with_exit(
+    pool: TensorResidencyPool,
+    held: OffloadedTensor,
+    loaded: OffloadedTensor,
+    first: Callable[[], Awaitable[None]] | None = None,
+) -> tuple[TensorPrefetch, Callable[[], None]]:
+    """Serve ``pool`` in ``async with pool`` (running ``first`` there first), while a thread
+    holds a lease on ``held``, which makes the exit fail; ``loaded`` is prefetched, its load
+    ending after the exit began. Return its prefetch handle, and what ends the thread's
+    lease."""
+    leased, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(held):
+            leased.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    handles: list[TensorPrefetch] = []
+
+    async def serve() -> None:
+        async with pool:
+            if first is not None:
+                await first()
+            holder.start()
+            while not leased.is_set():
+                await asyncio.sleep(0.01)
+            point.armed.set()
+            handles.append(pool.prefetch(loaded))
+            while not point.paused.is_set():
+                await asyncio.sleep(0.01)
+            threading.Timer(0.2, point.go).start()  # the load ends after the exit began
+
+    with (
+        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point,
+        pytest.raises(T2NErrorMisuse, match="cannot close"),
+    ):
+        asyncio.run(serve())
+
+    def end_lease() -> None:
+        release.set()
+        holder.join(10)
+
+    return handles[0], end_lease
+
+
 def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiters(
     tmp_path: Path,
 ) -> None:
@@ -422,40 +421,14 @@ def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiter
     its prefetch handle, later requests and the close are answered."""
     ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
     pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with pool.acquire(ts[0]):
-            held.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold, daemon=True)
-
-    async def serve() -> TensorPrefetch:
-        async with pool:
-            holder.start()
-            while not held.is_set():
-                await asyncio.sleep(0.01)
-            point.armed.set()
-            handle = pool.prefetch(ts[1])
-            while not point.paused.is_set():
-                await asyncio.sleep(0.01)
-            threading.Timer(0.2, point.go).start()  # the load ends after the exit began
-        return handle
-
-    with (
-        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point,
-        pytest.raises(T2NErrorMisuse, match="cannot close"),
-    ):
-        asyncio.run(serve())
+    _, end_lease = _load_ending_after_a_failed_async_with_exit(pool, ts[0], ts[1])
     waited: list[torch.Tensor] = []
     waiter = threading.Thread(target=lambda: waited.append(pool.prefetch(ts[1]).wait()))
     waiter.start()
     waiter.join(10)
     assert not waiter.is_alive() and torch.equal(waited[0], torch.full((NUMEL,), 1.0))
     assert torch.equal(pool.resolve(ts[1]), torch.full((NUMEL,), 1.0))
-    release.set()
-    holder.join(10)
+    end_lease()
     pool.close()
     assert pool.closed
 
@@ -468,38 +441,15 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
     stays, changed, and the close writes it; nothing fails on the way."""
     ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(3)]
     pool = TensorResidencyPool(max_cached_bytes=NBYTES)
-    held, release = threading.Event(), threading.Event()
 
-    def hold() -> None:
-        with pool.acquire(ts[0]):
-            held.set()
-            release.wait(30)
+    async def change() -> None:
+        async with pool.acquire(ts[2], mode="read_write") as value:
+            value.fill_(7.0)  # cached and changed: the next value in makes it leave
 
-    holder = threading.Thread(target=hold, daemon=True)
-    handles: list[TensorPrefetch] = []
-
-    async def serve() -> None:
-        async with pool:
-            async with pool.acquire(ts[2], mode="read_write") as value:
-                value.fill_(7.0)  # cached and changed: the next value in makes it leave
-            holder.start()
-            while not held.is_set():
-                await asyncio.sleep(0.01)
-            point.armed.set()
-            handles.append(pool.prefetch(ts[1]))
-            while not point.paused.is_set():
-                await asyncio.sleep(0.01)
-            threading.Timer(0.2, point.go).start()  # the load ends after the exit began
-
-    with (
-        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point,
-        pytest.raises(T2NErrorMisuse, match="cannot close"),
-    ):
-        asyncio.run(serve())
-    assert torch.equal(handles[0].wait(), torch.full((NUMEL,), 1.0))
+    handle, end_lease = _load_ending_after_a_failed_async_with_exit(pool, ts[0], ts[1], change)
+    assert torch.equal(handle.wait(), torch.full((NUMEL,), 1.0))
     assert torch.equal(pool.resolve(ts[2]), torch.full((NUMEL,), 7.0))
-    release.set()
-    holder.join(10)
+    end_lease()
     pool.close()
     assert bool((on_disk(ts[2]) == 7.0).all())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
@@ -731,6 +681,18 @@ def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path
     assert bool((on_disk(t) == 2.0).all()), "the change of a lease ending was lost"
 
 
+def _run_together(threads: list[threading.Thread], stop: threading.Event, seconds: float) -> None:
+    """Start ``threads``, let them run for ``seconds`` (less when one sets ``stop``), then
+    set ``stop`` and wait for them."""
+    for thread in threads:
+        thread.start()
+    stop.wait(seconds)
+    stop.set()
+    for thread in threads:
+        thread.join(30)
+    assert not any(thread.is_alive() for thread in threads), "a thread hangs"
+
+
 def test_read_write_leases_held_at_once_make_one_change_never_seen_half_made(
     tmp_path: Path,
 ) -> None:
@@ -803,13 +765,7 @@ def test_threads_sharing_read_write_leases_never_show_a_half_made_change(
 
     with TensorResidencyPool() as pool:
         threads = [threading.Thread(target=writer) for _ in range(3)]
-        threads.append(threading.Thread(target=reader))
-        for thread in threads:
-            thread.start()
-        stop.wait(2.0)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+        _run_together([*threads, threading.Thread(target=reader)], stop, 2.0)
         assert not failures, failures[0]
         assert not torn, f"a read outside the pool saw a change half made: {torn[0]}"
     assert bool((on_disk(t) == float(done[0])).all())
@@ -871,12 +827,7 @@ def test_threads_writing_under_leases_while_evictions_write_back_never_tear_a_pa
             guarded(flusher),
             guarded(checker),
         ]
-        for thread in threads:
-            thread.start()
-        stop.wait(4.0)
-        stop.set()
-        for thread in threads:
-            thread.join(30)
+        _run_together(threads, stop, 4.0)
         assert not failures, failures[0]
         assert not torn, f"a write-back copied a value mid-change: {torn[0]}"
         assert _leased(pool) == 0
@@ -980,20 +931,12 @@ def test_an_interrupt_at_any_call_of_close_then_a_retry_stops_everything(tmp_pat
         with pool.acquire(t, mode="read_write") as value:
             value.add_(1.0)
         runtime = pool._runtime
-        sys.settrace(_InterruptAt(n))
-        try:
-            pool.close()
-        except KeyboardInterrupt:
-            interrupted = True
-        else:
-            interrupted = False
-        finally:
-            sys.settrace(None)
+        was_interrupted = interrupted(InterruptAt(n), pool.close)
         pool.close()
         assert pool.closed
         assert not runtime.private and not runtime.running
         assert float(on_disk(t)[0]) == 1.0, f"interrupt at function entry {n}"
         _pool_works_in_another_thread(tmp_path)
-        if not interrupted:
+        if not was_interrupted:
             assert n > 10  # the injection reached the pool's code
             return
