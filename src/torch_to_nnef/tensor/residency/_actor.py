@@ -189,7 +189,8 @@ class Actor:
         ``changed``: the holder may have changed the value (a ``read_write`` lease that was
         entered). The change becomes the latest write of the tensor before the lease ends, so
         that no write-back of the value can start in between; a direct write since the value
-        was read stands instead (the change is dropped).
+        was read stands instead (the change is dropped). While other ``read_write`` leases
+        hold the value, the change is theirs too: the last of them to end notes it.
         """
         slot = holder.slot
         if slot is None:
