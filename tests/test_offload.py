@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import errno
 import functools
 import gc
 import hashlib
@@ -11,6 +12,7 @@ import itertools
 import os
 import re
 import signal
+import stat as stat_module
 import sys
 import threading
 from collections.abc import Callable
@@ -562,6 +564,31 @@ def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
     assert n > 10  # the interrupts reached the write's code
     assert replaced  # some came after the rename: held, then raised once the tensor switched
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_a_direct_write_whose_directory_cannot_be_forced_to_disk_leaves_the_tensor_on_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The new payload file is renamed into place, then forcing the directory entry to disk
+    fails (an I/O error): the write raises ``T2NErrorStorage`` saying the new content is in
+    place, and the tensor reads that content, as does a pool that had the old value."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(8), "t", tmp_path)
+    real_fsync = os.fsync
+
+    def fsync(fd: int) -> None:
+        if stat_module.S_ISDIR(os.fstat(fd).st_mode):
+            raise OSError(errno.EIO, "Input/output error")
+        real_fsync(fd)
+
+    with TensorResidencyPool() as pool:
+        assert _same(pool.resolve(t), torch.zeros(8))
+        monkeypatch.setattr(os, "fsync", fsync)
+        with pytest.raises(T2NErrorStorage, match="new content is in place"):
+            t.copy_(torch.ones(8))
+        monkeypatch.undo()
+        assert _same(on_disk(t), torch.ones(8))
+        assert _same(t.reload(), torch.ones(8))
+        assert _same(pool.resolve(t), torch.ones(8))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1270,17 +1270,17 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """The write itself, under the write lock. Ends the unsaved value registered with
         token ``keep`` (the one written), or any unsaved value when ``keep`` is ``None``.
 
-        From the rename of the new file to the end of the tensor's switch to it, Ctrl-C is
-        held (raised once the switch is done): a tensor never points at a replaced file."""
+        The tensor switches to the new file right after the rename, before the directory
+        entry is forced to disk (a failure to force it is raised after the switch); from the
+        rename to the end of the switch, Ctrl-C is held (raised once the switch is done): a
+        tensor never points at a replaced file."""
         binding = self._binding
         if binding.owned is not None:
             path, owned = binding.owned.path, binding.owned
         else:
             path, owned = self._copy_on_write_path()
-        with InterruptHold() as hold:
-            layout = storage.write_payload(
-                path, encoded.tensors, encoded.metadata, before_replace=hold.start
-            )
+
+        def switch(layout: storage.PayloadLayout) -> None:
             storage.forget_file(path)  # the descriptor of the file it replaced
             with self._pending:
                 self._binding = (
@@ -1297,6 +1297,15 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     self._unsaved = None
             self.offloaded_tensor_type = encoded.value_type
             self._reshell(encoded.shape, encoded.dtype, device or self.device)
+
+        with InterruptHold() as hold:
+            storage.write_payload(
+                path,
+                encoded.tensors,
+                encoded.metadata,
+                before_replace=hold.start,
+                after_replace=switch,
+            )
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:

@@ -169,10 +169,10 @@ async def awrite_payload(
 ) -> PayloadLayout:
     """Write a payload file atomically, without blocking the loop.
 
-    The asynchronous twin of :func:`write_payload` (same arguments but ``before_replace``,
-    same result and errors): data is written with aiofiles in chunks of ``chunk_bytes`` to a
-    temporary file next to ``path``, which is then forced to disk and renamed over ``path`` in
-    a worker thread.
+    The asynchronous twin of :func:`write_payload` (same arguments but the ``before_replace``
+    and ``after_replace`` hooks, same result and errors): data is written with aiofiles in
+    chunks of ``chunk_bytes`` to a temporary file next to ``path``, which is then forced to
+    disk and renamed over ``path`` in a worker thread.
 
     Cancellation before the final rename removes the temporary file and leaves ``path``
     unchanged; once the rename has started it completes, and the cancellation is raised after

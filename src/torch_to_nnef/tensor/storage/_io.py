@@ -407,12 +407,17 @@ class AtomicFile:
             view = view[os.write(self.fd, view) :]
 
     def commit(
-        self, *, fsync: bool, before_replace: Callable[[], object] | None = None
+        self,
+        *,
+        fsync: bool,
+        before_replace: Callable[[], object] | None = None,
+        after_replace: Callable[[os.stat_result], object] | None = None,
     ) -> os.stat_result:
         """Flush, close and rename the temporary file over the destination.
 
         With ``fsync`` the data and then the directory entry are forced to disk;
-        ``before_replace`` is called right before the rename.
+        ``before_replace`` is called right before the rename, ``after_replace`` (given the
+        file's ``stat``) right after it, before the directory entry is forced to disk.
 
         Returns:
             the ``stat`` of the committed file.
@@ -428,6 +433,8 @@ class AtomicFile:
         os.replace(self.temp, self.destination.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         self.temp = None
         self.replaced = True
+        if after_replace is not None:
+            after_replace(stat)
         if fsync:
             _fsync_descriptor(self.dir_fd)
         self._close_directory()
@@ -615,6 +622,7 @@ def write_payload(
     *,
     fsync: bool = True,
     before_replace: Callable[[], object] | None = None,
+    after_replace: Callable[[PayloadLayout], object] | None = None,
 ) -> PayloadLayout:
     """Write ``tensors`` and ``metadata`` to the payload file ``path``, atomically.
 
@@ -634,6 +642,9 @@ def write_payload(
         before_replace: called right before the new file is renamed over ``path``, once
             everything else is written; for a caller that must not be interrupted from the
             rename to its own switch to the new file (an ``InterruptHold`` started there).
+        after_replace: called with the new file's layout right after the rename, before
+            the directory entry is forced to disk: a caller switching to the new file there
+            has switched even when forcing it fails (the error is raised after).
 
     Returns:
         the layout of the written file.
@@ -652,7 +663,15 @@ def write_payload(
         for name in plan.entries:
             for piece in tensor_pieces(by_name[name]):
                 atomic.write(piece)
-        stat = atomic.commit(fsync=fsync, before_replace=before_replace)
+        stat = atomic.commit(
+            fsync=fsync,
+            before_replace=before_replace,
+            after_replace=(
+                None
+                if after_replace is None
+                else lambda stat: after_replace(committed_layout(path, plan, stat))
+            ),
+        )
     except OSError as exc:
         raise write_error(path, exc, replaced=atomic.replaced) from exc
     finally:
