@@ -128,22 +128,16 @@ _LIVE: weakref.WeakValueDictionary[int, OffloadedTensor] = weakref.WeakValueDict
 
 def _refuse_if_read(path: Path, name: str) -> None:
     """Refuse to let ``name`` own the file ``path`` while a live tensor reads it (under any
-    name: a link): the adopter would remove it under that tensor, or a checkpoint with it."""
+    name: a link): the adopter would remove it under that tensor, or a checkpoint with it.
+    Files are compared by device and inode, as each tensor's layout recorded them when read
+    or written (no call to the system per tensor)."""
     try:
         wanted = os.stat(path)
     except OSError:
         return  # reading the layout says what is wrong
-    seen: set[Path] = set()
     for tensor in list(_LIVE.values()):
-        read = tensor._binding.layout.path
-        if read in seen:
-            continue
-        seen.add(read)
-        try:
-            found = os.stat(read)
-        except OSError:
-            continue
-        if (found.st_dev, found.st_ino) == (wanted.st_dev, wanted.st_ino):
+        identity = tensor._binding.layout.identity
+        if identity is not None and identity[:2] == (wanted.st_dev, wanted.st_ino):
             raise T2NErrorMisuse(
                 f"payload file '{path}' is read by the live OffloadedTensor "
                 f"{tensor._name!r}: {name!r} cannot adopt it (an adopted file is removed "
