@@ -183,3 +183,25 @@ def test_forgetting_a_file_while_this_thread_holds_the_lock_waits_for_its_releas
         descriptors.forget(path)
         assert open_descriptors(path) == [str(path)]
     assert open_descriptors(path) == []
+
+
+@needs_proc
+def test_many_files_forgotten_while_this_thread_holds_the_lock_are_all_forgotten(
+    tmp_path: Path,
+) -> None:
+    """A collection inside the lock may run thousands of tensors' finalizers: every path
+    they queue is forgotten on leaving, without the stack growing with their number (it
+    once recursed once per path, and a large collection ended in a RecursionError)."""
+    descriptors = Descriptors()
+    paths = [tmp_path / f"p{index}.safetensors" for index in range(3)]
+    for path in paths:
+        kept, _ = descriptors.acquire(write(path, 1.0))
+        descriptors.release(kept)
+    assert len(open_descriptors(tmp_path)) == 3
+    with descriptors._locked():
+        for index in range(5000):
+            descriptors.forget(tmp_path / f"gone{index}.safetensors")
+        for path in paths:
+            descriptors.forget(path)
+    assert open_descriptors(tmp_path) == []
+    assert not descriptors._forgotten

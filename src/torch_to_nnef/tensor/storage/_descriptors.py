@@ -68,14 +68,19 @@ class Descriptors:
     def _locked(self) -> Iterator[None]:
         """Hold the lock; on leaving, forget the paths a finalizer of this thread queued
         meanwhile (see :meth:`forget`)."""
+        with self._held():
+            yield
+        if self._forgotten:
+            self._forget_queued()
+
+    @contextlib.contextmanager
+    def _held(self) -> Iterator[None]:
         with self._lock:
             self._holder = threading.get_ident()
             try:
                 yield
             finally:
                 self._holder = None
-        if self._forgotten:
-            self._forget_queued()
 
     def forget(self, path: Path) -> None:
         """``path`` was replaced or removed: close its descriptor (once no load uses it).
@@ -88,12 +93,15 @@ class Descriptors:
             self._forget_queued()
 
     def _forget_queued(self) -> None:
-        while True:
-            try:
-                path = self._forgotten.popleft()
-            except IndexError:
-                return
-            self._retire(path, None)
+        """Forget every queued path, in one hold of the lock per round: however many a
+        collection queued, the stack does not grow with them."""
+        while self._forgotten:
+            with self._held():
+                closing = []
+                while self._forgotten:
+                    closing += self._retire_locked(self._forgotten.popleft(), None)
+            for fd in closing:
+                os.close(fd)
 
     def acquire(self, layout: PayloadLayout) -> tuple[Kept, int]:
         """A descriptor of the file of ``layout`` and the file's size; :meth:`release` it.
@@ -139,20 +147,24 @@ class Descriptors:
     def _retire(self, path: Path, replacement: Kept | None) -> None:
         """Keep ``replacement`` for ``path`` (none: forget the path), retiring what it
         replaces and, over capacity, the least recently used descriptors."""
-        retired = []
         with self._locked():
-            old = self._kept.pop(path, None)
-            if old is not None:
-                retired.append(old)
-            if replacement is not None:
-                self._kept[path] = replacement
-                while len(self._kept) > self._capacity:
-                    retired.append(self._kept.popitem(last=False)[1])
-            for kept in retired:
-                kept.retired = True
-            closing = [kept.fd for kept in retired if not kept.users]
+            closing = self._retire_locked(path, replacement)
         for fd in closing:
             os.close(fd)
+
+    def _retire_locked(self, path: Path, replacement: Kept | None) -> list[int]:
+        """:meth:`_retire` under the lock; returns the descriptors to close once it is left."""
+        retired = []
+        old = self._kept.pop(path, None)
+        if old is not None:
+            retired.append(old)
+        if replacement is not None:
+            self._kept[path] = replacement
+            while len(self._kept) > self._capacity:
+                retired.append(self._kept.popitem(last=False)[1])
+        for kept in retired:
+            kept.retired = True
+        return [kept.fd for kept in retired if not kept.users]
 
     def _forget_in_child(self) -> None:
         """After ``fork``, in the child: close the inherited copies, start afresh."""
