@@ -729,6 +729,36 @@ def test_read_write_leases_held_at_once_make_one_change_never_seen_half_made(
     assert bool((on_disk(u) == 5.0).all())
 
 
+@pytest.mark.parametrize("entered_after", [False, True])
+def test_a_read_write_lease_granted_and_not_entered_holds_back_no_change(
+    tmp_path: Path, entered_after: bool
+) -> None:
+    """A ``read_write`` lease granted and not entered (begun ahead, as streams and read-ahead
+    do, or granted by the loop as its caller abandoned the acquire) has changed nothing: the
+    change of a lease entered and ended meanwhile is the tensor's latest write at once, for
+    reads outside the pool and another pool (it once waited for the idle lease to end, and
+    a write ordered after it in another thread could read the older value). Entered later,
+    the idle lease makes a change of its own."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool, TensorResidencyPool() as other:
+        pool.resolve(t)
+        begun = pool.acquire(t, mode="read_write")
+        assert begun._begin()  # granted at once: the value is resident
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+        assert bool((t.reload() == 1.0).all())
+        assert bool((other.resolve(t) == 1.0).all())
+        if entered_after:
+            with begun as value:
+                value.add_(1.0)
+        else:
+            begun._cancel()
+        expected = 2.0 if entered_after else 1.0
+        assert bool((t.reload() == expected).all())
+        assert _leased(pool) == 0
+    assert bool((on_disk(t) == expected).all())
+
+
 def test_threads_sharing_read_write_leases_never_show_a_half_made_change(
     tmp_path: Path,
 ) -> None:

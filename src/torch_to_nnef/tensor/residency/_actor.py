@@ -178,6 +178,15 @@ class Actor:
             self._changed.append(slot)
             slot.changed = True
 
+    def enter(self, holder: Holder) -> None:
+        """``holder``'s ``read_write`` lease reaches its owner, who may change the value from
+        now on (any thread): its change and those of the other entered leases are one."""
+        with self.lock:
+            slot = holder.slot
+            if slot is not None and not holder.entered:
+                holder.entered = True
+                slot.changing += 1
+
     def release(self, holder: Holder, changed: bool) -> bool:
         """End ``holder``'s lease, if it holds one (any thread; idempotent). Return whether
         the actor must hear of it now: this was the last lease of a value it counts as in
@@ -189,8 +198,9 @@ class Actor:
         ``changed``: the holder may have changed the value (a ``read_write`` lease that was
         entered). The change becomes the latest write of the tensor before the lease ends, so
         that no write-back of the value can start in between; a direct write since the value
-        was read stands instead (the change is dropped). While other ``read_write`` leases
-        hold the value, the change is theirs too: the last of them to end notes it.
+        was read stands instead (the change is dropped). While other entered ``read_write``
+        leases hold the value, the change is theirs too: the last of them to end notes it. A
+        lease never entered (an abandoned acquire's) changed nothing and notes nothing.
         """
         slot = holder.slot
         if slot is None:
@@ -200,9 +210,11 @@ class Actor:
             with self.lock:
                 if holder.slot is None:  # released meanwhile by another thread
                     return False
-                if slot.writers > 1:
-                    # Another read_write lease is changing the value: the change is not
-                    # whole yet, and the last of them to end notes it. All in this step,
+                if not holder.entered:
+                    return self._ended(slot, holder, changed=False)
+                if slot.changing > 1:
+                    # Another entered read_write lease is changing the value: the change is
+                    # not whole yet, and the last of them to end notes it. All in this step,
                     # with no call an interrupt could land on.
                     slot.unnoted = slot.unnoted or changed
                     return self._ended(slot, holder, changed=False)
@@ -228,6 +240,9 @@ class Actor:
         holder.slot = None
         slot.leases -= 1
         slot.writers -= holder.read_write
+        if holder.entered:
+            holder.entered = False
+            slot.changing -= 1
         if holder.read_write:
             slot.seen = slot.value._version  # what the lease did is its change
         if changed:

@@ -212,6 +212,7 @@ class TensorResidencyLease(Holder, Uncopyable):
     ) -> None:
         # Holder's fields, set here rather than through its __init__: this runs on every acquire.
         self.read_write = mode == "read_write"
+        self.entered = False
         self.slot = None
         self._pool = pool
         self._source = source
@@ -250,6 +251,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         slot = self.slot
         assert slot is not None
         if self.read_write:  # reads outside the pool never see the change under way
+            self._pool._actor.enter(self)
             self._source._shelter_unsaved(self._pool._actor, slot.value)
         return slot.value if slot.as_is else hand_over(slot.value, slot.device)
 
@@ -291,6 +293,7 @@ class TensorResidencyLease(Holder, Uncopyable):
                 slot = actor.fresh_slot(self._source, self._device)
                 if slot is not None and actor.try_lease(slot, self):
                     if self.read_write:
+                        actor.enter(self)
                         self._source._shelter_unsaved(actor, slot.value)
                     return slot.value if slot.as_is else hand_over(slot.value, slot.device)
                 self._pool._runtime.call(self._acquire())
@@ -345,8 +348,8 @@ class TensorResidencyLease(Holder, Uncopyable):
             return
         if slot is not None:
             dropped = Holder(self.read_write)
-            dropped.slot, self.slot = slot, None
-            self._pool._actor.drop(dropped, self._used)
+            dropped.slot, dropped.entered, self.slot = slot, self.entered, None
+            self._pool._actor.drop(dropped, self.entered)
             self._pool._runtime.wake()
 
     def __repr__(self) -> str:

@@ -174,6 +174,7 @@ class Slot:
         "aliased",
         "as_is",
         "changed",
+        "changing",
         "device",
         "dirty",
         "dtype",
@@ -211,10 +212,14 @@ class Slot:
         self.aliased = False
         self.open = True  # leases may be taken without the actor
         self.leases = 0  # held by any thread
-        self.writers = 0  # of which read_write leases
-        # read_write leases held at once share the value: their changes are one change, the
-        # tensor's latest write once the last of them ends (never half made). ``unnoted``: a
-        # change of one that ended before the others, for the last to note.
+        self.writers = 0  # of which read_write leases (a write-back waits for them)
+        # ... and of those, the ones entered: their owners have the value and may change it.
+        # Entered read_write leases held at once share the value: their changes are one
+        # change, the tensor's latest write once the last of them ends (never half made). A
+        # lease granted and never entered (its acquire abandoned) changes nothing and waits
+        # for no one. ``unnoted``: a change of one that ended before the others, for the
+        # last to note.
+        self.changing = 0
         self.unnoted = False
         self.dirty = False  # a read_write lease ended since the actor last looked
         self.tracked = False  # the actor counts leases as holding the value (outside the budget)
@@ -274,12 +279,14 @@ class Holder:
     step that ends it, both under the actor's lock, with no call in between that an
     interrupt (``KeyboardInterrupt``) or a cancellation could land on. Whatever interrupts
     its owner, ``slot`` tells whether a lease is held, and releasing it is idempotent.
-    ``read_write``: the lease's mode."""
+    ``read_write``: the lease's mode; ``entered``: a ``read_write`` lease whose value reached
+    its owner, who may change it (the slot's ``changing`` counts it)."""
 
-    __slots__ = ("read_write", "slot")
+    __slots__ = ("entered", "read_write", "slot")
 
     def __init__(self, read_write: bool) -> None:
         self.read_write = read_write
+        self.entered = False
         self.slot: Slot | None = None
 
 
