@@ -4,6 +4,7 @@ signal handler (Ctrl-C)."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 from types import FrameType
@@ -16,31 +17,39 @@ Trace = Callable[[FrameType, str, Any], Any]
 
 class InterruptAt:
     """A trace function raising KeyboardInterrupt on entry to the ``n``-th function called
-    (counting those of files whose path contains ``within``); ``fired`` once it did.
+    (counting those of files whose path contains ``within``); ``fired`` once it did. With
+    ``returns``, the returns of those functions count too: raised there, the interrupt lands
+    in the caller just after the call, as a signal arriving during it would.
 
     Finalizers and weak reference callbacks are left alone: an exception raised in one is
     lost by Python (reported as unraisable), whatever the code does."""
 
-    def __init__(self, n: int, within: str = "") -> None:
-        self.n, self.within = n, within
+    def __init__(self, n: int, within: str = "", returns: bool = False) -> None:
+        self.n, self.within, self.returns = n, within, returns
         self.calls = 0
         self.fired = False
 
-    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event != "call" or frame.f_code.co_name == "__del__":
-            return
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> Trace | None:
+        if event not in ("call", "return") or frame.f_code.co_name == "__del__":
+            return None
         finalizers = ("weakref.py", "_weakrefset.py")
         if frame.f_code.co_filename.endswith(finalizers) or (
             frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(finalizers)
         ):
-            return
+            return None
         if self.within not in frame.f_code.co_filename:
-            return
+            return None
+        if event == "return" and (not self.returns or frame.f_code.co_flags & _SUSPENDS):
+            return None  # a generator's yields are no returns
         self.calls += 1
         if self.calls == self.n:
             sys.settrace(None)
             self.fired = True
             raise KeyboardInterrupt
+        return self if self.returns else None
+
+
+_SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
 
 
 def interrupted(trace: Trace, run: Callable[[], object]) -> bool:

@@ -635,12 +635,13 @@ class Runtime:
         self.ensure_running()
         started = time.perf_counter()
         done = concurrent.futures.Future()
-        self.post(self.drive, operation, done)  # start(), knowing the thread
         try:
+            self.post(self.drive, operation, done)  # start(), knowing the thread
             result = self.wait(done)
             self.count_stall(operation, started)
         except BaseException:
-            # Interrupted (or failed): whatever it holds is given back, in order after it.
+            # Interrupted (or failed): whatever it holds is given back, in order after it
+            # (an operation never posted holds nothing: its abandon does nothing).
             self.notify(operation.abandon)
             raise
         return result
