@@ -13,11 +13,13 @@ import asyncio
 import itertools
 import logging
 import random
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable
 from contextlib import suppress
 from pathlib import Path
+from types import FrameType
 from typing import Any
 
 import pytest
@@ -41,6 +43,7 @@ pytestmark = [pytest.mark.timeout(120)]
 
 NUMEL = 4096
 NBYTES = NUMEL * 4
+_PACKAGE_CODE = "/torch_to_nnef/"
 
 
 def _tensor(directory: Path, name: str, value: float = 0.0) -> OffloadedTensor:
@@ -57,20 +60,28 @@ def _leased(pool: TensorResidencyPool) -> int:
 # ---------------------------------------------------------------------------------------------
 # Interrupts: a KeyboardInterrupt at every function entry of a blocking acquire
 # ---------------------------------------------------------------------------------------------
-def _interrupted_everywhere(pool: TensorResidencyPool, run: Callable[[], None]) -> int:
-    """Run ``run`` once per function entry it makes, interrupted there; check after each
-    that no lease is left. Return how many runs were interrupted."""
+def _interrupted_everywhere(
+    pool: TensorResidencyPool, run: Callable[[], None], returns: bool = False
+) -> int:
+    """Run ``run`` once per function entry it makes (and return of the package's functions,
+    with ``returns``), interrupted there; check after each that no lease is left. Return how
+    many runs were interrupted.
+
+    Returns are taken in the package's code only: one from the standard library's
+    ``Condition.__enter__`` leaves its lock held (Python's own hazard, not the pool's)."""
+    within = _PACKAGE_CODE if returns else ""
     for n in itertools.count(1):
-        if not interrupted(InterruptAt(n), run):
+        if not interrupted(InterruptAt(n, within, returns), run):
             return n - 1
-        assert _leased(pool) == 0, f"a lease is left after an interrupt at function entry {n}"
+        assert _leased(pool) == 0, f"a lease is left after an interrupt at function event {n}"
     raise AssertionError("unreachable")
 
 
+@pytest.mark.parametrize("returns", [False, True], ids=["calls", "calls and returns"])
 @pytest.mark.parametrize("resident", [True, False], ids=["hit", "miss"])
 @pytest.mark.parametrize("mode", ["read", "read_write"])
 def test_an_interrupt_at_any_call_of_a_blocking_acquire_leaves_no_lease(
-    tmp_path: Path, resident: bool, mode: str
+    tmp_path: Path, resident: bool, mode: str, returns: bool
 ) -> None:
     t = _tensor(tmp_path, "t")
     changes = 0
@@ -86,29 +97,58 @@ def test_an_interrupt_at_any_call_of_a_blocking_acquire_leaves_no_lease(
 
     with TensorResidencyPool() as pool:
         pool.resolve(t)
-        interrupted = _interrupted_everywhere(pool, run)
+        interrupted = _interrupted_everywhere(pool, run, returns)
         assert interrupted > 10  # the injection reached the pool's code
         with pool.acquire(t) as value:  # the pool serves, and holds the changes made
             assert float(value[0]) == float(changes)
     assert float(on_disk(t)[0]) == float(changes)
 
 
-def test_an_interrupt_at_any_call_of_a_begun_lease_leaves_no_lease(tmp_path: Path) -> None:
+def test_an_interrupt_as_a_blocking_acquire_is_sent_gives_the_lease_back(tmp_path: Path) -> None:
+    """Ctrl-C landing as the request of a blocking acquire has just been sent to the loop
+    thread (where CPython runs a pending handler, once the call that sent it returned): the
+    request is abandoned, so the lease the loop grants is given back at once, even while
+    the lease object lives on (its collection used to be the only thing to end it)."""
+    t = _tensor(tmp_path, "t")
+
+    def after_sending(frame: FrameType, event: str, arg: Any) -> Any:
+        if event == "call":
+            sends = frame.f_code is _runtime.Runtime.post.__code__
+            return after_sending if sends else None
+        if event == "return":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+        return after_sending
+
+    with TensorResidencyPool() as pool:
+        lease = pool.acquire(t)  # a miss: its request goes to the loop thread
+        assert interrupted(after_sending, lease.__enter__)
+        settle(pool)  # a request sent after it: the grant and what follows it have run
+        assert _leased(pool) == 0
+        assert lease.slot is None
+        with pool.acquire(t) as value:
+            assert bool((value == 0.0).all())
+
+
+@pytest.mark.parametrize("returns", [False, True], ids=["calls", "calls and returns"])
+def test_an_interrupt_at_any_call_of_a_begun_lease_leaves_no_lease(
+    tmp_path: Path, returns: bool
+) -> None:
     """A lease begun ahead (as module streams and read-ahead do), then entered."""
     t = _tensor(tmp_path, "t")
 
     def run() -> None:
         pool.evict(t)
         lease = pool.acquire(t)
-        lease._begin()
-        try:
+        try:  # as the streams do: a begin that an interrupt cut short is cancelled too
+            lease._begin()
             with lease:
                 pass
         finally:
             lease._cancel()
 
     with TensorResidencyPool() as pool:
-        assert _interrupted_everywhere(pool, run) > 10
+        assert _interrupted_everywhere(pool, run, returns) > 10
 
 
 def _layers(directory: Path) -> torch.nn.Sequential:
@@ -122,16 +162,17 @@ def _layers(directory: Path) -> torch.nn.Sequential:
     return model
 
 
-_POOL_CODE = "torch_to_nnef/tensor/residency/"
+_POOL_CODE = _PACKAGE_CODE + "tensor/residency/"
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("returns", [False, True], ids=["calls", "calls and returns"])
 def test_an_interrupt_at_any_call_of_the_pool_in_a_streamed_forward_leaves_no_lease(
-    tmp_path: Path,
+    tmp_path: Path, returns: bool
 ) -> None:
-    """Ctrl-C at any entry to the pool's code during a forward through ``stream_modules``
-    (loads under way, values read ahead, values entered): once the stream is closed, no
-    lease is left, and the pool closes."""
+    """Ctrl-C at any entry to (or return from) the pool's code during a forward through
+    ``stream_modules`` (loads under way, values read ahead, values entered): once the stream
+    is closed, no lease is left, and the pool closes."""
     model, x = _layers(tmp_path), torch.randn(2, 16)
     with TensorResidencyPool(max_cached_bytes=10**6) as pool:
         for n in itertools.count(1):
@@ -139,7 +180,7 @@ def test_an_interrupt_at_any_call_of_the_pool_in_a_streamed_forward_leaves_no_le
                 for tensor in layer.parameters():
                     pool.evict(tensor)  # type: ignore[arg-type]
             stream = stream_modules(pool, list(model), depth=1)
-            interrupt = InterruptAt(n, within=_POOL_CODE)
+            interrupt = InterruptAt(n, _POOL_CODE, returns)
             try:
                 with torch.no_grad():
                     interrupted(interrupt, lambda: model(x))
@@ -153,11 +194,12 @@ def test_an_interrupt_at_any_call_of_the_pool_in_a_streamed_forward_leaves_no_le
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("returns", [False, True], ids=["calls", "calls and returns"])
 def test_an_interrupt_at_any_call_of_the_pool_in_a_forward_read_ahead_leaves_no_lease(
-    tmp_path: Path,
+    tmp_path: Path, returns: bool
 ) -> None:
-    """Ctrl-C at any entry to the pool's code during a scoped forward whose next values are
-    read ahead: the next forward is right, and the pool closes."""
+    """Ctrl-C at any entry to (or return from) the pool's code during a scoped forward whose
+    next values are read ahead: the next forward is right, and the pool closes."""
     model, x = _layers(tmp_path), torch.randn(2, 16)
     with torch.no_grad():
         expected = model(x)
@@ -168,7 +210,7 @@ def test_an_interrupt_at_any_call_of_the_pool_in_a_forward_read_ahead_leaves_no_
             for layer in model:
                 for tensor in layer.parameters():
                     pool.evict(tensor)  # type: ignore[arg-type]
-            interrupt = InterruptAt(n, within=_POOL_CODE)
+            interrupt = InterruptAt(n, _POOL_CODE, returns)
             interrupted(interrupt, lambda: model(x))
             torch.testing.assert_close(model(x), expected)
         pool.close()  # refused while a lease is left

@@ -210,8 +210,9 @@ class ModuleStream(Uncopyable):
         # The state of each thread that ran a forward, while the thread lives.
         self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         # Leases begun past the last module on the next forward's first modules, taken by the
-        # thread that runs it (any thread).
+        # thread that runs it (any thread), once no thread is beginning them (``_filling``).
         self._next_forward: dict[int, list[TensorResidencyLease]] = {}
+        self._filling: set[int] = set()
         self._handles: list[Any] = []
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
@@ -239,41 +240,50 @@ class ModuleStream(Uncopyable):
         """Start leasing module ``index``'s tensors, so they are loaded and held in time."""
         if index in begun:
             return
-        with self._lock:
-            ahead = self._next_forward.get(index)
-            if ahead:  # begun past the last module (empty: another thread is beginning them)
-                del self._next_forward[index]
-        begun[index] = ahead if ahead else self._begin_leases(index)
-
-    def _begin_leases(self, index: int) -> list[TensorResidencyLease]:
-        leases: list[TensorResidencyLease] = []
+        with self._lock:  # taken in one step: whatever interrupts, they are in one place
+            if self._next_forward.get(index) and index not in self._filling:
+                begun[index] = self._next_forward.pop(index)  # begun past the last module
+                return
+        # Where the forward's end, or the stream's close, finds them before any is begun.
+        leases = begun[index] = []
         try:
-            for tensor in self.groups[index]:
-                lease = self.pool.acquire(tensor, self.device)
-                leases.append(lease)
-                if not lease._begin():  # on the loop thread: a plain prefetch instead
-                    self.pool.prefetch(tensor, self.device)
-        except BaseException:  # the pool closed, say: drop what was begun
-            for lease in leases:
-                lease._cancel()
+            self._begin_leases(index, leases)
+        except BaseException:
+            for lease in begun.pop(index, ()):
+                lease._cancel()  # (nothing for those the failure dropped)
             raise
-        return leases
+
+    def _begin_leases(self, index: int, leases: list[TensorResidencyLease]) -> None:
+        """Begin leases on module ``index``'s tensors into ``leases``, a list the caller keeps
+        where they are found whatever interrupts it, and drops on an error."""
+        for tensor in self.groups[index]:
+            lease = self.pool.acquire(tensor, self.device)
+            leases.append(lease)
+            if not lease._begin():  # on the loop thread: a plain prefetch instead
+                self.pool.prefetch(tensor, self.device)
 
     def _begin_next_forward(self, index: int) -> None:
         """Begin leases on module ``index`` for the next forward, unless they are begun."""
+        leases: list[TensorResidencyLease] = []
         with self._lock:
             if index in self._next_forward:
                 return
-            self._next_forward[index] = []  # claimed: no other thread begins them too
+            # Claimed (no other thread begins them too), and where a close finds them.
+            self._next_forward[index] = leases
+            self._filling.add(index)
         try:
-            leases = self._begin_leases(index)
+            self._begin_leases(index, leases)
         except BaseException:
             with self._lock:
-                self._next_forward.pop(index, None)
+                if self._next_forward.get(index) is leases:
+                    del self._next_forward[index]
+                self._filling.discard(index)
+            for lease in leases:
+                lease._cancel()
             raise
         with self._lock:
+            self._filling.discard(index)
             if self._handles:
-                self._next_forward[index] = leases
                 return
         for lease in leases:  # the stream closed meanwhile
             lease._cancel()
@@ -496,6 +506,7 @@ class ModuleStream(Uncopyable):
         modules, and those an early-stopped forward began (the pool does before it closes)."""
         with self._lock:
             next_forward, self._next_forward = self._next_forward, {}
+            self._filling.clear()
             idle = [state for state in self._threads if not any(state.held.values())]
         for leases in next_forward.values():
             for lease in leases:
