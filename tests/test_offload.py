@@ -32,6 +32,7 @@ from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
 from torch import nn
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -563,6 +564,31 @@ def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
             replaced += _same(disk, new)
     assert n > 10  # the interrupts reached the write's code
     assert replaced  # some came after the rename: held, then raised once the tensor switched
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_child_forked_while_ctrl_c_is_held_gets_ctrl_c_back() -> None:
+    """Another thread forks while the main thread is inside a direct write's held step (the
+    rename, then the switch): in the child, where that step does not run, Ctrl-C raises
+    KeyboardInterrupt again (it was recorded for a raise that never came)."""
+
+    def child() -> str:
+        try:
+            signal.raise_signal(signal.SIGINT)
+            sum(range(10))  # a pending interrupt is raised here at the latest
+        except KeyboardInterrupt:
+            return "interrupted"
+        return "swallowed"
+
+    reports: list[str] = []
+    with InterruptHold() as hold:
+        hold.start()
+        assert signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        forker = threading.Thread(target=lambda: reports.append(in_forked_child(child)))
+        forker.start()
+        forker.join(60)
+    assert reports == ["interrupted"]
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 

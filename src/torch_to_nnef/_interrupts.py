@@ -8,11 +8,14 @@ and ``KeyboardInterrupt`` is raised as the block ends.
 
 Only the main thread receives ``KeyboardInterrupt``, and only while Python's default handler is
 installed: in another thread, under a handler the application installed, or inside a hold
-already started, a hold changes nothing.
+already started, a hold changes nothing. A child forked (by another thread) while a hold is
+in force gets the handler the hold replaced back: the step it held goes on in the parent.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import signal
 import threading
 from collections.abc import Callable
@@ -21,6 +24,9 @@ from typing import Any
 
 __all__ = ["InterruptHold", "hold_sigint", "restore_sigint"]
 
+_replaced: list[Any] = []
+"""The handlers the holds in force replaced, the first one first (main thread only)."""
+
 
 def hold_sigint(handler: Callable[[int, FrameType | None], Any]) -> tuple[bool, Any]:
     """Install ``handler`` for SIGINT, from the main thread only. Return whether it was
@@ -28,15 +34,37 @@ def hold_sigint(handler: Callable[[int, FrameType | None], Any]) -> tuple[bool, 
     if threading.current_thread() is not threading.main_thread():
         return False, None
     try:
-        return True, signal.signal(signal.SIGINT, handler)
+        previous = signal.signal(signal.SIGINT, handler)
     except (ValueError, TypeError):  # no signals here (an embedded interpreter)
         return False, None
+    _replaced.append(previous)
+    return True, previous
 
 
 def restore_sigint(previous: Any) -> None:
     """Put back the SIGINT handler :func:`hold_sigint` replaced (``None``: one set from
     outside Python, which Python cannot put back: the system's default then)."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    signal.signal(signal.SIGINT, _handler(previous))
+    if _replaced:
+        _replaced.pop()
+
+
+def _handler(previous: Any) -> Any:
+    return signal.SIG_DFL if previous is None else previous
+
+
+def _restore_in_child() -> None:
+    """After ``fork``, in the child: no hold is in force there (the thread holding runs in
+    the parent only), so the handler the first hold replaced is put back."""
+    if _replaced:
+        previous = _replaced[0]
+        _replaced.clear()
+        with contextlib.suppress(ValueError, TypeError):
+            signal.signal(signal.SIGINT, _handler(previous))
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_restore_in_child)
 
 
 class InterruptHold:
