@@ -130,6 +130,37 @@ def test_an_interrupt_as_a_blocking_acquire_is_sent_gives_the_lease_back(tmp_pat
             assert bool((value == 0.0).all())
 
 
+def test_blocking_requests_wait_without_the_standard_librarys_lock_code(tmp_path: Path) -> None:
+    """Ctrl-C can cut ``threading.Condition``'s Python code (what the wait of a
+    ``concurrent.futures.Future`` runs) between taking its lock and handing it on: the lock
+    stays held, and the pool's loop thread, answering the request, blocks forever (or the
+    caller gets a RuntimeError in place of its KeyboardInterrupt; the soak met both). The
+    blocking requests, and the reads of the pool's state, wait in the C acquire of a lock
+    instead: no function of ``threading.py`` runs in their thread."""
+    t = _tensor(tmp_path, "t")
+    entered: list[str] = []
+
+    def watch(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_filename.endswith("threading.py"):
+            entered.append(frame.f_code.co_name)
+
+    with TensorResidencyPool(max_cached_bytes=NBYTES) as pool:
+        pool.resolve(t)
+        sys.settrace(watch)
+        try:
+            pool.evict(t)
+            with pool.acquire(t, mode="read_write") as value:  # a miss: the loop grants it
+                value.add_(1.0)
+            pool.flush()
+            pool.evict(t)
+            resolved = pool.resolve(t)
+            assert pool.is_resident(t)
+        finally:
+            sys.settrace(None)
+        assert bool((resolved == 1.0).all())
+    assert entered == []
+
+
 @pytest.mark.parametrize("returns", [False, True], ids=["calls", "calls and returns"])
 def test_an_interrupt_at_any_call_of_a_begun_lease_leaves_no_lease(
     tmp_path: Path, returns: bool

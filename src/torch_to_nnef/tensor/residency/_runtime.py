@@ -57,7 +57,6 @@ __all__ = ["Operation", "Runtime", "uvloop_wanted"]
 
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
-Completion = concurrent.futures.Future[Any] | asyncio.Future[Any]
 _INVALID_STATE = (concurrent.futures.InvalidStateError, asyncio.InvalidStateError)
 
 
@@ -209,6 +208,58 @@ def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
         return loop
     return asyncio.new_event_loop()
+
+
+class Reply:
+    """The completion of a request a thread other than the loop's blocks for (the sync face).
+
+    Its waiter blocks in the C ``acquire`` of a lock that settling it releases, and runs no
+    Python code that holds a lock: Ctrl-C cannot cut it in a bad place. The wait of a
+    ``concurrent.futures.Future`` runs ``threading.Condition``'s Python code, which Ctrl-C can
+    cut between taking its lock and handing it on: the lock is then left held (the loop
+    thread settling the future would block forever) or released twice (a ``RuntimeError``
+    in place of the ``KeyboardInterrupt``).
+    """
+
+    __slots__ = ("_error", "_gate", "_settled", "_value")
+
+    def __init__(self) -> None:
+        self._gate = threading.Lock()
+        self._gate.acquire()
+        self._settled = False
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def done(self) -> bool:
+        return self._settled
+
+    def set_result(self, value: Any) -> None:
+        self._settle(value, None)
+
+    def set_exception(self, error: BaseException) -> None:
+        self._settle(None, error)
+
+    def _settle(self, value: Any, error: BaseException | None) -> None:
+        if self._settled:
+            raise concurrent.futures.InvalidStateError("the request was answered already")
+        self._value, self._error = value, error
+        self._settled = True
+        self._gate.release()
+
+    def wait(self, timeout: float) -> bool:
+        """Block until it is settled, ``timeout`` seconds at most; whether it is."""
+        if not self._settled and self._gate.acquire(timeout=timeout):
+            self._gate.release()  # for a later wait
+        return self._settled
+
+    def result(self) -> Any:
+        """The result, or raise the error (once settled)."""
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+Completion = concurrent.futures.Future[Any] | asyncio.Future[Any] | Reply
 
 
 def _set_result(done: Completion, value: Any) -> bool:
@@ -507,12 +558,12 @@ class Runtime:
             return  # they are queued behind the running callback; the state is consistent
         if self.stranded():
             return  # nothing would run them before that loop runs again
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done = Reply()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._caught_up, done)
-            self.wait(done)
+            self.wait_reply(done)
 
-    def _caught_up(self, done: concurrent.futures.Future[None]) -> None:
+    def _caught_up(self, done: Reply) -> None:
         if self.actor.deferred:
             self.actor.leases_ended()
         done.set_result(None)
@@ -634,10 +685,10 @@ class Runtime:
             return done.result()
         self.ensure_running()
         started = time.perf_counter()
-        done = concurrent.futures.Future()
+        reply = Reply()
         try:
-            self.post(self.drive, operation, done)  # start(), knowing the thread
-            result = self.wait(done)
+            self.post(self.drive, operation, reply)  # start(), knowing the thread
+            result = self.wait_reply(reply)
             self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it
@@ -659,6 +710,17 @@ class Runtime:
             with contextlib.suppress(TimeoutError):
                 return done.result(timeout=_WATCH_INTERVAL)
             watch.look()
+
+    def wait_reply(self, reply: Reply) -> Any:
+        """:meth:`wait` for a :class:`Reply`."""
+        loop = self.loop
+        if self.private or loop is None:
+            reply.wait(-1)
+            return reply.result()
+        watch = _LoopWatch(loop)
+        while not reply.wait(_WATCH_INTERVAL):
+            watch.look()
+        return reply.result()
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had
