@@ -250,7 +250,7 @@ class ModuleStream(Uncopyable):
             self._begin_leases(index, leases)
         except BaseException:
             for lease in begun.pop(index, ()):
-                lease._cancel()  # (nothing for those the failure dropped)
+                lease._cancel()  # (idempotent)
             raise
 
     def _begin_leases(self, index: int, leases: list[TensorResidencyLease]) -> None:
