@@ -246,14 +246,15 @@ class Reply:
         self._settled = True
         self._gate.release()
 
-    def wait(self, timeout: float) -> bool:
-        """Block until it is settled, ``timeout`` seconds at most; whether it is."""
-        if not self._settled and self._gate.acquire(timeout=timeout):
-            self._gate.release()  # for a later wait
-        return self._settled
-
-    def result(self) -> Any:
-        """The result, or raise the error (once settled)."""
+    def result(self, timeout: float | None = None) -> Any:
+        """The result once settled, waiting ``timeout`` seconds at most (``None``: for as
+        long as it takes), or raise the error; ``TimeoutError`` when it is not settled by
+        then (as ``concurrent.futures.Future.result``)."""
+        if not self._settled:
+            if self._gate.acquire(timeout=-1 if timeout is None else timeout):
+                self._gate.release()  # for a later wait
+            if not self._settled:
+                raise TimeoutError
         if self._error is not None:
             raise self._error
         return self._value
@@ -561,7 +562,7 @@ class Runtime:
         done = Reply()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._caught_up, done)
-            self.wait_reply(done)
+            self.wait(done)
 
     def _caught_up(self, done: Reply) -> None:
         if self.actor.deferred:
@@ -688,7 +689,7 @@ class Runtime:
         reply = Reply()
         try:
             self.post(self.drive, operation, reply)  # start(), knowing the thread
-            result = self.wait_reply(reply)
+            result = self.wait(reply)
             self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it
@@ -697,7 +698,7 @@ class Runtime:
             raise
         return result
 
-    def wait(self, done: concurrent.futures.Future[Any]) -> Any:
+    def wait(self, done: concurrent.futures.Future[Any] | Reply) -> Any:
         """Block until ``done`` is settled and return its result (a thread other than the
         loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
         not been running for :data:`STOPPED_LOOP_PATIENCE` seconds: the request would wait
@@ -710,17 +711,6 @@ class Runtime:
             with contextlib.suppress(TimeoutError):
                 return done.result(timeout=_WATCH_INTERVAL)
             watch.look()
-
-    def wait_reply(self, reply: Reply) -> Any:
-        """:meth:`wait` for a :class:`Reply`."""
-        loop = self.loop
-        if self.private or loop is None:
-            reply.wait(-1)
-            return reply.result()
-        watch = _LoopWatch(loop)
-        while not reply.wait(_WATCH_INTERVAL):
-            watch.look()
-        return reply.result()
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had

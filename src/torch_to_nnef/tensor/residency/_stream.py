@@ -366,9 +366,7 @@ class ModuleStream(Uncopyable):
                 ended.watched = []
                 for lease in ended.leases:
                     lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-                if ended.token is not None:
-                    ACTIVE_RESIDENCY.reset(ended.token)
-                    ended.token = None
+                _leave_scope(ended)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(ended)
 

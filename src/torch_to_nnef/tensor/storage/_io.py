@@ -657,23 +657,22 @@ def write_payload(
     path = Path(path)
     plan, by_name = prepare_write(tensors, metadata)
     atomic = AtomicFile(path)
+    layouts: list[PayloadLayout] = []
+
+    def replaced(stat: os.stat_result) -> None:
+        layouts.append(committed_layout(path, plan, stat))
+        if after_replace is not None:
+            after_replace(layouts[0])
+
     try:
         atomic.create()
         atomic.write(memoryview(plan.header))
         for name in plan.entries:
             for piece in tensor_pieces(by_name[name]):
                 atomic.write(piece)
-        stat = atomic.commit(
-            fsync=fsync,
-            before_replace=before_replace,
-            after_replace=(
-                None
-                if after_replace is None
-                else lambda stat: after_replace(committed_layout(path, plan, stat))
-            ),
-        )
+        atomic.commit(fsync=fsync, before_replace=before_replace, after_replace=replaced)
     except OSError as exc:
         raise write_error(path, exc, replaced=atomic.replaced) from exc
     finally:
         atomic.discard()
-    return committed_layout(path, plan, stat)
+    return layouts[0]
