@@ -273,6 +273,39 @@ def test_a_timeout_from_another_loop_leaves_the_pool_serving(tmp_path: Path) -> 
     assert pool.closed
 
 
+def test_a_load_awaited_from_a_loop_closed_before_it_ended_serves_its_other_waiters(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A loop gave up awaiting a prefetch, another was closed while awaiting it, the load
+    paused all along: settling the load later has nowhere to send the value for them, and
+    goes on to its other waiters."""
+    big = _tensor(tmp_path, "big", numel=BIG)
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
+        load.armed.set()
+        handle = pool.prefetch(big)
+        assert load.paused.wait(30)
+
+        async def gives_up() -> None:
+            with pytest.raises(TimeoutError):
+                await asyncio.wait_for(handle, 0.01)  # cancels what it awaited
+
+        async def awaits() -> torch.Tensor:
+            return await handle
+
+        loop = asyncio.new_event_loop()
+        loop.run_until_complete(gives_up())
+        task = loop.create_task(awaits())
+        loop.run_until_complete(asyncio.sleep(0.01))
+        assert not task.done()
+        loop.close()  # with the task still awaiting the load
+        load.go()
+        assert torch.equal(handle.wait(), torch.zeros(BIG))
+        assert torch.equal(pool.resolve(big), torch.zeros(BIG))
+        check_invariants(pool)
+    assert "failed" not in caplog.text
+
+
 # ---------------------------------------------------------------------------------------------
 # 9. Blocking calls from another thread while `async with pool` exits
 # ---------------------------------------------------------------------------------------------

@@ -135,8 +135,9 @@ def test_blocking_requests_wait_without_the_standard_librarys_lock_code(tmp_path
     ``concurrent.futures.Future`` runs) between taking its lock and handing it on: the lock
     stays held, and the pool's loop thread, answering the request, blocks forever (or the
     caller gets a RuntimeError in place of its KeyboardInterrupt; the soak met both). The
-    blocking requests, and the reads of the pool's state, wait in the C acquire of a lock
-    instead: no function of ``threading.py`` runs in their thread."""
+    blocking requests, the reads of the pool's state, the waits of prefetch handles and of
+    leases begun ahead wait in the C acquire of a lock instead: no function of
+    ``threading.py`` runs in their thread."""
     t = _tensor(tmp_path, "t")
     entered: list[str] = []
 
@@ -155,9 +156,18 @@ def test_blocking_requests_wait_without_the_standard_librarys_lock_code(tmp_path
             pool.evict(t)
             resolved = pool.resolve(t)
             assert pool.is_resident(t)
+            pool.evict(t)
+            prefetched = pool.prefetch(t).wait()  # a load started, then waited for
+            pool.evict(t)
+            lease = pool.acquire(t)
+            lease._begin()  # as module streams and read-ahead do: a miss, entered later
+            with lease as begun:
+                begun_sum = float(begun.sum())
         finally:
             sys.settrace(None)
         assert bool((resolved == 1.0).all())
+        assert bool((prefetched == 1.0).all())
+        assert begun_sum == float(NUMEL)
     assert entered == []
 
 

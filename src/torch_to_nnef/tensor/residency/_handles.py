@@ -6,7 +6,6 @@ prefetch handle, scope ops); :func:`end_lease` the one place a lease ends.
 
 from __future__ import annotations
 
-import concurrent.futures
 import time
 from collections.abc import Callable, Generator
 from threading import get_ident
@@ -19,6 +18,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._requests import Acquire
+from torch_to_nnef.tensor.residency._runtime import Reply
 from torch_to_nnef.tensor.residency._state import Holder, Slot
 
 if TYPE_CHECKING:
@@ -123,7 +123,7 @@ class TensorPrefetch(Uncopyable):
         pool: TensorResidencyPool,
         source: PoolSource,
         device: torch.device,
-        future: concurrent.futures.Future[Any],
+        future: Reply,
     ) -> None:
         self._pool = pool
         self._source = source
@@ -140,9 +140,7 @@ class TensorPrefetch(Uncopyable):
         device: torch.device,
         value: torch.Tensor,
     ) -> TensorPrefetch:
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        future.set_result(value)
-        return cls(pool, source, device, future)
+        return cls(pool, source, device, Reply.of(value))
 
     def done(self) -> bool:
         """Whether the load has ended (successfully or not)."""
@@ -219,7 +217,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         self._device = device
         self._used = False
         self._request: Acquire | None = None  # begun and not entered yet
-        self._begun: concurrent.futures.Future[Any] | None = None
+        self._begun: Reply | None = None
 
     @property
     def mode(self) -> str:
@@ -357,5 +355,4 @@ class TensorResidencyLease(Holder, Uncopyable):
         return f"<TensorResidencyLease {self._source.name!r} mode={self.mode} {state}>"
 
 
-_GRANTED: concurrent.futures.Future[Any] = concurrent.futures.Future()
-_GRANTED.set_result(None)
+_GRANTED = Reply.of(None)

@@ -8,7 +8,6 @@ the face the caller needs (sync, async, or started without waiting).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import logging
 import warnings
@@ -43,7 +42,7 @@ from torch_to_nnef.tensor.residency._requests import (
     Resolve,
     Transition,
 )
-from torch_to_nnef.tensor.residency._runtime import Operation, Runtime
+from torch_to_nnef.tensor.residency._runtime import Operation, Reply, Runtime
 from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._trace import ReadAhead
 from torch_to_nnef.tensor.sizing import parse_bytes
@@ -658,7 +657,7 @@ class _Unclosed:
     def __init__(self, pool: TensorResidencyPool, runtime: Runtime) -> None:
         self._pool = weakref.ref(pool)
         self._runtime = runtime
-        self._closing: concurrent.futures.Future[None] | None = None
+        self._closing: Reply | None = None
 
     def collected(self) -> None:
         """The pool was garbage collected (a finalizer): close it on its loop thread."""
@@ -672,7 +671,7 @@ class _Unclosed:
                 return  # a loop of the caller's serves it: closed by it, or at exit
             _ORPHANS.add(self)  # no loop: nothing here can write; interpreter exit will
         else:
-            closing: concurrent.futures.Future[None] = concurrent.futures.Future()
+            closing = Reply()
             self._closing = closing
             if not runtime.post_lock_free(self._close_collected, closing):
                 closing.set_result(None)
@@ -685,15 +684,13 @@ class _Unclosed:
                 stacklevel=1,
             )
 
-    def _close_collected(self, closing: concurrent.futures.Future[None]) -> None:
+    def _close_collected(self, closing: Reply) -> None:
         """Loop thread: run the close, then stop the loop thread and its workers."""
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done = Reply()
         done.add_done_callback(partial(self._collected_closed, closing))
         self._runtime.drive(Close(self._runtime.actor, _nothing), done)
 
-    def _collected_closed(
-        self, closing: concurrent.futures.Future[None], done: concurrent.futures.Future[None]
-    ) -> None:
+    def _collected_closed(self, closing: Reply, done: Reply) -> None:
         error = done.exception()
         if error is not None:
             _log_unwritten("garbage collected without close()", error)
@@ -711,7 +708,7 @@ class _Unclosed:
         if closing is not None:
             try:
                 closing.result(timeout=_EXIT_WRITE_TIMEOUT)
-            except concurrent.futures.TimeoutError:
+            except TimeoutError:
                 LOGGER.error(
                     "a TensorResidencyPool garbage collected without close() was still writing "
                     "its changes back after %.0f s at exit; some may be lost",
@@ -761,7 +758,7 @@ class _Unclosed:
             return
         pool = self._pool()
         close = pool._close_request() if pool is not None else Close(actor, _nothing)
-        done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        done = Reply()
         runtime.drive(close, done, inline=True)
         error = done.exception()
         if error is not None:

@@ -26,8 +26,8 @@ of one under way.
 **The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
 and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
 :meth:`Runtime.drive` runs the step, retries it after the job, abandons the operation on
-error, and settles the caller's completion: a ``concurrent.futures.Future`` for a thread or
-another loop, an ``asyncio.Future`` for a task of the pool's loop. The faces differ only in
+error, and settles the caller's completion: a :class:`Reply` for a thread or another loop, an
+``asyncio.Future`` for a task of the pool's loop. The faces differ only in
 how they wait for that completion (:meth:`Runtime.call`, :meth:`Runtime.acall`,
 :meth:`Runtime.start`). A completion cancelled by its waiter is never set; what the
 operation holds is undone instead.
@@ -211,17 +211,18 @@ def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
 
 
 class Reply:
-    """The completion of a request a thread other than the loop's blocks for (the sync face).
+    """The completion of a request made from a thread other than the loop's, or from another
+    loop: what the driver settles for the sync face, ``start`` and the handles built on it.
 
     Its waiter blocks in the C ``acquire`` of a lock that settling it releases, and runs no
     Python code that holds a lock: Ctrl-C cannot cut it in a bad place. The wait of a
     ``concurrent.futures.Future`` runs ``threading.Condition``'s Python code, which Ctrl-C can
     cut between taking its lock and handing it on: the lock is then left held (the loop
     thread settling the future would block forever) or released twice (a ``RuntimeError``
-    in place of the ``KeyboardInterrupt``).
+    in place of the ``KeyboardInterrupt``). Another loop awaits it through :meth:`wrap`.
     """
 
-    __slots__ = ("_error", "_gate", "_settled", "_value")
+    __slots__ = ("_callbacks", "_error", "_gate", "_settled", "_value")
 
     def __init__(self) -> None:
         self._gate = threading.Lock()
@@ -229,6 +230,14 @@ class Reply:
         self._settled = False
         self._value: Any = None
         self._error: BaseException | None = None
+        self._callbacks: list[Callable[[Reply], None]] | None = None  # until one is added
+
+    @classmethod
+    def of(cls, value: Any) -> Reply:
+        """A reply settled with ``value`` already."""
+        reply = cls()
+        reply.set_result(value)
+        return reply
 
     def done(self) -> bool:
         return self._settled
@@ -240,11 +249,27 @@ class Reply:
         self._settle(None, error)
 
     def _settle(self, value: Any, error: BaseException | None) -> None:
-        if self._settled:
-            raise concurrent.futures.InvalidStateError("the request was answered already")
-        self._value, self._error = value, error
-        self._settled = True
+        with _REPLY_CALLBACKS:
+            if self._settled:
+                raise concurrent.futures.InvalidStateError("the request was answered already")
+            self._value, self._error = value, error
+            self._settled = True
+            callbacks, self._callbacks = self._callbacks, None
         self._gate.release()
+        for callback in callbacks or ():
+            try:
+                callback(self)
+            except BaseException:  # the settling thread is the loop's: it goes on
+                LOGGER.exception("a callback on a settled request failed")
+
+    def add_done_callback(self, callback: Callable[[Reply], None]) -> None:
+        """Call ``callback(reply)`` once settled: at once when it is, else in the thread that
+        settles it."""
+        with _REPLY_CALLBACKS:
+            if not self._settled:
+                self._callbacks = [*(self._callbacks or ()), callback]
+                return
+        callback(self)
 
     def result(self, timeout: float | None = None) -> Any:
         """The result once settled, waiting ``timeout`` seconds at most (``None``: for as
@@ -259,8 +284,36 @@ class Reply:
             raise self._error
         return self._value
 
+    def exception(self) -> BaseException | None:
+        """The error of a settled reply, ``None`` for a value."""
+        assert self._settled
+        return self._error
 
-Completion = concurrent.futures.Future[Any] | asyncio.Future[Any] | Reply
+    def wrap(self) -> asyncio.Future[Any]:
+        """An ``asyncio.Future`` of the running loop settled as this reply is (the
+        ``asyncio.wrap_future`` of a reply). Cancelling it leaves the reply alone."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def copy() -> None:
+            if future.cancelled():
+                return
+            if self._error is not None:
+                future.set_exception(self._error)
+            else:
+                future.set_result(self._value)
+
+        def settled(_: Reply) -> None:
+            with contextlib.suppress(RuntimeError):  # that loop closed: nobody awaits it
+                loop.call_soon_threadsafe(copy)
+
+        self.add_done_callback(settled)
+        return future
+
+
+_REPLY_CALLBACKS = threading.Lock()  # settling a reply against adding a callback to it
+
+Completion = asyncio.Future[Any] | Reply
 
 
 def _set_result(done: Completion, value: Any) -> bool:
@@ -679,7 +732,7 @@ class Runtime:
                     f"pool.{name}() would block the pool's event loop: "
                     f"use `await pool.{operation.twin}()`"
                 )
-            done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            done = Reply()
             started = time.perf_counter()
             self.drive(operation, done, inline=True)
             self.count_stall(operation, started)
@@ -698,7 +751,7 @@ class Runtime:
             raise
         return result
 
-    def wait(self, done: concurrent.futures.Future[Any] | Reply) -> Any:
+    def wait(self, done: Reply) -> Any:
         """Block until ``done`` is settled and return its result (a thread other than the
         loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
         not been running for :data:`STOPPED_LOOP_PATIENCE` seconds: the request would wait
@@ -718,9 +771,9 @@ class Runtime:
         if operation.consumer and operation.loading:
             self.actor.add_stall(time.perf_counter() - started)
 
-    def start(self, operation: Operation) -> concurrent.futures.Future[Any]:
+    def start(self, operation: Operation) -> Reply:
         """Send ``operation`` to the loop without waiting (any thread); its completion."""
-        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        done = Reply()
         if self.on_loop_thread():
             self.drive(operation, done)
         else:
@@ -753,12 +806,10 @@ class Runtime:
         self.count_stall(operation, started)
         return result
 
-    async def await_foreign(
-        self, done: concurrent.futures.Future[Any], operation: Operation | None = None
-    ) -> Any:
+    async def await_foreign(self, done: Reply, operation: Operation | None = None) -> Any:
         """Await a completion from a loop other than the pool's. Cancelling the awaiting task
         never cancels ``done``: the operation is abandoned in order instead."""
-        wrapped = asyncio.wrap_future(done)
+        wrapped = done.wrap()
         try:
             loop = self.loop
             if self.private or loop is None:
