@@ -186,7 +186,38 @@ def test_torch_compile_records_the_expansion_op() -> None:
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(result, F.linear(x, dense, linear.bias))
-    assert any("torch.ops.t2n.opaque_tensor_expand" in code for code in graphs)
+    assert any("torch.ops.t2n.opaque_tensor_expand_named" in code for code in graphs)
+
+
+@pytest.mark.timeout(120)
+def test_torch_compile_of_a_model_with_several_opaque_weights_computes_each() -> None:
+    """Each weight's expansion runs in a frame resumed after a graph break: its token changes
+    from call to call of that frame, which dynamo would make a symbol (and fail to name the
+    tensor with) if it were an integer."""
+    torch.manual_seed(0)
+    layers = [nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4)]
+    dense = [layer.weight.detach().clone() for layer in layers]
+    model = nn.Sequential(layers[0], nn.ReLU(), layers[1], layers[2])
+    for layer, weight in zip(layers, dense, strict=True):
+        layer.weight = nn.Parameter(LazyTensor(weight), requires_grad=False)
+    graphs: list[str] = []
+
+    def capture(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(graph.code)
+        return graph.forward
+
+    x = _dense(3, 8)
+    hidden = F.relu(F.linear(x, dense[0], layers[0].bias))
+    expected = F.linear(F.linear(hidden, dense[1], layers[1].bias), dense[2], layers[2].bias)
+    try:
+        with torch.no_grad():
+            compiled = torch.compile(model, backend=capture)
+            first, second = compiled(x), compiled(x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)
+    assert sum(code.count("torch.ops.t2n.opaque_tensor_expand_named") for code in graphs) >= 3
 
 
 def test_set_refs_twice_leaves_references_in_place() -> None:

@@ -34,6 +34,7 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 from torch_to_nnef.tensor.utils import get_named_parameters
 
 __all__ = [
+    "COMPILED_OPAQUE_NAME",
     "OFFLOAD_STATE_KEY",
     "OpaqueTensor",
     "OpaqueTensorRef",
@@ -94,6 +95,25 @@ def _opaque_tensor_expand(token: int) -> torch.Tensor:
 def _opaque_tensor_expand_fake(token: int) -> torch.Tensor:
     shell = _traced_tensor(token)
     return torch.empty(tuple(shell.shape), dtype=shell.dtype, device=shell.device)
+
+
+COMPILED_OPAQUE_NAME = "t2n::opaque_tensor_expand_named"
+"""The custom op that records an expansion in ``torch.compile`` graphs: the token of
+:data:`IR_OPAQUE_NAME` as a string. Compiling turns an integer argument that changes between
+calls of the same code (each weight's expansion, in a frame resumed after a graph break) into
+a symbol, which cannot name a tensor; a string stays a constant that guards the compiled code."""
+
+
+@torch.library.custom_op(COMPILED_OPAQUE_NAME, mutates_args=())  # type: ignore[misc]
+def _opaque_tensor_expand_named(token: str) -> torch.Tensor:
+    value: torch.Tensor = _opaque_tensor_expand(int(token))
+    return value
+
+
+@_opaque_tensor_expand_named.register_fake  # type: ignore[misc]
+def _opaque_tensor_expand_named_fake(token: str) -> torch.Tensor:
+    shell: torch.Tensor = _opaque_tensor_expand_fake(int(token))
+    return shell
 
 
 def _is_tracing() -> bool:
@@ -214,12 +234,17 @@ class OpaqueTensor(torch.Tensor):
     def to_base_tensor(self) -> torch.Tensor:
         """Return the expanded value as a plain tensor (or as a nested opaque tensor).
 
-        While ``torch.jit.trace`` or ``torch.compile`` runs, the expansion goes through the
-        registered custom op ``t2n::opaque_tensor_expand`` so that the trace records it.
+        While ``torch.jit.trace`` runs, the expansion goes through the registered custom op
+        ``t2n::opaque_tensor_expand`` (an integer token) so that the trace records it; while
+        ``torch.compile`` runs, through ``t2n::opaque_tensor_expand_named`` (the same token
+        as a string, which compiled code guards on).
         """
-        if _is_tracing():
+        if torch._C._get_tracing_state() is not None:
             result: torch.Tensor = torch.ops.t2n.opaque_tensor_expand(_trace_token(self))
             return result
+        if torch.compiler.is_compiling():
+            named: torch.Tensor = torch.ops.t2n.opaque_tensor_expand_named(str(_trace_token(self)))
+            return named
         return self._to_base_tensor()
 
     def to_trace_tensor(self, device: str | torch.device | None) -> torch.Tensor:
