@@ -623,6 +623,44 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+def test_a_forked_child_waiting_for_a_load_its_parent_started_is_told_so(
+    tmp_path: Path,
+) -> None:
+    """A prefetch and a lease begun ahead in the parent, their load paused at the fork: in
+    the child, no thread would ever settle them, and waits for them say so at once."""
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
+        load.armed.set()
+        handle = pool.prefetch(ts[0])
+        assert load.paused.wait(30)
+        lease = pool.acquire(ts[1])
+        assert lease._begin()
+
+        def child() -> str:
+            async def awaited() -> None:
+                await handle
+
+            outcomes = []
+            for call in (handle.wait, lambda: asyncio.run(awaited()), lease.__enter__):
+                try:
+                    call()
+                    outcomes.append("returned")
+                except T2NErrorMisuse as error:
+                    outcomes.append("forked" if "forked" in str(error) else str(error))
+                except BaseException as error:
+                    outcomes.append(repr(error))
+            return ",".join(outcomes)
+
+        outcomes = in_forked_child(child)
+        load.go()
+        assert outcomes == ",".join(["forked"] * 3)
+        assert torch.equal(handle.wait(), torch.zeros(NUMEL))  # the parent serves on
+        with lease as value:
+            assert torch.equal(value, torch.zeros(NUMEL))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Path) -> None:
     """The fork comes while a worker of the parent's pool writes a changed value back (it
     holds the tensor's write lock, and reads wait for its end): in the child, which has no

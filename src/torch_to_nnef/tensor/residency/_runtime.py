@@ -754,10 +754,14 @@ class Runtime:
     def wait(self, done: Reply) -> Any:
         """Block until ``done`` is settled and return its result (a thread other than the
         loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
-        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds: the request would wait
-        forever. The caller abandons what the request holds, in order after it."""
+        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds, and at once in a forked
+        child (the threads that would settle ``done`` are its parent's): the request would
+        wait forever. The caller abandons what the request holds, in order after it."""
+        if done.done():
+            return done.result()
+        self._check_process()
         loop = self.loop
-        if self.private or loop is None or done.done():
+        if self.private or loop is None:
             return done.result()
         watch = _LoopWatch(loop)
         while True:
@@ -807,8 +811,11 @@ class Runtime:
         return result
 
     async def await_foreign(self, done: Reply, operation: Operation | None = None) -> Any:
-        """Await a completion from a loop other than the pool's. Cancelling the awaiting task
-        never cancels ``done``: the operation is abandoned in order instead."""
+        """Await a completion from a loop other than the pool's (refused in a forked child,
+        as :meth:`wait`). Cancelling the awaiting task never cancels ``done``: the operation
+        is abandoned in order instead."""
+        if not done.done():
+            self._check_process()
         wrapped = done.wrap()
         try:
             loop = self.loop
