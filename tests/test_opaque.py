@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -168,17 +169,23 @@ def test_tied_opaque_params_share_one_reference_and_one_expansion_token() -> Non
         torch.testing.assert_close(traced(x), expected)
 
 
+def _capturing_backend(graphs: list[str]) -> Callable[..., Any]:
+    """A ``torch.compile`` backend that runs each graph as it is, keeping its code in ``graphs``."""
+
+    def capture(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
+        graphs.append(graph.code)
+        return graph.forward
+
+    return capture
+
+
 @pytest.mark.timeout(60)
 def test_torch_compile_records_the_expansion_op() -> None:
     dense = _dense(6, 8)
     linear = nn.Linear(8, 6)
     linear.weight = nn.Parameter(LazyTensor(dense), requires_grad=False)
     graphs: list[str] = []
-
-    def capture(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        graphs.append(graph.code)
-        return graph.forward
-
+    capture = _capturing_backend(graphs)
     x = _dense(3, 8)
     try:
         with torch.no_grad():
@@ -201,11 +208,7 @@ def test_torch_compile_of_a_model_with_several_opaque_weights_computes_each() ->
     for layer, weight in zip(layers, dense, strict=True):
         layer.weight = nn.Parameter(LazyTensor(weight), requires_grad=False)
     graphs: list[str] = []
-
-    def capture(graph: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Any:
-        graphs.append(graph.code)
-        return graph.forward
-
+    capture = _capturing_backend(graphs)
     x = _dense(3, 8)
     hidden = F.relu(F.linear(x, dense[0], layers[0].bias))
     expected = F.linear(F.linear(hidden, dense[1], layers[1].bias), dense[2], layers[2].bias)

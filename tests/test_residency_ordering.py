@@ -592,6 +592,21 @@ def test_a_dropped_pool_whose_write_back_fails_says_so_and_stops(
 # ---------------------------------------------------------------------------------------------
 # 10. A fork after the pool started
 # ---------------------------------------------------------------------------------------------
+def _outcomes(*calls: Callable[[], object]) -> str:
+    """What each call did, in a forked child: "forked" when it refused to use the parent's
+    pool, "returned", or the error."""
+    outcomes = []
+    for call in calls:
+        try:
+            call()
+            outcomes.append("returned")
+        except T2NErrorMisuse as error:
+            outcomes.append("forked" if "forked" in str(error) else str(error))
+        except BaseException as error:
+            outcomes.append(repr(error))
+    return ",".join(outcomes)
+
+
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
     ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
@@ -599,22 +614,13 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
         pool.resolve(ts[0])
 
         def child() -> str:
-            outcomes = []
-            for call in (
+            return _outcomes(
                 lambda: pool.resolve(ts[0]),  # resident in the parent
                 lambda: pool.resolve(ts[1]),
                 lambda: pool.acquire(ts[0]).__enter__(),
                 lambda: pool.prefetch(ts[0]),
                 pool.close,
-            ):
-                try:
-                    call()
-                    outcomes.append("returned")
-                except T2NErrorMisuse as error:
-                    outcomes.append("forked" if "forked" in str(error) else str(error))
-                except BaseException as error:
-                    outcomes.append(repr(error))
-            return ",".join(outcomes)
+            )
 
         with pool._actor.lock:  # as a thread of the pool may hold it at the fork
             outcomes = in_forked_child(child)
@@ -641,16 +647,7 @@ def test_a_forked_child_waiting_for_a_load_its_parent_started_is_told_so(
             async def awaited() -> None:
                 await handle
 
-            outcomes = []
-            for call in (handle.wait, lambda: asyncio.run(awaited()), lease.__enter__):
-                try:
-                    call()
-                    outcomes.append("returned")
-                except T2NErrorMisuse as error:
-                    outcomes.append("forked" if "forked" in str(error) else str(error))
-                except BaseException as error:
-                    outcomes.append(repr(error))
-            return ",".join(outcomes)
+            return _outcomes(handle.wait, lambda: asyncio.run(awaited()), lease.__enter__)
 
         outcomes = in_forked_child(child)
         load.go()
