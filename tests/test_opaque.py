@@ -3,8 +3,12 @@
 from __future__ import annotations
 
 import gc
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -221,6 +225,42 @@ def test_torch_compile_of_a_model_with_several_opaque_weights_computes_each() ->
     torch.testing.assert_close(first, expected)
     torch.testing.assert_close(second, expected)
     assert sum(code.count("torch.ops.t2n.opaque_tensor_expand_named") for code in graphs) >= 3
+
+
+_COMPILE_IN_A_FRESH_PROCESS = """
+import sys, tempfile, torch
+from torch_to_nnef.tensor import OffloadedTensor
+out_features, in_features = int(sys.argv[1]), int(sys.argv[2])
+linear = torch.nn.Linear(in_features, out_features)
+weight = linear.weight.detach().clone()
+offloaded = OffloadedTensor.from_original_tensor(weight, "w", offload_dir=tempfile.mkdtemp())
+linear.weight = torch.nn.Parameter(offloaded, requires_grad=False)
+x = torch.randn(2, in_features)
+with torch.no_grad():
+    out = torch.compile(linear)(x)
+torch.testing.assert_close(out, torch.nn.functional.linear(x, weight, linear.bias))
+print("computed")
+"""
+
+
+@pytest.mark.timeout(300)
+def test_inductors_cache_never_serves_a_graph_compiled_for_another_processs_tensor(
+    tmp_path: Path,
+) -> None:
+    """Inductor caches compiled graphs on disk, keyed by their code. Two processes whose first
+    opaque weights (the same token number) differ in shape compile the same code: the second
+    must not be served the first one's graph (it asserted the first one's shape)."""
+    environment = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}
+    for shape in (("8", "8"), ("16", "32")):
+        done = subprocess.run(
+            [sys.executable, "-c", _COMPILE_IN_A_FRESH_PROCESS, *shape],
+            capture_output=True,
+            text=True,
+            env=environment,
+            timeout=240,
+            check=False,
+        )
+        assert done.stdout.strip() == "computed", done.stderr[-2000:]
 
 
 def test_set_refs_twice_leaves_references_in_place() -> None:

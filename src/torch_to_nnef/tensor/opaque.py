@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import secrets
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -99,19 +100,33 @@ def _opaque_tensor_expand_fake(token: int) -> torch.Tensor:
 
 COMPILED_OPAQUE_NAME = "t2n::opaque_tensor_expand_named"
 """The custom op that records an expansion in ``torch.compile`` graphs: the token of
-:data:`IR_OPAQUE_NAME` as a string. Compiling turns an integer argument that changes between
-calls of the same code (each weight's expansion, in a frame resumed after a graph break) into
-a symbol, which cannot name a tensor; a string stays a constant that guards the compiled code."""
+:data:`IR_OPAQUE_NAME` as a string, and a tag of the process. Compiling turns an integer
+argument that changes between calls of the same code (each weight's expansion, in a frame
+resumed after a graph break) into a symbol, which cannot name a tensor; a string stays a
+constant that guards the compiled code. Inductor's on-disk cache keys compiled graphs by their
+code: the tag keeps it from serving a graph compiled in another process, where the same number
+named another tensor."""
+
+
+def _new_process_tag() -> None:
+    global _PROCESS_TAG
+    _PROCESS_TAG = f"{os.getpid():x}-{secrets.token_hex(8)}"
+
+
+_PROCESS_TAG = ""
+_new_process_tag()
+if hasattr(os, "register_at_fork"):  # a forked child counts on from where its parent was
+    os.register_at_fork(after_in_child=_new_process_tag)
 
 
 @torch.library.custom_op(COMPILED_OPAQUE_NAME, mutates_args=())  # type: ignore[misc]
-def _opaque_tensor_expand_named(token: str) -> torch.Tensor:
+def _opaque_tensor_expand_named(process: str, token: str) -> torch.Tensor:
     value: torch.Tensor = _opaque_tensor_expand(int(token))
     return value
 
 
 @_opaque_tensor_expand_named.register_fake  # type: ignore[misc]
-def _opaque_tensor_expand_named_fake(token: str) -> torch.Tensor:
+def _opaque_tensor_expand_named_fake(process: str, token: str) -> torch.Tensor:
     shell: torch.Tensor = _opaque_tensor_expand_fake(int(token))
     return shell
 
@@ -237,13 +252,14 @@ class OpaqueTensor(torch.Tensor):
         While ``torch.jit.trace`` runs, the expansion goes through the registered custom op
         ``t2n::opaque_tensor_expand`` (an integer token) so that the trace records it; while
         ``torch.compile`` runs, through ``t2n::opaque_tensor_expand_named`` (the same token
-        as a string, which compiled code guards on).
+        as a string, which compiled code guards on, and a tag of the process).
         """
         if torch._C._get_tracing_state() is not None:
             result: torch.Tensor = torch.ops.t2n.opaque_tensor_expand(_trace_token(self))
             return result
         if torch.compiler.is_compiling():
-            named: torch.Tensor = torch.ops.t2n.opaque_tensor_expand_named(str(_trace_token(self)))
+            token = str(_trace_token(self))
+            named: torch.Tensor = torch.ops.t2n.opaque_tensor_expand_named(_PROCESS_TAG, token)
             return named
         return self._to_base_tensor()
 
