@@ -211,8 +211,9 @@ def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
 
 
 class Reply:
-    """The completion of a request made from a thread other than the loop's, or from another
-    loop: what the driver settles for the sync face, ``start`` and the handles built on it.
+    """The completion the driver settles for everything but a task of the pool's loop: the
+    sync face (from any thread), ``start`` and the handles built on it, awaits from another
+    loop, the close of a collected pool.
 
     Its waiter blocks in the C ``acquire`` of a lock that settling it releases, and runs no
     Python code that holds a lock: Ctrl-C cannot cut it in a bad place. The wait of a
