@@ -53,6 +53,9 @@ class PoolSource:
       superseded it, blocking, on a worker; returns its version as ``owner`` sees it, or
       ``None``; the announcement ends whatever happens) or by ``_end_write()`` when it never
       started.
+    - ``_reads_rows_on_demand(device)``: whether an embedding lookup in the tensor, its value
+      wanted on ``device``, reads only the rows it gathers, without a load (a module stream
+      then leaves the table out of what it reads ahead).
     """
 
     __slots__ = ()
@@ -89,6 +92,9 @@ class PoolSource:
     def _host_buffers(self, value: torch.Tensor) -> dict[str, torch.Tensor] | None:
         raise NotImplementedError
 
+    def _reads_rows_on_demand(self, device: torch.device) -> bool:
+        raise NotImplementedError
+
     def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
         raise NotImplementedError
 
@@ -110,6 +116,10 @@ class ScopePool(Protocol):
 
     def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:
         """The value of ``source`` for a read (on ``device``, else its target device)."""
+
+    def _scope_held(self, source: PoolSource, device: torch.device) -> torch.Tensor | None:
+        """The value of ``source`` on ``device`` when the pool holds it or is loading it (for
+        a read of a few of its rows), else ``None``: the pool loads nothing for it."""
 
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> _LeaseLike:
         """A ``read_write`` lease on ``source``'s value, for an in-place op."""

@@ -477,6 +477,19 @@ def _apply_to_running_stats(
     return run({}, written)
 
 
+def _looked_up_table(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> OffloadedTensor | None:
+    """The offloaded table of an embedding lookup (``F.embedding``), which reads only the rows
+    it gathers; ``None`` for any other op, and for a lookup with ``max_norm`` (it renormalizes
+    the rows in the table)."""
+    if func is not torch.nn.functional.embedding:
+        return None
+    table = args[1] if len(args) > 1 else kwargs.get("weight")
+    max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
+    return table if isinstance(table, OffloadedTensor) and max_norm is None else None
+
+
 def _is_view_of_a_value(result: Any) -> bool:
     """Whether an op's ``result`` holds a view (of an argument's value, served by a pool)."""
     if isinstance(result, torch.Tensor):
@@ -1016,6 +1029,29 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         count_load_outside_scopes()
         return storage.handoff(self._reload_unmanaged(wanted))
 
+    def _rows_value(self) -> torch.Tensor | None:
+        """The value for an op that reads a few of its rows (an embedding lookup), where that
+        costs less than a load: a CPU value of a mapped payload is mapped without reading
+        anything, and the op's reads fault in the pages of the rows it gathers (one token's
+        row of a 131 MB table is a few KiB). Inside a residency scope, a value that the pool
+        holds, or is loading, is taken from the pool, and nothing else goes into it.
+
+        Returns ``None`` where the value is loaded as usual (:meth:`reload`): an opaque or
+        small payload, a device other than the CPU, mapped reads switched off, under
+        ``torch.compile``.
+        """
+        scope = active_tensor_residency()
+        device = self.device if scope is None or scope[1] is None else scope[1]
+        if not self._reads_rows_on_demand(device) or torch.compiler.is_compiling():
+            return None
+        if scope is not None:
+            held = scope[0]._scope_held(self, device)
+            if held is not None:
+                return held
+        else:
+            count_load_outside_scopes()
+        return self._reload_unmanaged(device, on_demand=True)
+
     def write_qtensor_in_file(
         self, dirpath: PathLike, label: str, inference_target: Any = None
     ) -> bool:
@@ -1053,8 +1089,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             _GC_REQUEST.pending = True
         return self.reload()
 
+    def _reads_rows_on_demand(self, device: torch.device) -> bool:
+        """Whether :meth:`_rows_value` maps the value for ``device`` (see there)."""
+        return (
+            device.type == "cpu"
+            and not self._binding.opaque
+            and self.payload_nbytes >= storage.MAPPED_MIN_BYTES
+            and storage.mapped_reads()
+        )
+
     def _reload_unmanaged(
-        self, device: DeviceLike | None = None, out: Mapping[str, torch.Tensor] | None = None
+        self,
+        device: DeviceLike | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        on_demand: bool = False,
     ) -> torch.Tensor:
         """Read the value from the file and bring it to ``device`` (blocking; no pool).
 
@@ -1066,6 +1114,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             out: host buffers to read into, by logical entry name (as in :attr:`storage_key`);
                 when ``None``, a plain value for the CPU maps the file (see
                 ``storage.set_mapped_reads``), other values get new buffers.
+            on_demand: a mapping reads no page before the value is read, then only the pages
+                read (``storage.load_payload``).
         """
         target = self.device if device is None else _canonical_device(device)
         self._wait_announced_writes()
@@ -1086,6 +1136,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     out=targets,
                     names=binding.file_names,
                     mapped=None if targets is None and not binding.opaque else False,
+                    on_demand=on_demand,
                 )
             except T2NErrorStorage:
                 attempt += 1
@@ -1517,6 +1568,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             )
         elif written := _running_stats_written(func, args, kwargs):
             result = _apply_to_running_stats(func, args, kwargs, written)
+        elif (table := _looked_up_table(func, args, kwargs)) is not None and (
+            rows := table._rows_value()
+        ) is not None:
+            args = tuple(rows if argument is table else argument for argument in args)
+            kwargs = {key: rows if value is table else value for key, value in kwargs.items()}
+            result = super().__torch_function__(func, types, args, kwargs)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
             scope = active_tensor_residency()

@@ -315,6 +315,17 @@ class TensorResidencyPool(Uncopyable):
             if held is not None:
                 read_ahead.let_go(held)
 
+    def _scope_held(self, source: PoolSource, device: torch.device) -> torch.Tensor | None:
+        """The value of ``source`` on ``device`` for a read of a few of its rows, when the pool
+        holds it or is loading it (a hit, or a wait); ``None`` otherwise, and nothing is
+        loaded (what tensors call)."""
+        slot = self._actor.fresh_slot(source, device)
+        if slot is None or not slot.open:
+            entry = self._actor.entries.get(id(source))  # read without the actor: a hint
+            if entry is None or entry.load is None:
+                return None
+        return self._scope_resolve(source, device)
+
     def _scope_aliased(self, source: PoolSource) -> None:
         """An op of the scope returned a view of ``source``'s value (what tensors call)."""
         self._actor.note_alias(source)

@@ -29,11 +29,35 @@ __all__ = ["ModuleStream", "stream_modules"]
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
 
-def _offloaded_tensors(module: torch.nn.Module) -> list[OffloadedTensor]:
+def _offloaded_tensors(
+    module: torch.nn.Module, device: torch.device | None
+) -> list[OffloadedTensor]:
+    """The offloaded parameters and buffers of ``module`` that its forward reads whole.
+
+    The table of an embedding (``nn.Embedding`` without ``max_norm``) is left out where a
+    lookup reads only the rows it gathers (``_reads_rows_on_demand``, for ``device`` or the
+    table's target device), unless another module holds it too (a tied output layer).
+    """
+    tables: set[int] = set()
+    whole: set[int] = set()
+    for submodule in module.modules():
+        for table in (submodule._parameters, submodule._buffers):
+            for name, tensor in table.items():
+                looked_up = (
+                    isinstance(submodule, torch.nn.Embedding)
+                    and submodule.max_norm is None
+                    and name == "weight"
+                )
+                (tables if looked_up else whole).add(id(tensor))
     found: dict[int, OffloadedTensor] = {}
     for tensor in [*module.parameters(), *module.buffers()]:
-        if isinstance(tensor, PoolSource):
-            found.setdefault(id(tensor), cast("OffloadedTensor", tensor))
+        if not isinstance(tensor, PoolSource):
+            continue
+        key = id(tensor)
+        looked_up = key in tables and key not in whole
+        if looked_up and tensor._reads_rows_on_demand(device or tensor.target_device):
+            continue
+        found.setdefault(key, cast("OffloadedTensor", tensor))
     return list(found.values())
 
 
@@ -173,7 +197,9 @@ class ModuleStream(Uncopyable):
         pool: the pool given at creation.
         depth: the prefetch depth given at creation.
         device: the delivery device given at creation.
-        groups: the offloaded parameters and buffers of each module, in module order.
+        groups: the offloaded parameters and buffers of each module, in module order; an
+            embedding's table whose lookups read only their rows is not among them (it is
+            never read whole for a lookup, so not read ahead).
     """
 
     _why_not_copied = (
@@ -200,7 +226,7 @@ class ModuleStream(Uncopyable):
         # Resolved here, in the caller's thread: the hooks run in the thread of each forward,
         # whose current CUDA device may be another.
         self.device = None if device is None else storage.resolve_device(device)
-        self.groups = [_offloaded_tensors(m) for m in modules]
+        self.groups = [_offloaded_tensors(m, self.device) for m in modules]
         self._running_stats = _running_stats(modules)
         self._places = [_places(m, g) for m, g in zip(modules, self.groups, strict=True)]
         # The places that hold a value in place of their tensor now, and that value.

@@ -19,6 +19,7 @@ import sys
 MADV_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22)  # Linux >= 5.14
 MADV_HUGEPAGE = getattr(mmap, "MADV_HUGEPAGE", 14)
 MADV_WILLNEED = getattr(mmap, "MADV_WILLNEED", 3)
+MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 MAP_FIXED = 0x10  # Linux, every architecture
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux, x86 and arm64
 _MAP_FAILED = ctypes.c_void_p(-1).value

@@ -48,6 +48,7 @@ import os
 import time
 import weakref
 from collections.abc import Iterable, Mapping
+from typing import Literal
 
 import torch
 
@@ -103,6 +104,12 @@ def set_mapped_reads(enabled: bool) -> bool:
 
 
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE  # private: writes copy the page
+
+Faulting = Literal["populate", "readahead", "on_demand"]
+"""How the pages of a new mapping come in: all at once where it is made (``populate``); read
+ahead in the background, faulted in where first read (``readahead``); or only where read, one
+page at a time, nothing read ahead (``on_demand``: a lookup of a few rows of a large table
+reads those rows and no more)."""
 _PAGE = mmap.ALLOCATIONGRANULARITY
 
 
@@ -136,11 +143,12 @@ def map_payload(
         T2NErrorStorage: the file is missing, changed since ``layout`` was read, shorter
             than its layout says, or cannot be mapped; or it lacks a requested entry.
     """
-    return _map_entries(layout, select_entries(layout, names), populate)
+    faulting: Faulting = "populate" if populate else "readahead"
+    return _map_entries(layout, select_entries(layout, names), faulting)
 
 
 def _map_entries(
-    layout: PayloadLayout, specs: list[EntrySpec], populate: bool
+    layout: PayloadLayout, specs: list[EntrySpec], faulting: Faulting
 ) -> dict[str, torch.Tensor]:
     """:func:`map_payload` of the entries ``specs`` of ``layout``."""
     present = [spec for spec in specs if spec.nbytes]
@@ -155,7 +163,7 @@ def _map_entries(
                 f"{start + length} its entries need (truncated file)"
             )
         start, length = _whole_huge_pages(start, length, file_size)
-        region, shift = _map_refolding(kept, start, length, populate, file_size)
+        region, shift = _map_refolding(kept, start, length, faulting, file_size)
     except OSError as exc:
         raise T2NErrorStorage(
             f"cannot map payload file '{layout.path}': {os_error_message(exc)}{_remedy(exc)}"
@@ -188,7 +196,7 @@ def _remedy(error: OSError) -> str:
 
 
 def _map_refolding(
-    kept: Kept, start: int, length: int, populate: bool, file_size: int
+    kept: Kept, start: int, length: int, faulting: Faulting, file_size: int
 ) -> tuple[mmap.mmap | memoryview, int]:
     """:func:`_map`; a large region whose populate took the CPU time of small page cache
     folios is unmapped, evicted and mapped again, once: read in huge folios (``_folios``)."""
@@ -198,12 +206,12 @@ def _map_refolding(
         kernel is None
         or huge == 0
         or length < huge
-        or not populate
+        or faulting != "populate"
         or not hasattr(os, "posix_fadvise")
     ):
-        return _map(kept.fd, start, length, populate)
+        return _map(kept.fd, start, length, faulting)
     began = time.thread_time_ns()
-    mapped = _map(kept.fd, start, length, populate)
+    mapped = _map(kept.fd, start, length, faulting)
     spent = time.thread_time_ns() - began
     # Only a populate's time tells the folios apart (asked after the call: the kernel may
     # have just refused it); readahead costs what the disk costs.
@@ -214,7 +222,7 @@ def _map_refolding(
         return mapped
     del mapped  # no tensor uses the mapping yet: unmapped here
     evict(kept.fd, start, length, huge, file_size)
-    return _map(kept.fd, start, length, populate)
+    return _map(kept.fd, start, length, faulting)
 
 
 _WIDEN_AT_MOST = 2  # an end of a region is widened by at most 1/2 of a huge page
@@ -291,8 +299,11 @@ def _whole_huge_pages(start: int, length: int, file_size: int) -> tuple[int, int
     return start, end - start
 
 
-def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | memoryview, int]:
-    """Map ``length`` bytes of ``fd`` from ``start`` (private), populated or read ahead.
+def _map(
+    fd: int, start: int, length: int, faulting: Faulting
+) -> tuple[mmap.mmap | memoryview, int]:
+    """Map ``length`` bytes of ``fd`` from ``start`` (private), its pages faulted in as
+    ``faulting`` says.
 
     Returns the mapping (a buffer whose last export unmaps it) and where the file region
     starts in it. A region of a huge page or more must start at an address congruent to
@@ -302,17 +313,19 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | 
     first such address (the reservation's range is unmapped whole). No
     ``POSIX_FADV_WILLNEED`` precedes a large region: that readahead would fill the page
     cache with small folios, where populating the ``MADV_HUGEPAGE`` mapping reads huge ones.
+    An ``on_demand`` mapping gets ``MADV_RANDOM`` instead: a fault reads its page only.
     """
     kernel = _kernel.KERNEL
+    on_demand = faulting == "on_demand"
     if kernel is None:
-        if hasattr(os, "posix_fadvise"):  # one large readahead rather than one per fault
+        if hasattr(os, "posix_fadvise") and not on_demand:  # one readahead, not one per fault
             os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
         mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
-        _advise_without_kernel(mapping, populate)
+        _advise_without_kernel(mapping, faulting)
         return mapping, 0
     huge = kernel.huge_page
     large = huge != 0 and length >= huge
-    if not large and hasattr(os, "posix_fadvise"):
+    if not large and hasattr(os, "posix_fadvise") and not on_demand:
         os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
     address = kernel.map(None, length, _PROT, mmap.MAP_PRIVATE, fd, start)
     base, span = address, length
@@ -331,9 +344,12 @@ def _map(fd: int, start: int, length: int, populate: bool) -> tuple[mmap.mmap | 
     except BaseException:
         kernel.munmap(base, span)
         raise
-    if large:  # refused where transparent huge pages are off: no matter
-        kernel.madvise(address, length, _kernel.MADV_HUGEPAGE)
-    kernel.advise(address, length, populate)
+    if on_demand:
+        kernel.madvise(address, length, _kernel.MADV_RANDOM)
+    else:
+        if large:  # refused where transparent huge pages are off: no matter
+            kernel.madvise(address, length, _kernel.MADV_HUGEPAGE)
+        kernel.advise(address, length, faulting == "populate")
     return region, address - base
 
 
@@ -343,9 +359,13 @@ def _reserve(kernel: _kernel.Kernel, length: int) -> int:
     return kernel.map(None, length, _PROT, flags, -1, 0)
 
 
-def _advise_without_kernel(region: mmap.mmap, populate: bool) -> None:
-    """Populate or read ahead through ``mmap.madvise`` (platforms without ``Kernel``)."""
-    if populate:
+def _advise_without_kernel(region: mmap.mmap, faulting: Faulting) -> None:
+    """Advise the kernel through ``mmap.madvise`` (platforms without ``Kernel``)."""
+    if faulting == "on_demand":
+        if hasattr(mmap, "MADV_RANDOM"):
+            region.madvise(mmap.MADV_RANDOM)
+        return
+    if faulting == "populate":
         try:
             region.madvise(_kernel.MADV_POPULATE_READ)
             return
@@ -385,6 +405,7 @@ def load_payload(
     names: Iterable[str] | None = None,
     out: Mapping[str, torch.Tensor] | None = None,
     mapped: bool | None = None,
+    on_demand: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Entries of a payload file as CPU tensors, mapped or read, whichever is asked or faster.
 
@@ -397,6 +418,8 @@ def load_payload(
         out: buffers to read into when reading (ignored when mapping).
         mapped: map (:func:`map_payload`) or read (``read_payload``); ``None``: as
             :func:`mapped_reads` and the size say.
+        on_demand: a mapping reads only the pages that are read (see :data:`Faulting`),
+            nothing when it is made; for a value of which only a few rows will be read.
 
     Raises:
         T2NErrorStorage: see :func:`map_payload` and ``read_payload``.
@@ -408,4 +431,4 @@ def load_payload(
     specs = select_entries(layout, names)
     if mapped is None and sum(spec.nbytes for spec in specs) < MAPPED_MIN_BYTES:
         return read_payload(layout, out=out, names=names)
-    return _map_entries(layout, specs, populate=True)
+    return _map_entries(layout, specs, "on_demand" if on_demand else "populate")
