@@ -857,6 +857,36 @@ def test_a_read_during_a_second_read_write_lease_sees_the_first_change_only(
 
 
 @pytest.mark.timeout(60)
+def test_a_read_copying_the_first_change_as_a_second_lease_enters_copies_it_whole(
+    tmp_path: Path,
+) -> None:
+    """A read outside the pool has taken the first change (unsaved) and is about to copy it
+    when another thread enters a second read_write lease on that value: the lease waits for
+    the copy, so the read returns the first change, never the second's changes under way."""
+    from torch_to_nnef.tensor.offload import _tensor
+
+    t = OffloadedTensor.from_original_tensor(torch.zeros(BIG), "t", tmp_path)
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)
+        read: list[torch.Tensor] = []
+        with paused_in_new_threads(_tensor._copy_of.__code__, on="call") as copy:
+            copy.armed.set()
+            reader = threading.Thread(target=lambda: read.append(t.reload()))
+            reader.start()
+            assert copy.paused.wait(30)
+            resume = threading.Timer(0.3, copy.go)
+            resume.start()
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+                reader.join(30)
+                assert torch.equal(read[0], torch.ones(BIG))
+            resume.join()
+        assert torch.equal(t.reload(), torch.full((BIG,), 2.0))
+    assert torch.equal(on_disk(t), torch.full((BIG,), 2.0))
+
+
+@pytest.mark.timeout(60)
 def test_another_pool_reads_the_first_change_while_a_second_lease_runs(tmp_path: Path) -> None:
     """The same through another pool, and with the second lease's change kept: the other pool
     sees the first change while the lease runs, the second change once it ended."""

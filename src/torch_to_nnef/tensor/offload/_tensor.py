@@ -1119,9 +1119,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         target = self.device if device is None else _canonical_device(device)
         self._wait_announced_writes()
-        unsaved = self._latest_unsaved()
+        unsaved = self._unsaved_copy(target)
         if unsaved is not None:
-            return _copy_of(unsaved, target)
+            return unsaved
         attempt = 0
         while True:
             binding = self._binding
@@ -1156,6 +1156,17 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """The value a pool changed and has not written yet, when it is the latest write."""
         unsaved = self._unsaved
         return None if unsaved is None else unsaved[2]
+
+    def _unsaved_copy(self, device: torch.device) -> torch.Tensor | None:
+        """A copy on ``device`` of :meth:`_latest_unsaved`, or ``None``.
+
+        Copied under the lock that :meth:`_shelter_unsaved` takes to swap the value for its
+        copy: a ``read_write`` lease entering on the value waits for this copy to end before
+        it changes anything, so the copy never holds part of its change.
+        """
+        with self._pending_lock:
+            unsaved = self._unsaved
+            return None if unsaved is None else _copy_of(unsaved[2], device)
 
     def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
         """The pool ``owner`` changed its value, read at ``version`` as it sees it (a
