@@ -306,6 +306,30 @@ def test_a_load_awaited_from_a_loop_closed_before_it_ended_serves_its_other_wait
     assert "failed" not in caplog.text
 
 
+def test_awaits_of_a_handle_that_time_out_leave_nothing_behind_on_it(tmp_path: Path) -> None:
+    """A loop polls a prefetch handle with short timeouts while its load is paused: each
+    given-up await takes back what it hung on the load's completion, so polling for as long
+    as a load lasts does not grow the memory it holds."""
+    big = _tensor(tmp_path, "big", numel=BIG)
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
+        load.armed.set()
+        handle = pool.prefetch(big)
+        assert load.paused.wait(30)
+
+        async def polls() -> int:
+            for _ in range(300):
+                with pytest.raises(TimeoutError):
+                    await asyncio.wait_for(handle, 0.0001)
+            await asyncio.sleep(0)  # the cancelled awaits' callbacks run
+            return len(handle._future._callbacks or ())
+
+        assert asyncio.run(polls()) == 0
+        load.go()
+        assert torch.equal(handle.wait(), torch.zeros(BIG))
+        check_invariants(pool)
+
+
 # ---------------------------------------------------------------------------------------------
 # 9. Blocking calls from another thread while `async with pool` exits
 # ---------------------------------------------------------------------------------------------

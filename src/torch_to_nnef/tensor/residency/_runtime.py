@@ -272,6 +272,12 @@ class Reply:
                 return
         callback(self)
 
+    def remove_done_callback(self, callback: Callable[[Reply], None]) -> None:
+        """Forget ``callback`` if it was added and has not run."""
+        with _REPLY_CALLBACKS:
+            if self._callbacks is not None and callback in self._callbacks:
+                self._callbacks = [added for added in self._callbacks if added is not callback]
+
     def result(self, timeout: float | None = None) -> Any:
         """The result once settled, waiting ``timeout`` seconds at most (``None``: for as
         long as it takes), or raise the error; ``TimeoutError`` when it is not settled by
@@ -292,7 +298,8 @@ class Reply:
 
     def wrap(self) -> asyncio.Future[Any]:
         """An ``asyncio.Future`` of the running loop settled as this reply is (the
-        ``asyncio.wrap_future`` of a reply). Cancelling it leaves the reply alone."""
+        ``asyncio.wrap_future`` of a reply). Cancelling it leaves the reply alone, but for
+        the callback that would have settled it."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -308,7 +315,12 @@ class Reply:
             with contextlib.suppress(RuntimeError):  # that loop closed: nobody awaits it
                 loop.call_soon_threadsafe(copy)
 
+        def forget(_: asyncio.Future[Any]) -> None:
+            if future.cancelled():
+                self.remove_done_callback(settled)
+
         self.add_done_callback(settled)
+        future.add_done_callback(forget)
         return future
 
 
@@ -829,7 +841,10 @@ class Runtime:
                     return wrapped.result()
                 watch.look()
         except BaseException:
-            wrapped.add_done_callback(_consume)
+            if wrapped.get_loop().is_closed():
+                pass  # a coroutine closed after its loop: nothing runs there any more
+            elif not wrapped.cancel():  # settled: its error, if any, was never retrieved
+                wrapped.add_done_callback(_consume)
             if operation is not None:
                 self.notify(operation.abandon)
             raise
