@@ -881,6 +881,49 @@ def test_private_directory_lives_as_long_as_its_tensors(weight: torch.Tensor) ->
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_forked_childs_writes_leave_its_parents_values_and_files_alone(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    """Writes in a forked child (a direct write, a pool's write-back, a dtype change) go to
+    files of its own, as its memory is its own: the parent's tensors keep their values and
+    their files, byte for byte."""
+    from torch_to_nnef.tensor import TensorResidencyPool
+
+    tensors = [
+        OffloadedTensor.from_original_tensor(weight, "owned", tmp_path),
+        OffloadedTensor.from_original_tensor(weight, "private"),  # the private directory
+        OffloadedTensor.from_original_tensor(weight, "pooled", tmp_path),
+        OffloadedTensor.from_original_tensor(weight, "cast", tmp_path),
+    ]
+    files = {t.offload_path: t.offload_path.read_bytes() for t in tensors}
+
+    def child() -> str:
+        owned, private, pooled, cast = tensors
+        owned.add_(1.0)
+        private[0] = 5.0
+        with TensorResidencyPool() as pool, pool.acquire(pooled, mode="read_write") as value:
+            value.mul_(2.0)
+        cast.data = cast.to(torch.float16)
+        changed = weight.clone()
+        changed[0] = 5.0
+        return repr(
+            [
+                bool(torch.equal(owned.reload(), weight + 1.0)),
+                bool(torch.equal(private.reload(), changed)),
+                bool(torch.equal(pooled.reload(), weight * 2.0)),
+                cast.reload().dtype == torch.float16,
+                all(t.offload_path not in files for t in tensors),
+            ]
+        )
+
+    assert in_forked_child(child) == "[True, True, True, True, True]"
+    for tensor in tensors:
+        assert torch.equal(tensor.reload(), weight)
+    assert {path: path.read_bytes() for path in files} == files
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_never_removes_its_parents_files(
     weight: torch.Tensor, tmp_path: Path
 ) -> None:

@@ -94,12 +94,13 @@ def _outdated(binding: _Binding, out: Mapping[str, torch.Tensor]) -> bool:
 class _OwnedFile:
     """A payload file belonging to one tensor: removed when the last reference goes away."""
 
-    __slots__ = ("__weakref__", "_keepalive", "path")
+    __slots__ = ("__weakref__", "_keepalive", "creator", "path")
 
     def __init__(self, path: Path, keepalive: object = None) -> None:
         self.path = path
+        self.creator = os.getpid()  # a forked child writes files of its own
         self._keepalive = keepalive  # the private directory holding the file, if any
-        weakref.finalize(self, _remove_file, path, os.getpid())
+        weakref.finalize(self, _remove_file, path, self.creator)
 
 
 class _PrivateDir:
@@ -1331,7 +1332,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         rename to the end of the switch, Ctrl-C is held (raised once the switch is done): a
         tensor never points at a replaced file."""
         binding = self._binding
-        if binding.owned is not None:
+        if binding.owned is not None and binding.owned.creator == os.getpid():
             path, owned = binding.owned.path, binding.owned
         else:
             path, owned = self._copy_on_write_path()
@@ -1365,7 +1366,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
-        """A new owned file for a tensor that read its value from a checkpoint."""
+        """A new owned file for a tensor that read its value from a checkpoint, or from a
+        file of the process it was forked from (the parent's tensor goes on reading that
+        file: the child's file gets a storage id of its own)."""
+        owned = self._binding.owned
+        if owned is not None and owned.creator != os.getpid():
+            self.storage_id = _new_storage_id()
         directory, private = _resolve_dir(self.offload_dir)
         path = storage.payload_path(directory, self._name, self.storage_id)
         if path.exists():
