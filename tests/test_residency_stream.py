@@ -179,9 +179,10 @@ def test_a_forward_after_the_pool_closed_fails_clearly(tmp_path: Path) -> None:
     with stream_modules(pool, model.blocks, depth=1):
         model(torch.randn(2, WIDTH))
         pool.close()
-        with pytest.raises(T2NErrorMisuse, match="closed"):
+        with pytest.raises(T2NErrorMisuse, match=r"streamed .* closed: close the stream"):
             model(torch.randn(2, WIDTH))
     assert pool.closed
+    model(torch.randn(2, WIDTH))  # the stream closed: the tensors load from their files
 
 
 @pytest.mark.parametrize("depth", [0, 2])

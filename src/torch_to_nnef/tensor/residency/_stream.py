@@ -317,6 +317,12 @@ class ModuleStream(Uncopyable):
     def _pre_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
             pool = self.pool
+            if pool.closed:
+                raise T2NErrorMisuse(
+                    "this module is streamed (stream_modules) through a TensorResidencyPool "
+                    "that is closed: close the stream (leave its `with` block) to run the "
+                    "model without the pool, or stream it through a new pool"
+                )
             state = self._state()
             held, begun = state.held, state.begun
             if index <= state.last and not any(held.values()):
