@@ -15,6 +15,7 @@ import signal
 import stat as stat_module
 import sys
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -924,6 +925,33 @@ def test_a_forked_childs_writes_leave_its_parents_values_and_files_alone(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_forked_childs_read_after_its_parent_wrote_says_so(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    """The parent writes a tensor after the fork: its file is replaced, and the child, whose
+    copy of the tensor still names the file as it was, is told why it cannot read it."""
+    tensor = OffloadedTensor.from_original_tensor(weight, "w", tmp_path)
+    before = tensor.offload_path.stat().st_ino
+    writer = threading.Timer(0.3, tensor.add_, (1.0,))
+
+    def child() -> str:
+        deadline = time.monotonic() + 20
+        while tensor.offload_path.stat().st_ino == before and time.monotonic() < deadline:
+            time.sleep(0.01)
+        tensor.reload()
+        return "read"
+
+    writer.start()
+    try:
+        report = in_forked_child(child)
+    finally:
+        writer.join()
+    assert "'w' cannot be read: the process this one was forked from wrote it" in report
+    assert torch.equal(tensor.reload(), weight + 1.0)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_never_removes_its_parents_files(
     weight: torch.Tensor, tmp_path: Path
 ) -> None:
@@ -1015,6 +1043,13 @@ def test_from_safetensors_reads_in_place(checkpoint: Path, tmp_path: Path) -> No
     assert "key='b.bias'" in repr(pointing)
     assert torch.equal(pointing.reload(), seeded(4, seed=11).double())
     assert not offload_dir.exists()  # nothing copied
+
+
+def test_a_read_of_a_rewritten_checkpoint_says_to_bind_again(checkpoint: Path) -> None:
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "b.bias")
+    safetensors.torch.save_file({"b.bias": torch.zeros(4, dtype=torch.float64)}, str(checkpoint))
+    with pytest.raises(T2NErrorStorage, match=r"'b\.bias' cannot be read: the checkpoint file "):
+        pointing.reload()
 
 
 def test_writing_copies_on_write(checkpoint: Path, tmp_path: Path) -> None:

@@ -666,6 +666,18 @@ def test_decode_rejects_bad_metadata_with_storage_error(
         storage.decode_opaque({"values": torch.zeros(2, dtype=torch.int8)}, metadata)
 
 
+def test_changed_since_read_tells_a_replaced_or_rewritten_file(tmp_path: Path) -> None:
+    path = tmp_path / "p.safetensors"
+    layout = storage.write_payload(path, {"t": torch.zeros(4)})
+    assert not storage.changed_since_read(layout)
+    storage.write_payload(path, {"t": torch.ones(4)})  # replaced: another file
+    assert storage.changed_since_read(layout)
+    layout = storage.read_layout(path)
+    assert not storage.changed_since_read(layout)
+    path.unlink()
+    assert not storage.changed_since_read(layout)  # gone: its read says so
+
+
 def test_public_api_is_exactly_exported() -> None:
     assert sorted(storage.__all__) == sorted(
         [
@@ -674,6 +686,7 @@ def test_public_api_is_exactly_exported() -> None:
             "EntrySpec",
             "PayloadLayout",
             "read_layout",
+            "changed_since_read",
             "read_payload",
             "aread_payload",
             "map_payload",

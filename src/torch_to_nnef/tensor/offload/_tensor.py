@@ -1139,12 +1139,34 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     mapped=None if targets is None and not binding.opaque else False,
                     on_demand=on_demand,
                 )
-            except T2NErrorStorage:
+            except T2NErrorStorage as error:
                 attempt += 1
                 if attempt < _READ_ATTEMPTS and self._replaced_since(binding):
                     continue
-                raise
+                if not storage.changed_since_read(binding.layout):
+                    raise
+                raise self._changed_under(binding, error) from error
             return _materialize(binding, host, target)
+
+    def _changed_under(self, binding: _Binding, error: T2NErrorStorage) -> T2NErrorStorage:
+        """The error of a read of ``binding``'s file that something other than this tensor
+        replaced or rewrote: who can have, and what to do."""
+        owned = binding.owned
+        if owned is None:
+            cause = (
+                "the checkpoint file it is bound to changed since it was bound; bind the "
+                "model to the checkpoint again (a bound checkpoint must not be rewritten "
+                "while its tensors live)"
+            )
+        elif owned.creator != os.getpid():
+            cause = (
+                "the process this one was forked from wrote it after the fork, replacing its "
+                "file; in the child, take copies (copy.deepcopy) of the tensors it needs "
+                "before the parent writes them"
+            )
+        else:
+            cause = "another process replaced its payload file"
+        return T2NErrorStorage(f"offloaded tensor {self._name!r} cannot be read: {cause} ({error})")
 
     def _wait_announced_writes(self) -> None:
         """Wait until the write-backs announced by residency pools have ended."""

@@ -164,6 +164,20 @@ def check_unchanged(layout: PayloadLayout, stat: os.stat_result) -> None:
         )
 
 
+def changed_since_read(layout: PayloadLayout) -> bool:
+    """Whether the file at ``layout``'s path is not the one ``layout`` was made from (replaced
+    or rewritten since); ``False`` when it cannot be looked at (its read says why)."""
+    try:
+        stat = os.stat(layout.path)
+    except OSError:
+        return False
+    try:
+        check_unchanged(layout, stat)
+    except T2NErrorStorage:
+        return True
+    return False
+
+
 def short_read(path: Path, offset: int, what: str) -> T2NErrorStorage:
     """The error for a file that ends before ``offset`` while reading ``what``."""
     return T2NErrorStorage(
