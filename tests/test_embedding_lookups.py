@@ -7,10 +7,12 @@ the latest written value, and a value the pool holds or is loading is taken from
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import mmap
 import os
 import threading
+import warnings
 from pathlib import Path
 
 import pytest
@@ -212,3 +214,18 @@ def test_a_module_stream_reads_ahead_no_table_that_is_only_looked_up(
         # table never is.
         body = WIDTH * WIDTH * 4 + WIDTH * 4
         assert read == table_bytes + body
+
+
+@pytest.mark.timeout(60)
+def test_a_trace_records_the_tables_expansion(tmp_path: Path) -> None:
+    """Under torch.jit.trace a lookup expands the table as every op does: the graph holds an
+    expansion of each offloaded tensor (the export reads them), not a mapped constant."""
+    torch.manual_seed(0)
+    dense = nn.Sequential(nn.Embedding(ROWS, WIDTH), nn.Linear(WIDTH, 8)).eval()
+    dense.requires_grad_(False)
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        traced = torch.jit.trace(model, IDS)
+    assert str(traced.inlined_graph).count("opaque_tensor_expand") == 3
+    assert torch.equal(traced(IDS), dense(IDS))

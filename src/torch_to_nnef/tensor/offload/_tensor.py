@@ -37,6 +37,7 @@ from torch_to_nnef.tensor.offload._protocol import (
 from torch_to_nnef.tensor.opaque import (
     OpaqueTensor,
     SupportsOffloadState,
+    _is_tracing,
     opaque_to_final_tensor,
 )
 
@@ -1038,12 +1039,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         holds, or is loading, is taken from the pool, and nothing else goes into it.
 
         Returns ``None`` where the value is loaded as usual (:meth:`reload`): an opaque or
-        small payload, a device other than the CPU, mapped reads switched off, under
-        ``torch.compile``.
+        small payload, a device other than the CPU, mapped reads switched off, in a trace
+        (``torch.jit.trace``, ``torch.compile``: the expansion is what they record).
         """
         scope = active_tensor_residency()
         device = self.device if scope is None or scope[1] is None else scope[1]
-        if not self._reads_rows_on_demand(device) or torch.compiler.is_compiling():
+        if not self._reads_rows_on_demand(device) or _is_tracing():
             return None
         if scope is not None:
             held = scope[0]._scope_held(self, device)
