@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import gc
 import mmap
 import os
 import threading
@@ -229,3 +230,23 @@ def test_a_trace_records_the_tables_expansion(tmp_path: Path) -> None:
         traced = torch.jit.trace(model, IDS)
     assert str(traced.inlined_graph).count("opaque_tensor_expand") == 3
     assert torch.equal(traced(IDS), dense(IDS))
+
+
+@pytest.mark.timeout(60)
+def test_a_lookup_in_a_table_with_force_gc_collect_collects(tmp_path: Path) -> None:
+    dense = torch.randn(ROWS, WIDTH)
+    eager = OffloadedTensor(dense, "cpu", tmp_path, "eager", torch.Tensor, force_gc_collect=True)
+    collections: list[str] = []
+
+    def on_gc(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collections.append(phase)
+
+    gc.disable()
+    gc.callbacks.append(on_gc)
+    try:
+        assert torch.equal(F.embedding(IDS, eager), F.embedding(IDS, dense))
+        assert len(collections) == 1
+    finally:
+        gc.callbacks.remove(on_gc)
+        gc.enable()

@@ -1046,6 +1046,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         device = self.device if scope is None or scope[1] is None else scope[1]
         if not self._reads_rows_on_demand(device) or _is_tracing():
             return None
+        if self.force_gc_collect:
+            _GC_REQUEST.pending = True  # as for any use of the value (``_to_base_tensor``)
         if scope is not None:
             held = scope[0]._scope_held(self, device)
             if held is not None:
