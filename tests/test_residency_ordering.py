@@ -10,6 +10,7 @@ import copy
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -398,6 +399,49 @@ def test_an_interrupt_during_a_blocking_acquire_leaks_no_lease(tmp_path: Path) -
                 interrupted += 1
                 _checkpoint_quietly()
         assert interrupted > 0, "no interrupt landed: the test proves nothing"
+        check_invariants(pool)
+        assert "leased: 0," in repr(pool)
+    assert pool.closed
+
+
+def _wait_for_a_miss(pool: TensorResidencyPool, t: OffloadedTensor, how: str) -> None:
+    if how == "prefetch-wait":
+        pool.prefetch(t).wait()
+    elif how == "resolve":
+        pool.resolve(t)
+    elif how == "acquire":
+        with pool.acquire(t):
+            pass
+    else:  # a lease begun ahead, as stream_modules begins them, entered while it loads
+        lease = pool.acquire(t)
+        assert lease._begin()
+        with lease:
+            pass
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("how", ["prefetch-wait", "resolve", "acquire", "begun-lease"])
+def test_a_real_sigint_during_a_wait_for_a_load_interrupts_it_and_leaks_nothing(
+    tmp_path: Path, how: str
+) -> None:
+    """Ctrl-C (a real SIGINT, which interrupts the wait in C) while the main thread waits
+    for a load that a worker holds paused: the wait raises KeyboardInterrupt at once, no
+    lease is left, and the pool serves the value and closes once the load goes on."""
+    t = _tensor(tmp_path, numel=1 << 16)
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code, on="call") as load, TensorResidencyPool() as pool:
+        load.armed.set()
+        ctrl_c = threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT))
+        ctrl_c.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                _wait_for_a_miss(pool, t, how)
+        finally:
+            ctrl_c.join()
+        assert load.paused.is_set()
+        load.go()
+        assert torch.equal(pool.resolve(t), torch.zeros(1 << 16))
         check_invariants(pool)
         assert "leased: 0," in repr(pool)
     assert pool.closed
