@@ -164,6 +164,19 @@ def test_lookups_that_read_the_table_whole_go_through_the_pool(tmp_path: Path) -
         assert pool.stats().loads == 1
 
 
+@pytest.mark.timeout(60)
+def test_a_lookup_of_many_rows_reads_the_table_through_the_pool(tmp_path: Path) -> None:
+    """A long prompt's prefill gathers many rows: one sequential read of the table costs less
+    than a page fault per row, on a cold page cache."""
+    dense, offloaded = table(tmp_path)
+    many = torch.arange(ROWS // 64 + 1)
+    with TensorResidencyPool(max_cached_bytes=10 * 2**20) as pool, pool.scope():
+        assert torch.equal(F.embedding(many, offloaded), F.embedding(many, dense))
+        assert pool.stats().loads == 1
+        assert torch.equal(F.embedding(IDS, offloaded), F.embedding(IDS, dense))  # held: a hit
+        assert pool.stats().loads == 1
+
+
 @pytest.mark.usefixtures("buffered_reads")
 @pytest.mark.timeout(60)
 def test_without_mapped_reads_the_pool_serves_the_table(tmp_path: Path) -> None:

@@ -479,17 +479,28 @@ def _apply_to_running_stats(
     return run({}, written)
 
 
+_FEW_ROWS = 64
+"""A lookup gathering at most 1/64 of a table's rows reads them alone (a page or so each, in
+the computing thread); one gathering more reads the table as a load does, in one sequential
+read (a long prompt's prefill, on a cold page cache)."""
+
+
 def _looked_up_table(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> OffloadedTensor | None:
-    """The offloaded table of an embedding lookup (``F.embedding``), which reads only the rows
-    it gathers; ``None`` for any other op, and for a lookup with ``max_norm`` (it renormalizes
-    the rows in the table)."""
-    if func is not torch.nn.functional.embedding:
+    """The offloaded table of an embedding lookup (``F.embedding``) that gathers few of its
+    rows (:data:`_FEW_ROWS`); ``None`` for any other op, for a lookup of many rows, for one
+    with ``max_norm`` (it renormalizes the rows in the table), and in a trace
+    (``torch.jit.trace``, ``torch.compile``: the expansion is what they record)."""
+    if func is not torch.nn.functional.embedding or _is_tracing():
         return None
+    indices = args[0] if args else kwargs.get("input")
     table = args[1] if len(args) > 1 else kwargs.get("weight")
     max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
-    return table if isinstance(table, OffloadedTensor) and max_norm is None else None
+    if not isinstance(table, OffloadedTensor) or max_norm is not None:
+        return None
+    few = isinstance(indices, torch.Tensor) and indices.numel() * _FEW_ROWS <= table.shape[0]
+    return table if few else None
 
 
 def _is_view_of_a_value(result: Any) -> bool:
@@ -1039,12 +1050,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         holds, or is loading, is taken from the pool, and nothing else goes into it.
 
         Returns ``None`` where the value is loaded as usual (:meth:`reload`): an opaque or
-        small payload, a device other than the CPU, mapped reads switched off, in a trace
-        (``torch.jit.trace``, ``torch.compile``: the expansion is what they record).
+        small payload, a device other than the CPU, mapped reads switched off.
         """
         scope = active_tensor_residency()
         device = self.device if scope is None or scope[1] is None else scope[1]
-        if not self._reads_rows_on_demand(device) or _is_tracing():
+        if not self._reads_rows_on_demand(device):
             return None
         if self.force_gc_collect:
             _GC_REQUEST.pending = True  # as for any use of the value (``_to_base_tensor``)
