@@ -15,8 +15,9 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -274,18 +275,28 @@ def test_a_timeout_from_another_loop_leaves_the_pool_serving(tmp_path: Path) -> 
     assert pool.closed
 
 
+@contextlib.contextmanager
+def _a_paused_prefetch(
+    directory: Path,
+) -> Iterator[tuple[TensorResidencyPool, OffloadedTensor, Any, Any]]:
+    """A pool, a big tensor and the handle of its prefetch, whose load a worker holds paused
+    until ``load.go()`` (the last item)."""
+    big = _tensor(directory, "big", numel=BIG)
+    code = OffloadedTensor._reload_unmanaged.__code__
+    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
+        load.armed.set()
+        handle = pool.prefetch(big)
+        assert load.paused.wait(30)
+        yield pool, big, handle, load
+
+
 def test_a_load_awaited_from_a_loop_closed_before_it_ended_serves_its_other_waiters(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A loop gave up awaiting a prefetch, another was closed while awaiting it, the load
     paused all along: settling the load later has nowhere to send the value for them, and
     goes on to its other waiters."""
-    big = _tensor(tmp_path, "big", numel=BIG)
-    code = OffloadedTensor._reload_unmanaged.__code__
-    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
-        load.armed.set()
-        handle = pool.prefetch(big)
-        assert load.paused.wait(30)
+    with _a_paused_prefetch(tmp_path) as (pool, big, handle, load):
 
         async def gives_up() -> None:
             with pytest.raises(TimeoutError):
@@ -311,12 +322,7 @@ def test_awaits_of_a_handle_that_time_out_leave_nothing_behind_on_it(tmp_path: P
     """A loop polls a prefetch handle with short timeouts while its load is paused: each
     given-up await takes back what it hung on the load's completion, so polling for as long
     as a load lasts does not grow the memory it holds."""
-    big = _tensor(tmp_path, "big", numel=BIG)
-    code = OffloadedTensor._reload_unmanaged.__code__
-    with paused_in_new_threads(code) as load, TensorResidencyPool() as pool:
-        load.armed.set()
-        handle = pool.prefetch(big)
-        assert load.paused.wait(30)
+    with _a_paused_prefetch(tmp_path) as (pool, _big, handle, load):
 
         async def polls() -> int:
             for _ in range(300):
