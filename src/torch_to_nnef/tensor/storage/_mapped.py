@@ -31,7 +31,9 @@ load and always going through a reservation cost 15 to 20 us more per load (65 a
 us of a worker's CPU per 4 to 10 MB entry mapped from huge folios).
 
 :func:`advise_payload` starts the kernel's readahead of entries without mapping them (a
-prefetch that costs no memory of the process).
+prefetch that costs no memory of the process). ``load_payload(..., on_demand=True)`` maps
+without populating or reading ahead (``MADV_RANDOM``): only the pages read come in, for a
+lookup of a few rows of a large table.
 
 A mapped file must not be truncated while mapped (a read of the missing pages would raise
 ``SIGBUS``): payload files of this package are replaced atomically, never truncated, and a
@@ -104,13 +106,13 @@ def set_mapped_reads(enabled: bool) -> bool:
 
 
 _PROT = mmap.PROT_READ | mmap.PROT_WRITE  # private: writes copy the page
+_PAGE = mmap.ALLOCATIONGRANULARITY
 
 Faulting = Literal["populate", "readahead", "on_demand"]
 """How the pages of a new mapping come in: all at once where it is made (``populate``); read
 ahead in the background, faulted in where first read (``readahead``); or only where read, one
 page at a time, nothing read ahead (``on_demand``: a lookup of a few rows of a large table
 reads those rows and no more)."""
-_PAGE = mmap.ALLOCATIONGRANULARITY
 
 
 def _span(specs: list[EntrySpec]) -> tuple[int, int]:
