@@ -391,3 +391,39 @@ def test_devices_and_dtypes_that_cannot_be_used_are_refused_before_anything_is_b
         set_module_tensor_to_device(updater, name, "cpu", torch.zeros(64), dtype="floaty")
     with pytest.raises(T2NErrorMisuse, match="on the meta device"):
         set_module_tensor_to_device(updater, name, "cpu", torch.zeros(64, device="meta"))
+
+
+@pytest.mark.parametrize(("family", "tied"), [("llama", False), ("qwen2", True)])
+@pytest.mark.timeout(120)
+def test_decoding_reads_the_embedding_rows_and_the_head_whole(
+    family: str, tied: bool, tmp_path: Path
+) -> None:
+    """With a table large enough to be mapped (2048 x 64 float32), streamed generation reads
+    the rows each token looks up: an untied embedding is never loaded by the pool; a tied
+    one is read whole for ``lm_head``, ahead of it. Tokens are the dense model's."""
+    from torch_to_nnef.tensor import stream_modules
+
+    torch.manual_seed(0)
+    config = small_config(family, tied)
+    config.vocab_size = 2048  # type: ignore[attr-defined]
+    dense = transformers.AutoModelForCausalLM.from_config(config).eval()
+    dense.save_pretrained(tmp_path / "model")
+    expected = generate(dense)
+    with accelerate.init_empty_weights():
+        model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    t2n_load_checkpoint_and_dispatch(model, tmp_path / "model", "t2n_offload_disk", tmp_path)
+    inner = model.model
+    table = inner.embed_tokens.weight
+    modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]
+    offloaded = {id(t): t for t in model.parameters()}.values()  # the tied table once
+    with (
+        TensorResidencyPool(max_cached_bytes=1 << 30) as pool,  # all of it, once loaded
+        stream_modules(pool, modules, depth=2) as stream,
+        pool.scope(),
+    ):
+        assert stream.groups[0] == []
+        assert any(t is table for t in stream.groups[-1]) is tied
+        assert torch.equal(generate(model), expected)
+        assert pool.is_resident(table) is tied
+        assert all(pool.is_resident(t) for t in offloaded if t is not table)
+        assert pool.stats().loads == len(offloaded) - (not tied)  # each once, retained
