@@ -732,6 +732,38 @@ def test_a_forked_child_waiting_for_a_load_its_parent_started_is_told_so(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_a_thread_settles_a_reply_serves_from_a_new_pool(
+    tmp_path: Path,
+) -> None:
+    """The fork comes while a thread of the parent holds the lock that settling a reply
+    takes: in the child, that lock is free, and a new pool's requests are answered."""
+    from torch_to_nnef.tensor.residency import _runtime
+
+    t = _tensor(tmp_path)
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with _runtime._REPLY_CALLBACKS:
+            held.set()
+            release.wait(60)
+
+    def child() -> str:
+        with TensorResidencyPool() as pool:
+            return repr(bool(torch.equal(pool.prefetch(t).wait(), torch.zeros(NUMEL))))
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        assert in_forked_child(child, seconds=15) == "True"
+    finally:
+        release.set()
+        holder.join(30)
+    assert not _runtime._REPLY_CALLBACKS.locked()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Path) -> None:
     """The fork comes while a worker of the parent's pool writes a changed value back (it
     holds the tensor's write lock, and reads wait for its end): in the child, which has no

@@ -48,6 +48,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import Any
 
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
@@ -324,7 +325,9 @@ class Reply:
         return future
 
 
-_REPLY_CALLBACKS = threading.Lock()  # settling a reply against adding a callback to it
+# Settling a reply against adding a callback to it; released in a forked child, whose new
+# pools settle replies of their own.
+_REPLY_CALLBACKS = fork_safe_lock()
 
 Completion = asyncio.Future[Any] | Reply
 
