@@ -733,6 +733,49 @@ def test_a_forked_child_waiting_for_a_load_its_parent_started_is_told_so(
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("reader", ["stream", "read-ahead"])
+def test_a_forward_forked_while_a_thread_held_the_readers_lock_says_it_was_forked(
+    tmp_path: Path, reader: str
+) -> None:
+    """The fork comes while a thread of the parent holds the lock of a module stream, or of
+    the pool's read-ahead: in the child, a forward through them says the pool was started in
+    the parent (it hung on that lock before)."""
+    layers = _offloaded_layers(tmp_path, 3)
+    read_ahead = "auto" if reader == "read-ahead" else None
+    with TensorResidencyPool(read_ahead=read_ahead) as pool, contextlib.ExitStack() as stack:
+        if reader == "stream":
+            lock = stack.enter_context(stream_modules(pool, list(layers), depth=1))._lock
+        else:
+            assert pool.read_ahead is not None
+            lock = pool.read_ahead._lock
+        with pool.scope():
+            _forward_until(layers, len(layers))
+        held, release = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with lock:
+                held.set()
+                release.wait(60)
+
+        def child() -> str:
+            def forward() -> None:
+                with pool.scope():
+                    _forward_until(layers, len(layers))
+
+            return _outcomes(forward)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert held.wait(30)
+            assert in_forked_child(child, seconds=15) == "forked"
+        finally:
+            release.set()
+            holder.join(30)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
 def test_a_child_forked_while_a_thread_settles_a_reply_serves_from_a_new_pool(
     tmp_path: Path,
 ) -> None:

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
@@ -232,7 +233,7 @@ class ModuleStream(Uncopyable):
         # The places that hold a value in place of their tensor now, and that value.
         self._bound: dict[tuple[int, str], tuple[_Place, torch.Tensor]] = {}
         self._local = threading.local()
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         # The state of each thread that ran a forward, while the thread lives.
         self._threads: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         # Leases begun past the last module on the next forward's first modules, taken by the

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from torch_to_nnef._forksafe import fork_safe_lock
+
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload._protocol import PoolSource
     from torch_to_nnef.tensor.residency._handles import TensorResidencyLease
@@ -50,7 +52,7 @@ class AccessTrace:
         self.relearned = 0
         self._successor: dict[int, int] = {}
         self._sizes: dict[int, int] = {}
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         self._local = threading.local()
 
     def touched(self, key: int, nbytes: int) -> list[int]:
@@ -122,7 +124,7 @@ class ReadAhead:
         # with that thread: whatever interrupts it, its next access or the pool's close
         # drops them.
         self._leaving: dict[TensorResidencyLease, int] = {}
-        self._lock = threading.Lock()
+        self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         self._read_ahead = 0
         self._on_demand = 0
 
