@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
+import threading
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -47,3 +50,28 @@ def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
         pytest.fail("the forked child hung")
     with os.fdopen(read) as pipe:
         return pipe.read()
+
+
+def in_forked_child_while_held(
+    locks: Sequence[Any], body: Callable[[], str], seconds: float = 30
+) -> str:
+    """:func:`in_forked_child`, forked while another thread of this process holds ``locks``
+    (as a thread inside a critical section would at the moment of the fork); that thread
+    lets them go once the child ended."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with contextlib.ExitStack() as stack:
+            for lock in locks:
+                stack.enter_context(lock)
+            held.set()
+            release.wait(60)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        assert held.wait(30)
+        return in_forked_child(body, seconds)
+    finally:
+        release.set()
+        holder.join(30)

@@ -27,7 +27,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
-from forking import in_forked_child
+from forking import in_forked_child, in_forked_child_while_held
 from interrupts import interrupted
 from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
@@ -993,15 +993,6 @@ def test_a_child_forked_while_a_thread_holds_the_modules_locks_offloads_and_load
         _io._CLEANED_LOCK,
         _folios.SLOW_REGIONS._lock,
     ]
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        for lock in locks:
-            lock.__enter__()
-        held.set()
-        release.wait(60)
-        for lock in reversed(locks):
-            lock.__exit__(None, None, None)
 
     def child() -> str:
         for private in (None, tmp_path / "child"):  # the private directory, then a new one
@@ -1011,14 +1002,7 @@ def test_a_child_forked_while_a_thread_holds_the_modules_locks_offloads_and_load
         region = ((0, 0, 0, 0), 0, 1 << 21)
         return repr(_folios.SLOW_REGIONS.first_slow(region, 1, 1 << 40))
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(30)
-        assert in_forked_child(child) == "True"
-    finally:
-        release.set()
-        holder.join(30)
+    assert in_forked_child_while_held(locks, child) == "True"
     assert not any(lock.locked() for lock in locks), "the parent's locks were released"
 
 

@@ -23,7 +23,7 @@ import pytest
 import safetensors.torch
 import torch
 from breakpoints import paused_in_new_threads
-from forking import in_forked_child
+from forking import in_forked_child, in_forked_child_while_held
 from residency_checks import check_invariants, on_disk
 from torch import nn
 
@@ -750,12 +750,6 @@ def test_a_forward_forked_while_a_thread_held_the_readers_lock_says_it_was_forke
             lock = pool.read_ahead._lock
         with pool.scope():
             _forward_until(layers, len(layers))
-        held, release = threading.Event(), threading.Event()
-
-        def hold() -> None:
-            with lock:
-                held.set()
-                release.wait(60)
 
         def child() -> str:
             def forward() -> None:
@@ -764,14 +758,7 @@ def test_a_forward_forked_while_a_thread_held_the_readers_lock_says_it_was_forke
 
             return _outcomes(forward)
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert held.wait(30)
-            assert in_forked_child(child, seconds=15) == "forked"
-        finally:
-            release.set()
-            holder.join(30)
+        assert in_forked_child_while_held([lock], child, seconds=15) == "forked"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
@@ -784,26 +771,14 @@ def test_a_child_forked_while_a_thread_settles_a_reply_serves_from_a_new_pool(
     from torch_to_nnef.tensor.residency import _runtime
 
     t = _tensor(tmp_path)
-    held, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with _runtime._REPLY_CALLBACKS:
-            held.set()
-            release.wait(60)
 
     def child() -> str:
         with TensorResidencyPool() as pool:
             return repr(bool(torch.equal(pool.prefetch(t).wait(), torch.zeros(NUMEL))))
 
-    holder = threading.Thread(target=hold)
-    holder.start()
-    try:
-        assert held.wait(30)
-        assert in_forked_child(child, seconds=15) == "True"
-    finally:
-        release.set()
-        holder.join(30)
-    assert not _runtime._REPLY_CALLBACKS.locked()
+    lock = _runtime._REPLY_CALLBACKS
+    assert in_forked_child_while_held([lock], child, seconds=15) == "True"
+    assert not lock.locked()
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
