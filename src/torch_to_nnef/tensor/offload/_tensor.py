@@ -434,17 +434,24 @@ def _holds_offloaded(value: Any) -> bool:
     return type(value) in (list, tuple) and any(isinstance(v, OffloadedTensor) for v in value)
 
 
-def _running_stats_written(
+def _arguments_written(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> list[int | str]:
-    """Where the offloaded running mean and variance of a normalization that updates them
-    are (argument positions, or keywords): a batch norm in training mode (they are its second
-    and third arguments), an instance norm using its input's statistics (keywords). Its kernel
-    updates them in place, without torch's version counter knowing."""
+    """Where the offloaded tensors that an op other than an in-place method writes are
+    (argument positions, or keywords): the running mean and variance of a batch norm in
+    training mode (its second and third arguments) and of an instance norm using its input's
+    statistics (keywords), the table of an embedding lookup with ``max_norm`` (which
+    renormalizes the rows it gathers, in the table). Their kernels write them in place,
+    without torch's version counter knowing."""
     if func is torch.nn.functional.batch_norm and kwargs.get("training"):
         places: list[int | str] = [1, 2]
     elif func is torch.nn.functional.instance_norm and kwargs.get("use_input_stats"):
         places = ["running_mean", "running_var"]
+    elif (
+        func is torch.nn.functional.embedding
+        and (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None
+    ):
+        places = [1 if len(args) > 1 else "weight"]
     else:
         return []
     return [
@@ -458,14 +465,14 @@ def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], place: int | str
     return kwargs.get(place)
 
 
-def _apply_to_running_stats(
+def _apply_writing_arguments(
     func: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: Mapping[str, Any],
     written: list[int | str],
 ) -> Any:
-    """Run a normalization with its offloaded running statistics (at ``written``) written as
-    an in-place op writes each (:meth:`OffloadedTensor._change`, one inside the other)."""
+    """Run ``func`` with the offloaded tensors at ``written`` written as an in-place op
+    writes each (:meth:`OffloadedTensor._change`, one inside the other)."""
 
     def run(values: dict[int | str, torch.Tensor], places: list[int | str]) -> Any:
         if places:
@@ -489,15 +496,14 @@ def _looked_up_table(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> OffloadedTensor | None:
     """The offloaded table of an embedding lookup (``F.embedding``) that gathers few of its
-    rows (:data:`_FEW_ROWS`); ``None`` for any other op, for a lookup of many rows, for one
-    with ``max_norm`` (it renormalizes the rows in the table), and in a trace
-    (``torch.jit.trace``, ``torch.compile``: the expansion is what they record)."""
+    rows (:data:`_FEW_ROWS`); ``None`` for any other op, for a lookup of many rows, and in a
+    trace (``torch.jit.trace``, ``torch.compile``: the expansion is what they record). A
+    lookup with ``max_norm`` writes its table: :func:`_arguments_written` takes it first."""
     if func is not torch.nn.functional.embedding or _is_tracing():
         return None
     indices = args[0] if args else kwargs.get("input")
     table = args[1] if len(args) > 1 else kwargs.get("weight")
-    max_norm = args[3] if len(args) > 3 else kwargs.get("max_norm")
-    if not isinstance(table, OffloadedTensor) or max_norm is not None:
+    if not isinstance(table, OffloadedTensor):
         return None
     few = isinstance(indices, torch.Tensor) and indices.numel() * _FEW_ROWS <= table.shape[0]
     return table if few else None
@@ -1618,8 +1624,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 "ones in place (a multi-tensor op): its writes would be lost. Write each "
                 "tensor on its own (optimizers: foreach=False, fused=False)"
             )
-        elif written := _running_stats_written(func, args, kwargs):
-            result = _apply_to_running_stats(func, args, kwargs, written)
+        elif written := _arguments_written(func, args, kwargs):
+            result = _apply_writing_arguments(func, args, kwargs, written)
         elif (table := _looked_up_table(func, args, kwargs)) is not None and (
             rows := table._rows_value()
         ) is not None:
