@@ -449,9 +449,9 @@ def _arguments_written(
         places = ["running_mean", "running_var"]
     elif (
         func is torch.nn.functional.embedding
-        and (args[3] if len(args) > 3 else kwargs.get("max_norm")) is not None
+        and _argument(args, kwargs, _place(args, 3, "max_norm")) is not None
     ):
-        places = [1 if len(args) > 1 else "weight"]
+        places = [_place(args, 1, "weight")]
     else:
         return []
     return [
@@ -463,6 +463,12 @@ def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], place: int | str
     if isinstance(place, int):
         return args[place] if place < len(args) else None
     return kwargs.get(place)
+
+
+def _place(args: tuple[Any, ...], position: int, keyword: str) -> int | str:
+    """Where an argument of a call is: its position when passed by position, else its
+    keyword."""
+    return position if position < len(args) else keyword
 
 
 def _apply_writing_arguments(
@@ -501,8 +507,8 @@ def _looked_up_table(
     lookup with ``max_norm`` writes its table: :func:`_arguments_written` takes it first."""
     if func is not torch.nn.functional.embedding or _is_tracing():
         return None
-    indices = args[0] if args else kwargs.get("input")
-    table = args[1] if len(args) > 1 else kwargs.get("weight")
+    indices = _argument(args, kwargs, _place(args, 0, "input"))
+    table = _argument(args, kwargs, _place(args, 1, "weight"))
     if not isinstance(table, OffloadedTensor):
         return None
     few = isinstance(indices, torch.Tensor) and indices.numel() * _FEW_ROWS <= table.shape[0]
@@ -1206,6 +1212,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         copy: a ``read_write`` lease entering on the value waits for this copy to end before
         it changes anything, so the copy never holds part of its change.
         """
+        if self._unsaved is None:  # the usual case, read without the lock
+            return None
         with self._pending_lock:
             unsaved = self._unsaved
             return None if unsaved is None else _copy_of(unsaved[2], device)

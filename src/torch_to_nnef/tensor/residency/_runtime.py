@@ -844,9 +844,9 @@ class Runtime:
                     return wrapped.result()
                 watch.look()
         except BaseException:
-            if wrapped.get_loop().is_closed():
-                pass  # a coroutine closed after its loop: nothing runs there any more
-            elif not wrapped.cancel():  # settled: its error, if any, was never retrieved
+            # Cancelled, it takes its callback off ``done``; settled, its error (if any) was
+            # never retrieved. A coroutine closed after its loop leaves nothing to run there.
+            if not wrapped.get_loop().is_closed() and not wrapped.cancel():
                 wrapped.add_done_callback(_consume)
             if operation is not None:
                 self.notify(operation.abandon)
