@@ -7,7 +7,9 @@ catching what it caught there::
 
     T2NError                              base of every error of the library
     ├── T2NErrorMisuse                    (ValueError) the API was called in a way it does not
-    │                                     support
+    │   │                                 support
+    │   └── T2NErrorValueMismatch         (AssertionError too) a new value's shape or dtype
+    │                                     differs from the tensor's under a strict check
     ├── T2NErrorInconsistentTensor        (ValueError) a replacement tensor disagrees on device,
     │                                     dtype or shape
     ├── T2NErrorNotImplemented            (NotImplementedError) a feature or an operation is not
@@ -35,6 +37,7 @@ __all__ = [
     "T2NErrorStorage",
     "T2NErrorTorchGraphExtraction",
     "T2NErrorTorchJitTraceFailed",
+    "T2NErrorValueMismatch",
 ]
 
 
@@ -46,6 +49,14 @@ class T2NErrorMisuse(ValueError, T2NError):
     """The API was called with arguments or in a state it does not support.
 
     The message names the offending value and the correct call.
+    """
+
+
+class T2NErrorValueMismatch(T2NErrorMisuse, AssertionError):
+    """A new value's shape or dtype differs from the tensor's under a strict check
+    (``update_values(values, strict_shape=True, strict_dtype=True)``).
+
+    Also an ``AssertionError``, which upstream torch-to-nnef's check raises.
     """
 
 

@@ -27,6 +27,7 @@ from torch_to_nnef.exceptions import (
     T2NErrorMisuse,
     T2NErrorNotImplemented,
     T2NErrorStorage,
+    T2NErrorValueMismatch,
 )
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
@@ -361,6 +362,14 @@ def _is_whole_host_buffer(tensor: Any, spec: storage.EntrySpec) -> bool:
         and tensor.storage_offset() == 0
         and tensor.untyped_storage().nbytes() == spec.nbytes
     )
+
+
+def _is_meta(device: DeviceLike) -> bool:
+    """Whether ``device`` names the meta device (``False`` for what names no device)."""
+    try:
+        return torch.device(device).type == "meta"
+    except (TypeError, RuntimeError):
+        return False
 
 
 def _canonical_device(device: DeviceLike) -> torch.device:
@@ -1043,9 +1052,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         scope's device); otherwise the value is read from the file. An opaque payload reloads
         as its opaque type (a ``QTensor``), not decompressed.
 
+        ``device="meta"`` gives a meta tensor of the value's shape and dtype, reading nothing.
+
         Raises:
             T2NErrorStorage: the file is missing, corrupt, or changed by another process.
         """
+        if device is not None and _is_meta(device):
+            return self.elem
         wanted = None if device is None else _canonical_device(device)
         scope = active_tensor_residency()
         if scope is not None:
@@ -1322,8 +1335,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             strict_dtype: refuse a dtype different from the current one.
 
         Raises:
-            T2NErrorMisuse: the shape or dtype differs under a strict check (the message gives
-                both), or ``values`` is not a storable tensor.
+            T2NErrorValueMismatch: the shape or dtype differs under a strict check (the message
+                gives both); a ``T2NErrorMisuse`` and an ``AssertionError``.
+            T2NErrorMisuse: ``values`` is not a storable tensor.
             T2NErrorStorage: the file cannot be written (the old payload stays).
         """
         self._replace_value(values, strict_shape, strict_dtype, device=None)
@@ -1350,12 +1364,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 f"update_values of {self._name!r} needs a torch.Tensor, got {type(values).__name__}"
             )
         if strict_shape and tuple(values.shape) != tuple(self.shape):
-            raise T2NErrorMisuse(
+            raise T2NErrorValueMismatch(
                 f"update_values of {self._name!r}: new shape {tuple(values.shape)} differs from "
                 f"the offloaded shape {tuple(self.shape)}; pass strict_shape=False to change it"
             )
         if strict_dtype and values.dtype != self.dtype:
-            raise T2NErrorMisuse(
+            raise T2NErrorValueMismatch(
                 f"update_values of {self._name!r}: new dtype {values.dtype} differs from the "
                 f"offloaded dtype {self.dtype}; pass strict_dtype=False to change it"
             )
@@ -1459,16 +1473,16 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         work on offloaded models. (``model.half()``/``model.cuda()`` also work, by assigning
         ``.data``, at the price of a load and a write per tensor.)
 
+        With ``copy=True`` the tensor is left as it is: an independent offloaded copy (as
+        ``copy.deepcopy`` makes) is retargeted and/or cast, and returned.
+
         Raises:
             T2NErrorMisuse: the arguments are not those of ``torch.Tensor.to``.
-            T2NErrorNotImplemented: ``copy=True``, a memory format other than the preserved
-                one, or a cast that turns an opaque value into a plain tensor.
+            T2NErrorNotImplemented: a memory format other than the preserved one, or a cast
+                that turns an opaque value into a plain tensor.
         """
         if kwargs.pop("copy", False):
-            raise T2NErrorNotImplemented(
-                "OffloadedTensor.to(copy=True) is not supported: copy the value with "
-                "OffloadedTensor.from_original_tensor(ot.reload(), name)"
-            )
+            return self.__deepcopy__({}).to(*args, **kwargs)
         try:
             device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         except (TypeError, RuntimeError) as exc:
@@ -1521,20 +1535,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._replace_value(new_data, strict_shape=False, strict_dtype=False, device=device)
 
     def set_(self, source: torch.Tensor, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
-        """Replace the value by ``source`` (same dtype, any shape, as torch's ``set_``).
-
-        Routes to :meth:`update_values` with a strict dtype check; the target device is kept.
+        """Replace the value by ``source``: its values, shape and dtype (a quantizer may give
+        a weight a new dtype in place). Routes to :meth:`update_values` without strict
+        checks; the target device is kept.
 
         Raises:
-            T2NErrorMisuse: ``source``'s dtype differs.
-            T2NErrorNotImplemented: a storage, offset, size or stride is given.
+            T2NErrorMisuse: ``source`` is not a tensor, or a storage, offset, size or stride
+                is given.
         """
         if args or kwargs or not isinstance(source, torch.Tensor):
-            raise T2NErrorNotImplemented(
+            raise T2NErrorMisuse(
                 "OffloadedTensor.set_() only takes a source tensor (no storage, offset, size "
                 "or stride): it stores a copy of the source's values"
             )
-        self.update_values(source, strict_shape=False, strict_dtype=True)
+        self.update_values(source, strict_shape=False, strict_dtype=False)
         return self
 
     def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> OffloadedTensor:  # type: ignore[override]
