@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pickle
 import sys
 from pathlib import Path
 
@@ -279,6 +280,62 @@ def test_from_pretrained_inside_the_context_yields_offloaded_tensors(
         pytest.raises(T2NErrorNotImplemented, match="device_map"),
     ):
         transformers.AutoModelForCausalLM.from_pretrained(case.path, device_map="auto")
+
+
+def test_torch_load_inside_the_context_offloads_what_it_reads(tmp_path: Path) -> None:
+    """As upstream's: a tensor, or a dict's tensors, come back offloaded (read with
+    weights_only=True); files of the offload directory and weights_only=False calls are
+    torch.load's own."""
+    offload_dir = tmp_path / "offload"
+    offload_dir.mkdir()
+    values = {"a": torch.arange(6.0).reshape(2, 3), "step": 3}
+    torch.save(values, tmp_path / "dict.pt")
+    torch.save(torch.ones(4), tmp_path / "tensor.pt")
+    torch.save(torch.zeros(2), offload_dir / "inside.pt")
+    original = torch.load
+    with ctx_maybe_load_from_disk_as_offloaded(offload_dir):
+        loaded = torch.load(tmp_path / "dict.pt")
+        tensor = torch.load(tmp_path / "tensor.pt", map_location="cpu")
+        inside = torch.load(offload_dir / "inside.pt")
+        unsafe = torch.load(tmp_path / "tensor.pt", weights_only=False)
+    assert torch.load is original
+    assert isinstance(loaded["a"], OffloadedTensor) and loaded["step"] == 3
+    assert torch.equal(loaded["a"].reload(), values["a"])
+    assert loaded["a"].offload_path.parent == offload_dir
+    assert isinstance(tensor, OffloadedTensor) and torch.equal(tensor.reload(), torch.ones(4))
+    assert type(inside) is torch.Tensor and type(unsafe) is torch.Tensor
+    # Nothing in the file runs: a pickle of an object is refused as torch refuses it.
+    torch.save({"a": torch.ones(1), "object": Path("x")}, tmp_path / "object.pt")
+    with (
+        ctx_maybe_load_from_disk_as_offloaded(offload_dir),
+        pytest.raises(pickle.UnpicklingError, match=r"Weights only load failed"),
+    ):
+        torch.load(tmp_path / "object.pt")
+
+
+def test_dispatch_casts_entries_to_the_model_dtype_as_upstream(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An fp16 checkpoint into an fp32 model (and the reverse) is cast on load, as upstream's
+    and nn.Module.load_state_dict do, with a warning naming the cost and the way around it."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2))
+    for model_dtype, stored in ((torch.float32, torch.float16), (torch.float16, torch.float32)):
+        directory = tmp_path / f"{stored}".replace("torch.", "")
+        directory.mkdir()
+        state = {key: value.to(stored) for key, value in reference.state_dict().items()}
+        safetensors.torch.save_file(state, directory / "model.safetensors")
+        model = nn.Sequential(nn.Linear(4, 3), nn.ReLU(), nn.Linear(3, 2)).to(model_dtype)
+        caplog.clear()
+        t2n_load_checkpoint_and_dispatch(
+            model, directory / "model.safetensors", "t2n_offload_disk", directory / "offload"
+        )
+        assert {p.dtype for p in model.parameters()} == {model_dtype}
+        assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+        for key, value in state.items():
+            assert torch.equal(model.state_dict()[key].reload(), value.to(model_dtype))
+        assert f"4 tensor(s) stored in {stored} are cast to {model_dtype}" in caplog.text
+        assert f"pass dtype={stored}" in caplog.text
 
 
 def test_a_base_model_and_its_causal_lm_bind_each_others_checkpoints(

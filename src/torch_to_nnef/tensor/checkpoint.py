@@ -343,10 +343,14 @@ def plan_binding(
     strict: bool,
     dtype: torch.dtype | None,
     ignored: Callable[[str], bool] = lambda key: False,
+    cast_to_model: bool = False,
 ) -> BindingPlan:
     """Match the tensors of ``model`` with the keys of ``found``; raise on any misfit.
 
     ``ignored`` tells the checkpoint keys that are not unexpected when the model lacks them.
+    ``cast_to_model`` (with ``dtype=None``): a floating-point entry stored in another
+    floating-point dtype than its model tensor's is cast to the latter on load, as
+    ``nn.Module.load_state_dict`` does, instead of being refused.
 
     Raises:
         T2NErrorCheckpoint: see :func:`load_offloaded_checkpoint`.
@@ -379,7 +383,9 @@ def plan_binding(
             unbound.append((names, tensor))
             continue
         shape, stored = found.describe(key)
-        wanted = _bound_dtype(stored, tensor.dtype, dtype)
+        wanted = _bound_dtype(
+            stored, tensor.dtype, tensor.dtype if cast_to_model and dtype is None else dtype
+        )
         if shape != tuple(tensor.shape):
             report.shapes.append(
                 f"{key!r}: checkpoint shape {shape} dtype {stored}, model shape "
@@ -403,7 +409,29 @@ def plan_binding(
         )
     if report.failed(strict, unexpected):
         raise T2NErrorCheckpoint(report.message(found.source, unexpected, strict=strict))
+    _note_casts(found, bindings)
     return BindingPlan(found, updater, bindings, unexpected)
+
+
+def _note_casts(found: Checkpoint, bindings: list[PlannedBinding]) -> None:
+    """Warn of the entries bound in another dtype than they are stored in: an offloaded
+    one is read, cast and written once into the offload directory instead of being read
+    in place."""
+    casts: dict[tuple[torch.dtype, torch.dtype], int] = {}
+    for binding in bindings:
+        stored = found.describe(binding.key)[1]
+        if stored != binding.dtype:
+            casts[(stored, binding.dtype)] = casts.get((stored, binding.dtype), 0) + 1
+    for (stored, bound), count in casts.items():
+        LOGGER.warning(
+            "checkpoint '%s': %d tensor(s) stored in %s are cast to %s on load (an offloaded "
+            "one is written once to the offload directory); pass dtype=%s to read them in place",
+            found.source,
+            count,
+            stored,
+            bound,
+            stored,
+        )
 
 
 def _bound_dtype(

@@ -20,10 +20,12 @@ only when a function needs them.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import os
 import re
+import sys
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -374,8 +376,11 @@ def t2n_load_checkpoint_and_dispatch(
         weight_converters: not supported (must be empty).
         hf_quantizer: not supported (must be ``None``).
         dtype: the dtype of the floating-point tensors (see
-            :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); ``None``: the
-            model's.
+            :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); ``None``: each
+            tensor's own in the model: an entry stored in another floating-point dtype is
+            cast on load (as ``nn.Module.load_state_dict`` does), its cast value written once
+            into ``offload_dir`` (a warning says how many; pass the checkpoint's dtype to read
+            them in place).
 
     Returns:
         ``model``.
@@ -410,6 +415,7 @@ def t2n_load_checkpoint_and_dispatch(
         strict=strict,
         dtype=dtype,
         ignored=lambda key: any(pattern.search(key) for pattern in ignored),
+        cast_to_model=True,
     )
     _check_covered(plan, placement)
     _bind(plan, placement, offload_dir)
@@ -474,10 +480,15 @@ def ctx_maybe_load_from_disk_as_offloaded(
       (or ``torch_dtype``) and ``strict`` are honoured; other options of ``from_pretrained``
       (quantization, device maps, remote code) are refused.
     - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
-      in place, loaded on ``device`` (adapters loaded by peft go through it).
+      in place, loaded on ``device`` (and so does peft's loading of adapters).
+    - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
+      returns its tensors offloaded: a tensor, or the tensors of a dict (other values as
+      they are), each written once into ``offload_dir`` and loaded on the device it was
+      read to. A call passing ``weights_only=False`` and files inside ``offload_dir`` are
+      left to ``torch.load`` as they are.
 
-    Pickle files read by ``torch.load`` are not intercepted. Not thread-safe: the functions
-    are patched in their modules for the duration of the context.
+    Not thread-safe: the functions are patched in their modules for the duration of the
+    context.
 
     Args:
         offload_dir: where offloaded tensors copy on write; ``None`` leaves loading unchanged
@@ -498,11 +509,23 @@ def ctx_maybe_load_from_disk_as_offloaded(
     def from_pretrained(cls: type[Any], name: PathLike, *args: Any, **kwargs: Any) -> Any:
         return _from_pretrained_offloaded(cls, name, offload_dir, args, kwargs)
 
+    torch_load = torch.load
+
+    def load(f: Any, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("weights_only") is False or _inside(f, offload_dir):
+            return torch_load(f, *args, **kwargs)
+        kwargs["weights_only"] = True
+        return _offloaded_values(torch_load(f, *args, **kwargs), offload_dir)
+
     base = transformers.PreTrainedModel
     patches = [
         (safetensors.torch, "load_file", load_file),
         (base, "from_pretrained", classmethod(from_pretrained)),
+        (torch, "load", load),
     ]
+    peft_loading = sys.modules.get("peft.utils.save_and_load")  # bound its own name at import
+    if peft_loading is not None and "safe_load_file" in peft_loading.__dict__:
+        patches.append((peft_loading, "safe_load_file", load_file))
     saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
     try:
         for owner, attribute, replacement in patches:
@@ -511,6 +534,30 @@ def ctx_maybe_load_from_disk_as_offloaded(
     finally:
         for owner, attribute, original in saved:
             setattr(owner, attribute, original)
+
+
+def _inside(f: Any, directory: PathLike) -> bool:
+    """Whether ``f`` is the path of a file inside ``directory`` (``False`` for a file object)."""
+    if not isinstance(f, (str, os.PathLike)):
+        return False
+    return Path(f).resolve().is_relative_to(Path(directory).resolve())
+
+
+def _offloaded_values(loaded: Any, offload_dir: PathLike) -> Any:
+    """What ``torch.load`` read, its tensors offloaded into ``offload_dir`` (a tensor, or the
+    tensors of a dict), each loaded on the device it was read to."""
+
+    def offloaded(value: Any, name: str) -> Any:
+        if not isinstance(value, torch.Tensor) or isinstance(value, OffloadedTensor):
+            return value
+        return maybe_load_offload_tensor(value, f"disk_{value.device}", name, offload_dir)
+
+    if isinstance(loaded, torch.Tensor):
+        return offloaded(loaded, "tensor")
+    if isinstance(loaded, dict):
+        kind = collections.OrderedDict if isinstance(loaded, collections.OrderedDict) else dict
+        return kind((key, offloaded(value, str(key))) for key, value in loaded.items())
+    return loaded
 
 
 _HONOURED = {"config", "dtype", "torch_dtype", "strict", "local_files_only", "low_cpu_mem_usage"}
