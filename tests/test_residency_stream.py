@@ -11,6 +11,7 @@ from pathlib import Path
 import anyio
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 from forking import in_forked_child
 from residency_checks import settle
 
@@ -20,6 +21,7 @@ from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     ResidencyStrategy,
+    TensorResidencyLease,
     TensorResidencyPool,
     active_tensor_residency,
     stream_modules,
@@ -690,3 +692,73 @@ def test_a_streamed_norm_in_training_mode_keeps_its_running_statistics(
     assert pool.stats().write_backs >= 2  # the running mean and variance, once closed
     for name in ("running_mean", "running_var"):
         assert torch.equal(getattr(model[1], name).reload(), getattr(dense[1], name)), name
+
+
+def test_a_forward_in_another_pools_scope_takes_nothing_from_this_stream(tmp_path: Path) -> None:
+    """One model streamed through two pools: a forward in one pool's scope is that pool's
+    alone, so the other pool (its stream, its close) never holds anything of it."""
+    dense, model = offloaded_blocks(tmp_path, count=4)
+    x = torch.randn(2, WIDTH)
+    inside, leave = threading.Event(), threading.Event()
+
+    def pause(module: torch.nn.Module, args: object) -> None:
+        inside.set()
+        assert leave.wait(10)
+
+    first, second = TensorResidencyPool(), TensorResidencyPool()
+    with second, stream_modules(second, model.blocks):
+        stream = stream_modules(first, model.blocks)
+        handle = model.blocks[2].register_forward_pre_hook(pause)
+        outcome: list[object] = []
+
+        def forward() -> None:
+            with second.scope(), torch.no_grad():
+                outcome.append(model(x))
+
+        thread = threading.Thread(target=forward)
+        thread.start()
+        try:
+            assert inside.wait(10)
+            assert first.stats().loads == 0 and first.resident_bytes == 0
+            assert "leased: 0," in repr(first)
+            stream.close()
+            first.close()  # nothing of the other pool's forward is leased here
+        finally:
+            leave.set()
+            thread.join(10)
+            handle.remove()
+        assert torch.allclose(outcome[0], dense(x), atol=1e-6)  # type: ignore[arg-type]
+        assert second.stats().loads > 0
+    assert first.closed and second.closed
+
+
+def test_closing_a_stream_under_a_running_forward_fails_it_clearly(tmp_path: Path) -> None:
+    """The stream closes while another thread's forward is between beginning its leases and
+    entering them: that forward fails with a clear error (kept, as a future keeps it), and
+    nothing it began stays leased."""
+    _dense, model = offloaded_blocks(tmp_path, count=4)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, model.blocks, depth=2)
+    errors: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            with torch.no_grad():
+                model(torch.randn(2, WIDTH))
+        except BaseException as error:  # kept alive, with its traceback
+            errors.append(error)
+
+    with paused_in_new_threads(TensorResidencyLease.__enter__.__code__, on="call") as enter:
+        enter.armed.set()
+        thread = threading.Thread(target=forward)
+        thread.start()
+        assert enter.paused.wait(10)
+        stream.close()
+        enter.go()
+        thread.join(10)
+    assert len(errors) == 1 and isinstance(errors[0], T2NErrorMisuse)
+    assert "closed while this forward ran in another thread" in str(errors[0])
+    assert "leased: 0," in repr(pool)
+    pool.close()
+    assert pool.closed
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())

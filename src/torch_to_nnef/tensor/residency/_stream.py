@@ -128,10 +128,11 @@ class _ThreadState:
 
 
 def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[int]) -> None:
-    """Drop the begun leases of the modules not in ``keep``."""
+    """Drop the begun leases of the modules not in ``keep`` (from any thread: a close may
+    drop those of a forward running in another)."""
     kept = set(keep)
-    for index in [i for i in begun if i not in kept]:
-        for lease in begun.pop(index):
+    for index in [i for i in list(begun) if i not in kept]:
+        for lease in begun.pop(index, ()):
             lease._cancel()
 
 
@@ -318,12 +319,17 @@ class ModuleStream(Uncopyable):
     def _pre_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any) -> None:
             pool = self.pool
+            scope = ACTIVE_RESIDENCY.get()
+            if scope is not None and scope[0] is not pool:
+                return  # a forward in another pool's scope is that pool's (its own stream's)
             if pool.closed:
                 raise T2NErrorMisuse(
                     "this module is streamed (stream_modules) through a TensorResidencyPool "
                     "that is closed: close the stream (leave its `with` block) to run the "
                     "model without the pool, or stream it through a new pool"
                 )
+            if not self._handles:
+                return  # the stream closed as this forward began: it reads through the tensors
             state = self._state()
             held, begun = state.held, state.begun
             if index <= state.last and not any(held.values()):
@@ -337,8 +343,8 @@ class ModuleStream(Uncopyable):
             stack = held.setdefault(index, [])
             stack.append(entry)
             values: dict[int, torch.Tensor] = {}
+            closed: T2NErrorMisuse | None = None
             try:
-                scope = ACTIVE_RESIDENCY.get()
                 if scope is None:  # a forward outside `pool.scope()`
                     entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
                 # Queue this module's loads, then those ahead, before waiting for any: a late
@@ -353,31 +359,48 @@ class ModuleStream(Uncopyable):
                         self._begin_next_forward(ahead - count)
                 # The begun leases stay in ``begun`` until all are entered: whatever stops
                 # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
-                for lease in begun[index]:
+                for lease in begun.get(index, ()):
                     value = lease.__enter__()
                     entry.leases.append(lease)
                     values[id(lease._source)] = value
-                del begun[index]
+                begun.pop(index, None)
                 # Its ops run on the values themselves where the tensors would serve the same
                 # (a trace records the tensors, not their values).
                 same = scope is None or (scope[0] is pool and scope[1] == self.device)
                 if same and not _is_tracing():
                     entry.watched = self._bind(index, values)
-            except BaseException:
+                with self._lock:  # a close from now on finds what this forward holds
+                    if not self._handles:
+                        closed = self._closed_under_forward()
+                if closed is not None:
+                    raise closed
+            except BaseException as error:
                 self._unbind(index)
                 for lease in entry.leases:
                     lease.__exit__(None, None, None)
-                for lease in begun.pop(index, ()):
-                    lease._cancel()  # (nothing for those entered)
+                # The forward is failing: nothing it began ahead will run (and its traceback
+                # would keep what it began alive).
+                _cancel_begun(begun, keep=())
                 _leave_scope(entry)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(entry)
+                if closed is None and not self._handles and isinstance(error, Exception):
+                    raise self._closed_under_forward() from error  # e.g. a lease it dropped
                 raise
 
         return hook
 
+    def _closed_under_forward(self) -> T2NErrorMisuse:
+        return T2NErrorMisuse(
+            "the stream (stream_modules) was closed while this forward ran in another thread: "
+            "close a stream once the forwards through it have ended"
+        )
+
     def _post_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            scope = ACTIVE_RESIDENCY.get()
+            if scope is not None and scope[0] is not self.pool:
+                return  # another pool's forward (see the pre-hook)
             state = self._state()
             held, begun = state.held, state.begun
             if sys.exc_info()[1] is not None:
