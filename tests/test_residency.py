@@ -365,6 +365,41 @@ async def test_close_with_leases_raises_and_keeps_the_pool_usable(
             await face.resolve(ts[1])
 
 
+@pytest.mark.asyncio
+async def test_two_closes_at_once_both_return_once_the_pool_closed(tmp_path: Path) -> None:
+    """A shutdown task awaits aclose() while the `async with` block ends: the later close
+    waits for the one under way (its write-backs), and both return with the pool closed."""
+    ts = make_tensors(tmp_path, 4)
+    pool = TensorResidencyPool(max_workers=1)
+    closes: list[str] = []
+
+    async def shutdown() -> None:
+        await pool.aclose()
+        closes.append("shutdown")
+
+    async with anyio.create_task_group() as group:
+        async with pool:
+            for t in ts:  # dirty values: the close has write-backs to wait for
+                async with pool.acquire(t, mode="read_write") as value:
+                    value.mul_(2)
+            group.start_soon(shutdown)
+            await anyio.sleep(0)  # the shutdown's close begins first
+        closes.append("exit")
+    assert pool.closed and sorted(closes) == ["exit", "shutdown"]
+    assert [float(t.reload()[0]) for t in ts] == [0.0, 2.0, 4.0, 6.0]
+    # From threads too: each sync close returns once the pool is closed.
+    others = make_tensors(tmp_path / "threads", 4)
+    pool = TensorResidencyPool(max_workers=1)
+    for t in others:
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1)
+    async with anyio.create_task_group() as group:
+        for _ in range(3):
+            group.start_soon(anyio.to_thread.run_sync, pool.close)
+    assert pool.closed
+    assert [float(t.reload()[0]) for t in others] == [1.0, 2.0, 3.0, 4.0]
+
+
 @faces
 @pytest.mark.asyncio
 async def test_one_tensor_cannot_be_resident_on_two_devices(tmp_path: Path, face_name: str) -> None:

@@ -56,6 +56,8 @@ class Actor:
         self.active_peak = 0
         self.closing = False
         self.closed = False
+        # Ends when the close under way ends (or gives up): another close waits for it.
+        self.close_ended: Job | None = None
         self.submit: SubmitJob | None = None  # set by the runtime while it serves
         # Set by the runtime while it serves: have the actor look at ended leases within
         # RELEASE_GRACE seconds (a timer of the loop; loop thread).
@@ -988,6 +990,7 @@ class Actor:
             ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
             if not leased:
                 self.closing = True
+                self.close_ended = Job("close", _nothing, (), _nothing)
                 for slot in self.published.values():
                     slot.open = False
                 self.published.clear()
@@ -1005,6 +1008,7 @@ class Actor:
         for entry in self.entries.values():
             if entry.resident:
                 self._reopen(entry)
+        self._close_ended()
 
     def finish_close(self) -> None:
         for entry in list(self.entries.values()):
@@ -1012,3 +1016,13 @@ class Actor:
         self.spares.clear()
         self.closing = False
         self.closed = True
+        self._close_ended()
+
+    def _close_ended(self) -> None:
+        ended, self.close_ended = self.close_ended, None
+        if ended is not None:
+            ended.finish(None, None)
+
+
+def _nothing(*args: Any) -> None:
+    """What the marker job of a close runs: nothing (it is never submitted)."""

@@ -153,6 +153,8 @@ class Close(Operation):
         if actor.closed:
             return None
         if not self.began:
+            if actor.close_ended is not None:
+                return actor.close_ended  # another close is under way: this one ends with it
             self.before()
             actor.begin_close()
             self.began = True
