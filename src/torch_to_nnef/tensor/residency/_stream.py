@@ -605,14 +605,17 @@ def stream_modules(
     its operations run on plain tensors, without an offloaded tensor's dispatch on each
     (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
     lease keeps it. Opaque values (``QTensor``), a place its owner set to another tensor,
-    forwards inside another pool's scope (or the same pool's on another device) and traces
-    (``torch.jit.trace``, ``torch.compile``) read through the tensors as before; so do
-    concurrent forwards in one module once a write came between their reads.
+    forwards inside the same pool's scope on another device and traces (``torch.jit.trace``,
+    ``torch.compile``) read through the tensors as before; so do concurrent forwards in one
+    module once a write came between their reads.
 
     The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
-    the first pass. A forward outside a ``pool.scope()`` is served by the pool too. Works for
-    sync forwards, forwards in ``anyio.to_thread.run_sync`` workers and several concurrent
-    forwards.
+    the first pass. A forward outside a ``pool.scope()`` is served by the pool too; a forward
+    inside another pool's scope is that pool's alone (the stream takes nothing for it), so one
+    model may be streamed through several pools. Works for sync forwards, forwards in
+    ``anyio.to_thread.run_sync`` workers and several concurrent forwards. Close the stream
+    once the forwards through it have ended: one that it closes under in another thread
+    fails with ``T2NErrorMisuse``, holding nothing.
 
     Args:
         pool: the pool that serves the values.
