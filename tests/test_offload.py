@@ -572,7 +572,7 @@ def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     t = OffloadedTensor.from_original_tensor(torch.zeros(8), "t", tmp_path)
     payload = t.offload_path
-    replaced = 0
+    replaced = quiet = 0
     with TensorResidencyPool() as pool:
         for n in itertools.count(1):
             before = t.reload()
@@ -586,9 +586,12 @@ def test_ctrl_c_at_any_call_of_a_direct_write_leaves_a_readable_tensor(
             assert t.dtype == disk.dtype, f"interrupt at call {n}"
             assert _same(pool.resolve(t), disk), f"interrupt at call {n}"
             assert files_in(tmp_path) == {payload.name}, f"interrupt at call {n}"
-            if not was_interrupted:
+            # A write may take a call less or more on a busy machine (a lock free at once, a
+            # finalizer run in between): past its end only once three in a row ran whole.
+            quiet = 0 if was_interrupted else quiet + 1
+            if quiet == 3:
                 break
-            replaced += _same(disk, new)
+            replaced += was_interrupted and _same(disk, new)
     assert n > 10  # the interrupts reached the write's code
     assert replaced  # some came after the rename: held, then raised once the tensor switched
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
