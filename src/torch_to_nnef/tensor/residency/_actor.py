@@ -164,8 +164,9 @@ class Actor:
             if not slot.open or (holder.read_write and slot.writing):
                 return False
             self._grant(slot, holder)
-            self._lock_hits += 1
-            slot.used = True
+            if not holder.ahead:
+                self._lock_hits += 1
+                slot.used = True
         return True
 
     def _grant(self, slot: Slot, holder: Holder, note: bool = True) -> None:
@@ -523,16 +524,18 @@ class Actor:
             entry = None
         if entry is None:
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
-        entry.used = True
-        if ticket.first:
-            self.policy.access(entry.key)
+        request = not ticket.holder.ahead  # a read-ahead's lease is no request
+        if request:
+            entry.used = True
+            if ticket.first:
+                self.policy.access(entry.key)
         write = entry.write
         if entry.value is not None and (
             write is None
             or not (ticket.holder.read_write or self._superseded_write(entry) is not None)
         ):
             if ticket.first:
-                self._hits += 1
+                self._hits += request
             slot = entry.slot
             assert slot is not None
             if ticket.waiting and entry.waiters == 1 and not slot.tracked:
@@ -554,7 +557,7 @@ class Actor:
             # No touch: a held value is out of the eviction order; its release touches it.
             return entry.value
         if ticket.first:
-            self._misses += 1
+            self._misses += request
             ticket.first = False
         if not ticket.waiting:
             ticket.waiting = True

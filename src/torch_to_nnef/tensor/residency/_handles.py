@@ -211,6 +211,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         # Holder's fields, set here rather than through its __init__: this runs on every acquire.
         self.read_write = mode == "read_write"
         self.entered = False
+        self.ahead = False
         self.slot = None
         self._pool = pool
         self._source = source
@@ -271,13 +272,16 @@ class TensorResidencyLease(Holder, Uncopyable):
         return True
 
     def _cancel(self) -> None:
-        """Drop a lease begun and not entered (any thread); it cannot be entered after."""
-        if self._used:
-            return
+        """Drop a lease begun and not entered (any thread); it cannot be entered after.
+        Idempotent, and a call again after an interrupt cut one finishes it."""
+        if self._used and self._begun is not _CANCELLED:
+            return  # entered: its owner ends it
+        self._begun = _CANCELLED  # first: an interrupt right after leaves it to a call again
         self._used = True
-        request, self._request, self._begun = self._request, None, None
+        request = self._request
         if request is not None:
-            self._pool._runtime.notify(request.abandon)
+            self._pool._runtime.notify(request.abandon)  # (idempotent)
+            self._request = None
         end_lease(self._pool, self, False)
 
     def __enter__(self) -> torch.Tensor:
@@ -356,3 +360,4 @@ class TensorResidencyLease(Holder, Uncopyable):
 
 
 _GRANTED = Reply.of(None)
+_CANCELLED = Reply.of(None)  # what a cancelled lease has begun: nothing to enter

@@ -43,8 +43,10 @@ class PoolStats(NamedTuple):
     being loaded. A value read ahead in time adds nothing; one read ahead too late adds what is
     left of its read."""
     wasted_prefetches: int = 0
-    """Values loaded without a request (``prefetch``, ``pin``) that left the pool before any
-    request used them: reads for nothing (a budget too small for the read-ahead window)."""
+    """Values loaded without a request (``prefetch``, ``pin``, the trace-driven read-ahead)
+    that left the pool before any request used them: reads for nothing (a budget too small for
+    the read-ahead window, or a forward that left the learned order). The read-ahead's own
+    leases are no requests: they count in neither ``hits`` nor ``misses``."""
     pinned_bytes: int = 0
     """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
     pool: ``storage.pinned_bytes()``), on top of ``max_cached_bytes``."""
@@ -280,13 +282,16 @@ class Holder:
     interrupt (``KeyboardInterrupt``) or a cancellation could land on. Whatever interrupts
     its owner, ``slot`` tells whether a lease is held, and releasing it is idempotent.
     ``read_write``: the lease's mode; ``entered``: a ``read_write`` lease whose value reached
-    its owner, who may change it (the slot's ``changing`` counts it)."""
+    its owner, who may change it (the slot's ``changing`` counts it); ``ahead``: a lease the
+    read-ahead holds for a forward to come, which is no request (no hit, no miss, no use: a
+    value it read and nothing used counts as a wasted prefetch)."""
 
-    __slots__ = ("entered", "read_write", "slot")
+    __slots__ = ("ahead", "entered", "read_write", "slot")
 
     def __init__(self, read_write: bool) -> None:
         self.read_write = read_write
         self.entered = False
+        self.ahead = False
         self.slot: Slot | None = None
 
 

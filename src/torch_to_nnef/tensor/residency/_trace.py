@@ -107,8 +107,22 @@ class ReadAheadStats:
     relearned: int
 
 
+class _Window:
+    """The tensors one thread's forward reads ahead now (its thread keeps it, the read-ahead
+    only weakly: when the thread ends, its window goes)."""
+
+    __slots__ = ("__weakref__", "keys")
+
+    def __init__(self) -> None:
+        self.keys: frozenset[int] = frozenset()
+
+
 class ReadAhead:
     """Reads ahead, for one pool, along the order its scoped forwards touch tensors in.
+
+    Each thread's forward has its own window (the tensors after the one it touched last); a
+    value read ahead is held while it is in some thread's window, so that concurrent
+    forwards (requests served at once) do not drop what the others read ahead.
 
     Args:
         pool: the pool.
@@ -120,10 +134,12 @@ class ReadAhead:
         self._trace = AccessTrace(window_bytes)
         self._sources: weakref.WeakValueDictionary[int, PoolSource] = weakref.WeakValueDictionary()
         self._held: dict[int, TensorResidencyLease] = {}
-        # Leases out of the window that a thread is dropping (or holding while it resolves),
-        # with that thread: whatever interrupts it, its next access or the pool's close
-        # drops them.
+        # Leases out of the windows that a thread is dropping (or holding while it resolves),
+        # with that thread: whatever interrupts it, its next access or the pool's close drops
+        # them. A lease is recorded here before it leaves ``_held``: it is never in neither.
         self._leaving: dict[TensorResidencyLease, int] = {}
+        self._windows: weakref.WeakSet[_Window] = weakref.WeakSet()
+        self._local = threading.local()
         self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         self._read_ahead = 0
         self._on_demand = 0
@@ -132,52 +148,73 @@ class ReadAhead:
         """The counters so far."""
         return ReadAheadStats(self._read_ahead, self._on_demand, self._trace.relearned)
 
+    def _window(self) -> _Window:
+        window: _Window | None = getattr(self._local, "window", None)
+        if window is None:
+            window = self._local.window = _Window()
+            with self._lock:
+                self._windows.add(window)
+        return window
+
+    def _leave(self, key: int, thread: int) -> TensorResidencyLease:
+        """Move the held lease of ``key`` to those ``thread`` is dropping (under the lock)."""
+        lease = self._held[key]
+        self._leaving[lease] = thread
+        del self._held[key]
+        return lease
+
     def touched(
         self, source: PoolSource, device: torch.device | None
     ) -> TensorResidencyLease | None:
         """Record an access of ``source`` by a scoped forward and read ahead of it.
 
         Returns the lease that held ``source``'s value when it was read ahead: the caller
-        lets it go (:meth:`let_go`) once it has resolved the value.
+        lets it go (:meth:`let_go`) once it has resolved the value. A value that another
+        thread's window holds stays held for that thread (``None`` is returned).
         """
         pool = self._pool()
         if pool is None:
             return None
         key = id(source)
         thread = threading.get_ident()
+        window = self._window()
+        held: TensorResidencyLease | None = None
         with self._lock:
             # What an interrupt left this thread dropping: it is no longer used.
             left = [lease for lease, owner in self._leaving.items() if owner == thread]
             if self._sources.get(key) is not source:
                 self._trace.forget(key)  # a new tensor reusing a dead one's id
                 self._sources[key] = source
-            held = self._held.pop(key, None)
-            if held is not None:
-                self._leaving[held] = thread
+            was_read_ahead = key in self._held
+            if was_read_ahead and not any(
+                key in other.keys for other in self._windows if other is not window
+            ):
+                held = self._leave(key, thread)
         for lease in left:
             self.let_go(lease)
         resident = pool.is_resident(source)  # type: ignore[arg-type]
         with self._lock:
-            if held is not None:
+            if was_read_ahead:
                 self._read_ahead += 1
             elif not resident:
                 self._on_demand += 1
         planned = self._trace.touched(key, source.payload_nbytes)
         begin: list[PoolSource] = []
         with self._lock:
-            dropped = [self._held.pop(k) for k in list(self._held) if k not in planned]
-            for lease in dropped:
-                self._leaving[lease] = thread
+            window.keys = frozenset(planned)
+            wanted = set().union(*(other.keys for other in self._windows))
+            dropped = [self._leave(k, thread) for k in list(self._held) if k not in wanted]
             for k in planned:
                 ahead = self._sources.get(k)
                 if k not in self._held and ahead is not None:
                     begin.append(ahead)
-        for lease in dropped:  # left the window: the order changed
+        for lease in dropped:  # left every window: the order changed
             self.let_go(lease)
         for ahead in begin:
             if pool.is_resident(ahead):  # type: ignore[arg-type]
                 continue
             lease = pool.acquire(ahead, device)  # type: ignore[arg-type]
+            lease.ahead = True  # no request: a value read and never used is a wasted read
             with self._lock:
                 # Another forward may have begun one meanwhile: the first stands. A lease is
                 # held here before it begins, where release() finds it whatever comes.
