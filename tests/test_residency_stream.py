@@ -762,3 +762,82 @@ def test_closing_a_stream_under_a_running_forward_fails_it_clearly(tmp_path: Pat
     pool.close()
     assert pool.closed
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+
+
+def test_a_lease_begun_after_the_stream_closed_under_a_forward_is_dropped(
+    tmp_path: Path,
+) -> None:
+    """The stream closes while another thread's forward is between beginning its module's
+    first lease and its second: the close takes the module's begun leases, the forward then
+    begins the second, and drops it itself as it fails."""
+    _dense, model = offloaded_blocks(tmp_path, count=2)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, model.blocks, depth=0)
+    errors: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            with torch.no_grad():
+                model(torch.randn(2, WIDTH))
+        except BaseException as error:
+            errors.append(error)
+
+    with paused_in_new_threads(TensorResidencyLease._begin.__code__) as begun:
+        begun.armed.set()
+        thread = threading.Thread(target=forward)
+        thread.start()
+        assert begun.paused.wait(10)  # the weight's lease began, the bias's not yet
+        stream.close()
+        begun.go()
+        thread.join(10)
+    assert len(errors) == 1 and "closed while this forward ran" in str(errors[0])
+    assert "leased: 0," in repr(pool)
+    pool.close()
+
+
+def test_a_forward_the_stream_closed_under_leaves_the_scope_it_opened(tmp_path: Path) -> None:
+    """A forward outside any scope is inside a module when another thread closes the stream:
+    it ends through its tensors, and its thread leaves the scope the stream opened for it
+    (it stayed in it, and once the pool closed every forward there failed)."""
+    dense, model = offloaded_blocks(tmp_path, count=3)
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, model.blocks)
+    inside, leave, closed = threading.Event(), threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def pause(module: torch.nn.Module, args: object) -> None:
+        inside.set()
+        assert leave.wait(10)
+
+    handle = model.blocks[1].register_forward_pre_hook(pause)  # after the stream's
+
+    def forwards() -> None:
+        with torch.no_grad():
+            outcome.append(model(x))
+            outcome.append(active_tensor_residency())
+            assert closed.wait(10)
+            outcome.append(model(x))  # no stream, no pool: read from the files
+
+    thread = threading.Thread(target=forwards)
+    thread.start()
+    try:
+        assert inside.wait(10)
+        stream.close()
+        handle.remove()
+        leave.set()
+        while len(outcome) < 2 and thread.is_alive():
+            thread.join(0.05)
+        pool.close()
+        closed.set()
+    finally:
+        leave.set()
+        closed.set()
+        thread.join(10)
+    with torch.no_grad():
+        expected = dense(x)
+    assert len(outcome) == 3, outcome
+    assert torch.allclose(outcome[0], expected, atol=1e-6)  # type: ignore[arg-type]
+    assert outcome[1] is None
+    assert torch.allclose(outcome[2], expected, atol=1e-6)  # type: ignore[arg-type]
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.blocks)

@@ -241,14 +241,18 @@ class ModuleStream(Uncopyable):
         # thread that runs it (any thread), once no thread is beginning them (``_filling``).
         self._next_forward: dict[int, list[TensorResidencyLease]] = {}
         self._filling: set[int] = set()
-        self._handles: list[Any] = []
+        self._handles: list[Any] = []  # empty once closed
+        # Post-hooks by module: a close leaves those of modules a forward is inside until it
+        # leaves them, so that the forward leaves the scope the stream opened for it.
+        self._post_handles: dict[int, Any] = {}
+        self._lingering: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
         for index, module in enumerate(modules):
             self._handles.append(module.register_forward_pre_hook(_Hook(self._pre_hook(index))))
-            self._handles.append(
-                module.register_forward_hook(_Hook(self._post_hook(index)), always_call=True)
-            )
+            post = module.register_forward_hook(_Hook(self._post_hook(index)), always_call=True)
+            self._handles.append(post)
+            self._post_handles[index] = post
 
     # -- hooks -------------------------------------------------------------------------------
     def _state(self) -> _ThreadState:
@@ -264,22 +268,29 @@ class ModuleStream(Uncopyable):
             weakref.finalize(state, _forget_thread, state.begun, state.held)
         return state
 
-    def _begin(self, index: int, begun: dict[int, list[TensorResidencyLease]]) -> None:
-        """Start leasing module ``index``'s tensors, so they are loaded and held in time."""
-        if index in begun:
-            return
+    def _begin(
+        self, index: int, begun: dict[int, list[TensorResidencyLease]]
+    ) -> list[TensorResidencyLease]:
+        """Start leasing module ``index``'s tensors, so they are loaded and held in time.
+        Returns the list they are in (which a close from another thread may take out of
+        ``begun`` while they are begun: the forward then drops them itself)."""
+        leases = begun.get(index)
+        if leases is not None:
+            return leases
         with self._lock:  # taken in one step: whatever interrupts, they are in one place
             if self._next_forward.get(index) and index not in self._filling:
-                begun[index] = self._next_forward.pop(index)  # begun past the last module
-                return
+                leases = begun[index] = self._next_forward.pop(index)  # past the last module
+                return leases
         # Where the forward's end, or the stream's close, finds them before any is begun.
         leases = begun[index] = []
         try:
             self._begin_leases(index, leases)
         except BaseException:
-            for lease in begun.pop(index, ()):
+            begun.pop(index, None)
+            for lease in leases:
                 lease._cancel()  # (idempotent)
             raise
+        return leases
 
     def _begin_leases(self, index: int, leases: list[TensorResidencyLease]) -> None:
         """Begin leases on module ``index``'s tensors into ``leases``, a list the caller keeps
@@ -344,17 +355,18 @@ class ModuleStream(Uncopyable):
             stack.append(entry)
             values: dict[int, torch.Tensor] = {}
             closed: T2NErrorMisuse | None = None
+            mine: list[list[TensorResidencyLease]] = []  # what this forward began
             try:
                 if scope is None:  # a forward outside `pool.scope()`
                     entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
                 # Queue this module's loads, then those ahead, before waiting for any: a late
                 # value does not delay the reads behind it.
-                self._begin(index, begun)
+                mine.append(self._begin(index, begun))
                 count = len(self.groups)
                 for step in range(1, min(self.depth, count - 1) + 1):
                     ahead = index + step
                     if ahead < count:
-                        self._begin(ahead, begun)
+                        mine.append(self._begin(ahead, begun))
                     else:
                         self._begin_next_forward(ahead - count)
                 # The begun leases stay in ``begun`` until all are entered: whatever stops
@@ -379,8 +391,11 @@ class ModuleStream(Uncopyable):
                 for lease in entry.leases:
                     lease.__exit__(None, None, None)
                 # The forward is failing: nothing it began ahead will run (and its traceback
-                # would keep what it began alive).
+                # would keep what it began alive), whether or not a close took it from `begun`.
                 _cancel_begun(begun, keep=())
+                for leases in mine:
+                    for lease in leases:
+                        lease._cancel()  # (nothing for those entered)
                 _leave_scope(entry)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(entry)
@@ -398,6 +413,13 @@ class ModuleStream(Uncopyable):
 
     def _post_hook(self, index: int) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            try:
+                leave(module, args, output)
+            finally:
+                if not self._handles:  # closed: it stayed for a forward inside the module
+                    self._drop_post_hook(index)
+
+        def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
             scope = ACTIVE_RESIDENCY.get()
             if scope is not None and scope[0] is not self.pool:
                 return  # another pool's forward (see the pre-hook)
@@ -427,6 +449,16 @@ class ModuleStream(Uncopyable):
                     stack.remove(ended)
 
         return hook
+
+    def _drop_post_hook(self, index: int) -> None:
+        """Remove module ``index``'s post-hook, which a close left for the forwards inside
+        the module, once none is."""
+        with self._lock:
+            if any(state.held.get(index) for state in list(self._lingering)):
+                return
+            handle = self._post_handles.pop(index, None)
+        if handle is not None:
+            handle.remove()
 
     # -- values bound in place of their tensors ------------------------------------------------
     def _bind(self, index: int, values: dict[int, torch.Tensor]) -> list[_Watched]:
@@ -506,10 +538,13 @@ class ModuleStream(Uncopyable):
         """
         with self._lock:
             handles, self._handles = self._handles, []
+            self._lingering = self._threads
             threads = list(self._threads)
             self._threads = weakref.WeakSet()
+            posts = {id(handle) for handle in self._post_handles.values()}
         for handle in handles:
-            handle.remove()
+            if id(handle) not in posts:
+                handle.remove()
         with self._lock:  # a forward interrupted where its module's hook could not run
             bound, self._bound = self._bound, {}
             for (table, name, tensor), value in bound.values():
@@ -520,6 +555,10 @@ class ModuleStream(Uncopyable):
             self._end_held(state)
         self._release_next_forward()
         self.pool._streams.discard(self)
+        # A forward of another thread inside a module leaves the scope the stream opened for
+        # it in its own thread only: that module's post-hook stays until it has.
+        for index in list(self._post_handles):
+            self._drop_post_hook(index)
 
     def _end_interrupted_forward(self) -> None:
         """Give back what a forward of the calling thread, interrupted inside modules, still
@@ -614,8 +653,9 @@ def stream_modules(
     inside another pool's scope is that pool's alone (the stream takes nothing for it), so one
     model may be streamed through several pools. Works for sync forwards, forwards in
     ``anyio.to_thread.run_sync`` workers and several concurrent forwards. Close the stream
-    once the forwards through it have ended: one that it closes under in another thread
-    fails with ``T2NErrorMisuse``, holding nothing.
+    once the forwards through it have ended: one running in another thread as it closes
+    either fails with ``T2NErrorMisuse`` or ends reading through its tensors; either way it
+    holds nothing once it ended, and its thread leaves the scope the stream opened for it.
 
     Args:
         pool: the pool that serves the values.
