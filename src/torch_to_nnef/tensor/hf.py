@@ -484,8 +484,8 @@ def ctx_maybe_load_from_disk_as_offloaded(
     - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
       returns its tensors offloaded: a tensor, or the tensors of a dict (other values as
       they are), each written once into ``offload_dir`` and loaded on the device it was
-      read to. A call passing ``weights_only=False`` and files inside ``offload_dir`` are
-      left to ``torch.load`` as they are.
+      read to (meta tensors stay as they are). A call passing ``weights_only=False`` or a
+      ``pickle_module``, and files inside ``offload_dir``, are left to ``torch.load``.
 
     Not thread-safe: the functions are patched in their modules for the duration of the
     context.
@@ -512,8 +512,10 @@ def ctx_maybe_load_from_disk_as_offloaded(
     torch_load = torch.load
 
     def load(f: Any, *args: Any, **kwargs: Any) -> Any:
-        if kwargs.get("weights_only") is False or _inside(f, offload_dir):
-            return torch_load(f, *args, **kwargs)
+        pickle_module = args[1] if len(args) > 1 else kwargs.get("pickle_module")
+        unsafe = kwargs.get("weights_only") is False or pickle_module is not None
+        if unsafe or _inside(f, offload_dir):
+            return torch_load(f, *args, **kwargs)  # torch's own, as it would load it
         kwargs["weights_only"] = True
         return _offloaded_values(torch_load(f, *args, **kwargs), offload_dir)
 
@@ -550,6 +552,8 @@ def _offloaded_values(loaded: Any, offload_dir: PathLike) -> Any:
     def offloaded(value: Any, name: str) -> Any:
         if not isinstance(value, torch.Tensor) or isinstance(value, OffloadedTensor):
             return value
+        if value.device.type == "meta":
+            return value  # read for its shape (map_location="meta"): nothing to offload
         return maybe_load_offload_tensor(value, f"disk_{value.device}", name, offload_dir)
 
     if isinstance(loaded, torch.Tensor):
