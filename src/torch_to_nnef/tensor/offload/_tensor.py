@@ -364,6 +364,18 @@ def _is_whole_host_buffer(tensor: Any, spec: storage.EntrySpec) -> bool:
     )
 
 
+def _without_copy(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
+    """``torch.Tensor.to``'s arguments without ``copy`` (taken out of ``kwargs``), and it:
+    positional, it follows ``non_blocking`` (``to(dtype, non_blocking, copy)``,
+    ``to(other, non_blocking, copy)``, ``to(device, dtype, non_blocking, copy)``)."""
+    copy = bool(kwargs.pop("copy", False))
+    position = 2 if args and isinstance(args[0], (torch.dtype, torch.Tensor)) else 3
+    if len(args) > position and isinstance(args[position], bool):
+        copy = copy or args[position]
+        args = args[:position] + args[position + 1 :]
+    return args, copy
+
+
 def _is_meta(device: DeviceLike) -> bool:
     """Whether ``device`` names the meta device (``False`` for what names no device)."""
     try:
@@ -1481,7 +1493,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             T2NErrorNotImplemented: a memory format other than the preserved one, or a cast
                 that turns an opaque value into a plain tensor.
         """
-        if kwargs.pop("copy", False):
+        args, copy = _without_copy(args, kwargs)
+        if copy:
             return self.__deepcopy__({}).to(*args, **kwargs)
         try:
             device, dtype, _non_blocking, memory_format = torch._C._nn._parse_to(*args, **kwargs)
