@@ -298,7 +298,11 @@ def test_torch_load_inside_the_context_offloads_what_it_reads(tmp_path: Path) ->
         tensor = torch.load(tmp_path / "tensor.pt", map_location="cpu")
         inside = torch.load(offload_dir / "inside.pt")
         unsafe = torch.load(tmp_path / "tensor.pt", weights_only=False)
+        with_pickle = torch.load(tmp_path / "tensor.pt", "cpu", pickle)  # torch's own
+        shapes = torch.load(tmp_path / "dict.pt", map_location="meta")
     assert torch.load is original
+    assert type(with_pickle) is torch.Tensor
+    assert shapes["a"].device.type == "meta" and shapes["a"].shape == (2, 3)
     assert isinstance(loaded["a"], OffloadedTensor) and loaded["step"] == 3
     assert torch.equal(loaded["a"].reload(), values["a"])
     assert loaded["a"].offload_path.parent == offload_dir
@@ -336,6 +340,16 @@ def test_dispatch_casts_entries_to_the_model_dtype_as_upstream(
             assert torch.equal(model.state_dict()[key].reload(), value.to(model_dtype))
         assert f"4 tensor(s) stored in {stored} are cast to {model_dtype}" in caplog.text
         assert f"pass dtype={stored}" in caplog.text
+    # An integer entry is bound in its own dtype only: the error says what can fix it.
+    counted = nn.Linear(4, 3)
+    counted.register_buffer("steps", torch.zeros(1, dtype=torch.int64))
+    state = {**counted.state_dict(), "steps": torch.tensor([3], dtype=torch.int32)}
+    safetensors.torch.save_file(state, tmp_path / "counted.safetensors")
+    with pytest.raises(T2NErrorCheckpoint, match="integer and boolean entries") as refused:
+        t2n_load_checkpoint_and_dispatch(
+            counted, tmp_path / "counted.safetensors", "t2n_offload_disk", tmp_path / "off"
+        )
+    assert "pass dtype=" not in str(refused.value)
 
 
 def test_a_base_model_and_its_causal_lm_bind_each_others_checkpoints(

@@ -312,6 +312,10 @@ def test_to_with_copy_leaves_the_tensor_alone(
     assert same is not offloaded and same.offload_path != offloaded.offload_path
     same.add_(1)  # an independent copy
     assert torch.equal(offloaded.reload(), weight)
+    for positional in ((torch.float16, False, True), ("cpu", torch.float16, False, True)):
+        half = offloaded.to(*positional)  # copy given by position, as torch.Tensor.to takes it
+        assert half is not offloaded and half.dtype == torch.float16
+    assert offloaded.dtype == torch.float32
 
 
 def test_to_refuses_what_it_cannot_do(offloaded: OffloadedTensor) -> None:

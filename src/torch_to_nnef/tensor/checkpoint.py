@@ -507,12 +507,19 @@ class _Misfits:
         if self.dtypes:
             groups = [self._dtype_group(pair, keys) for pair, keys in self.dtypes.items()]
             parts.append(f"dtype mismatch: {'; '.join(groups)}.")
-            stored = next(iter(self.dtypes))[0]
-            hints.append(
-                f"pass dtype={stored} to bind the tensors in the checkpoint's dtype (read in "
-                "place), or dtype=<the model's dtype> to cast them on load (each cast tensor "
-                "is written once to offload_dir)"
-            )
+            floating = [pair for pair in self.dtypes if all(d.is_floating_point for d in pair)]
+            if floating:
+                hints.append(
+                    f"pass dtype={floating[0][0]} to bind the floating-point tensors in the "
+                    "checkpoint's dtype (read in place), or dtype=<the model's dtype> to cast "
+                    "them on load (each cast tensor is written once to offload_dir)"
+                )
+            if len(floating) < len(self.dtypes):
+                hints.append(
+                    "integer and boolean entries are bound in their own dtype only (dtype= "
+                    "does not cast them): give the model's tensor the checkpoint's dtype, or "
+                    "convert the checkpoint's entry"
+                )
         if strict and self.missing:
             parts.append(f"{len(self.missing)} missing key(s): {_listed(self.missing)}.")
         if strict and unexpected:
