@@ -7,6 +7,7 @@ import gc
 import os
 import threading
 from pathlib import Path
+from types import CodeType
 
 import anyio
 import pytest
@@ -736,31 +737,9 @@ def test_closing_a_stream_under_a_running_forward_fails_it_clearly(tmp_path: Pat
     """The stream closes while another thread's forward is between beginning its leases and
     entering them: that forward fails with a clear error (kept, as a future keeps it), and
     nothing it began stays leased."""
-    _dense, model = offloaded_blocks(tmp_path, count=4)
-    pool = TensorResidencyPool()
-    stream = stream_modules(pool, model.blocks, depth=2)
-    errors: list[BaseException] = []
-
-    def forward() -> None:
-        try:
-            with torch.no_grad():
-                model(torch.randn(2, WIDTH))
-        except BaseException as error:  # kept alive, with its traceback
-            errors.append(error)
-
-    with paused_in_new_threads(TensorResidencyLease.__enter__.__code__, on="call") as enter:
-        enter.armed.set()
-        thread = threading.Thread(target=forward)
-        thread.start()
-        assert enter.paused.wait(10)
-        stream.close()
-        enter.go()
-        thread.join(10)
-    assert len(errors) == 1 and isinstance(errors[0], T2NErrorMisuse)
-    assert "closed while this forward ran in another thread" in str(errors[0])
-    assert "leased: 0," in repr(pool)
-    pool.close()
-    assert pool.closed
+    model = _close_stream_in_a_forward(
+        tmp_path, TensorResidencyLease.__enter__.__code__, "call", depth=2, count=4
+    )
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
@@ -770,29 +749,43 @@ def test_a_lease_begun_after_the_stream_closed_under_a_forward_is_dropped(
     """The stream closes while another thread's forward is between beginning its module's
     first lease and its second: the close takes the module's begun leases, the forward then
     begins the second, and drops it itself as it fails."""
-    _dense, model = offloaded_blocks(tmp_path, count=2)
+    _close_stream_in_a_forward(
+        tmp_path, TensorResidencyLease._begin.__code__, "return", depth=0, count=2
+    )
+
+
+def _close_stream_in_a_forward(
+    tmp_path: Path, code: CodeType, on: str, *, depth: int, count: int
+) -> Blocks:
+    """Close a stream while another thread's forward through it is paused at ``code``
+    (``on`` its call or return); check that the forward failed saying so, that nothing stays
+    leased, and that the pool closes."""
+    _dense, model = offloaded_blocks(tmp_path, count=count)
     pool = TensorResidencyPool()
-    stream = stream_modules(pool, model.blocks, depth=0)
+    stream = stream_modules(pool, model.blocks, depth=depth)
     errors: list[BaseException] = []
 
     def forward() -> None:
         try:
             with torch.no_grad():
                 model(torch.randn(2, WIDTH))
-        except BaseException as error:
+        except BaseException as error:  # kept alive, with its traceback
             errors.append(error)
 
-    with paused_in_new_threads(TensorResidencyLease._begin.__code__) as begun:
-        begun.armed.set()
+    with paused_in_new_threads(code, on=on) as point:
+        point.armed.set()
         thread = threading.Thread(target=forward)
         thread.start()
-        assert begun.paused.wait(10)  # the weight's lease began, the bias's not yet
+        assert point.paused.wait(10)
         stream.close()
-        begun.go()
+        point.go()
         thread.join(10)
-    assert len(errors) == 1 and "closed while this forward ran" in str(errors[0])
+    assert len(errors) == 1 and isinstance(errors[0], T2NErrorMisuse)
+    assert "closed while this forward ran in another thread" in str(errors[0])
     assert "leased: 0," in repr(pool)
     pool.close()
+    assert pool.closed
+    return model
 
 
 def test_a_forward_the_stream_closed_under_leaves_the_scope_it_opened(tmp_path: Path) -> None:
