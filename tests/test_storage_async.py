@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -14,9 +15,11 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.storage import _io as storage_io
 from torch_to_nnef.tensor.storage._format import DTYPE_BY_CODE
 
 ALL_DTYPES = sorted(set(DTYPE_BY_CODE.values()), key=str)
@@ -131,8 +134,13 @@ async def test_async_errors_match_the_sync_reader(tmp_path: Path) -> None:
         await storage.aread_payload(layout, out={"a": torch.empty(5)})
     with pytest.raises(T2NErrorStorage, match="has no entry 'x'"):
         await storage.aread_payload(layout, names=["x"])
-    with pytest.raises(T2NErrorMisuse, match="chunk_bytes must be a positive"):
-        await storage.aread_payload(layout, chunk_bytes=0)
+    for chunk_bytes in (0, 1.5, "4096"):
+        with pytest.raises(T2NErrorMisuse, match="chunk_bytes must be a positive int"):
+            await storage.aread_payload(layout, chunk_bytes=chunk_bytes)  # type: ignore[arg-type]
+    with pytest.raises(T2NErrorMisuse, match="chunk_bytes must be a positive int"):
+        await storage.awrite_payload(layout.path, {"a": torch.randn(4)}, chunk_bytes=1.5)  # type: ignore[arg-type]
+    with pytest.raises(T2NErrorMisuse, match="reads a PayloadLayout, got str"):
+        await storage.aread_payload(str(layout.path))  # type: ignore[arg-type]
 
     storage.write_payload(layout.path, {"a": torch.randn(8)})
     with pytest.raises(T2NErrorStorage, match="replaced or modified"):
@@ -334,3 +342,46 @@ async def test_reader_survives_a_cancellation_of_another_reader(
         with pytest.raises(asyncio.CancelledError):
             await victim
     assert torch.equal(loaded["w"], torch.ones(N_CHUNKS * CHUNK // 4))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("face", ["sync", "async"])
+def test_a_file_written_in_place_during_a_read_is_refused(tmp_path: Path, face: str) -> None:
+    """Another program rewrites the payload in place while it is read (not replacing it, as
+    writers of payloads do): the read raises instead of returning half old, half new."""
+    layout = storage.write_payload(tmp_path / "p.safetensors", {"a": torch.zeros(1 << 16)})
+    start = layout.entries["a"].start
+
+    def rewrite_in_place() -> None:
+        fd = os.open(layout.path, os.O_WRONLY)
+        try:
+            os.pwrite(fd, torch.ones(16).numpy().tobytes(), start)
+        finally:
+            os.close(fd)
+        stat = os.stat(layout.path)
+        os.utime(layout.path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))
+
+    executor = concurrent.futures.ThreadPoolExecutor(1)
+    outcome: list[BaseException | dict[str, torch.Tensor]] = []
+
+    def read() -> None:
+        try:
+            if face == "sync":
+                outcome.append(storage.read_payload(layout))
+            else:
+                outcome.append(asyncio.run(storage.aread_payload(layout, executor=executor)))
+        except BaseException as error:
+            outcome.append(error)
+
+    code = storage_io.check_unchanged_after_read.__code__
+    with paused_in_new_threads(code, on="call") as check:
+        check.armed.set()
+        thread = threading.Thread(target=read)
+        thread.start()
+        assert check.paused.wait(10)  # the data is read, the check is about to run
+        rewrite_in_place()
+        check.go()
+        thread.join(10)
+    executor.shutdown()
+    assert len(outcome) == 1 and isinstance(outcome[0], T2NErrorStorage), outcome
+    assert "modified in place while it was read" in str(outcome[0])

@@ -31,6 +31,7 @@ from torch_to_nnef.tensor.storage._format import PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
     AtomicFile,
     check_unchanged,
+    check_unchanged_after_read,
     committed_layout,
     open_for_reading,
     os_error_message,
@@ -79,8 +80,10 @@ async def _wait_done(future: asyncio.Future[Any]) -> None:
 
 
 def _check_chunk_bytes(chunk_bytes: int) -> None:
-    if chunk_bytes <= 0:
-        raise T2NErrorMisuse(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes}")
+    if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes <= 0:
+        raise T2NErrorMisuse(
+            f"chunk_bytes must be a positive int number of bytes, got {chunk_bytes!r}"
+        )
 
 
 def _open_reader(path: Path) -> tuple[io.FileIO, os.stat_result]:
@@ -126,6 +129,11 @@ async def aread_payload(
         T2NErrorMisuse: a buffer of ``out`` does not match its entry or is not requested.
     """
     _check_chunk_bytes(chunk_bytes)
+    if not isinstance(layout, PayloadLayout):
+        raise T2NErrorMisuse(
+            f"aread_payload reads a PayloadLayout, got {type(layout).__name__}; get one with "
+            "read_layout(path)"
+        )
     path = layout.path
     loop = asyncio.get_running_loop()
     raw, stat = await _uncancellable(
@@ -147,6 +155,9 @@ async def aread_payload(
                     raise short_read(path, position, "tensor data")
                 done += count
                 position += count
+        await _uncancellable(
+            loop.run_in_executor(executor, check_unchanged_after_read, layout, raw.fileno())
+        )
     except T2NErrorStorage:
         raise  # already names the file and the rule (it is an OSError too)
     except OSError as exc:

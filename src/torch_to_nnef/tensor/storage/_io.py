@@ -150,17 +150,37 @@ def check_regular(path: Path, stat: os.stat_result) -> None:
         raise T2NErrorStorage(f"payload path '{path}' is {kind}; a payload must be a regular file")
 
 
+def _changed(layout: PayloadLayout, stat: os.stat_result) -> bool:
+    """Whether ``stat`` is not that of the file ``layout`` was made from."""
+    if layout.identity is not None:
+        return file_identity(stat) != layout.identity
+    return stat.st_size != layout.file_size
+
+
 def check_unchanged(layout: PayloadLayout, stat: os.stat_result) -> None:
     """Raise :class:`T2NErrorStorage` if the file is not the one ``layout`` was made from."""
-    changed = (
-        file_identity(stat) != layout.identity
-        if layout.identity is not None
-        else stat.st_size != layout.file_size
-    )
-    if changed:
+    if _changed(layout, stat):
         raise T2NErrorStorage(
             f"payload file '{layout.path}' was replaced or modified since its layout was read "
             f"({stat.st_size} bytes now, {layout.file_size} then); call read_layout() again"
+        )
+
+
+def check_unchanged_after_read(layout: PayloadLayout, fd: int) -> None:
+    """Raise :class:`T2NErrorStorage` if the open file ``fd`` of ``layout`` was written in
+    place while it was read (its identity checked before the read no longer holds): what was
+    read may be half old, half new."""
+    try:
+        stat = os.fstat(fd)
+    except OSError as exc:
+        raise T2NErrorStorage(
+            f"cannot inspect payload file '{layout.path}': {os_error_message(exc)}"
+        ) from exc
+    if _changed(layout, stat):
+        raise T2NErrorStorage(
+            f"payload file '{layout.path}' was modified in place while it was read (what was "
+            "read may be half old, half new); a payload file must only be replaced, never "
+            "rewritten in place: read it again once its writer is done"
         )
 
 
@@ -306,6 +326,7 @@ def read_payload(
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for offset, views in contiguous_runs(plan.jobs):
             pread_exact(fd, layout.path, views, offset, "tensor data")
+        check_unchanged_after_read(layout, fd)
     finally:
         os.close(fd)
     return plan.result
@@ -353,6 +374,7 @@ def read_to_device(
                 pread_exact(fd, layout.path, [byte_view(chunk)], start + offset, "tensor data")
 
             transfer.stage(target, fill)
+        check_unchanged_after_read(layout, fd)
     finally:
         os.close(fd)
     value = transfer.on_stream(lambda: build(tensors))
