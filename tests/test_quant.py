@@ -22,6 +22,7 @@ from torch_to_nnef.exceptions import (
     T2NErrorNotImplemented,
     T2NErrorStorage,
 )
+from torch_to_nnef.tensor import TensorResidencyPool, offload_module, storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.opaque import OpaqueTensor, SupportsOffloadState, offload_state_class
 from torch_to_nnef.tensor.quant import (
@@ -679,3 +680,28 @@ def test_offload_state_round_trips_on_cuda() -> None:
     rebuilt = QTensorTractScaleOnly.from_offload_state(state)
     assert rebuilt.device == q.device
     assert torch.equal(rebuilt.decompress(), q.decompress())
+
+
+@pytest.mark.timeout(60)
+def test_a_pool_counts_what_quantized_values_hold_in_memory(tmp_path: Path) -> None:
+    """A Q4_0 value holds its codes one per byte, twice its file: the pool counts what it
+    holds (it counted the file, and kept twice its budget of values)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(256, 256, bias=False) for _ in range(6))).eval()
+    for layer in model:
+        layer.weight = nn.Parameter(
+            fp_to_tract_q4_0_with_min_max_calibration(layer.weight.detach()),
+            requires_grad=False,
+        )
+    offload_module(model, tmp_path)
+    weights = [layer.weight for layer in model]
+    held = storage.value_nbytes(weights[0].reload())
+    assert held > 1.8 * weights[0].payload_nbytes
+    budget = 3 * held
+    x = torch.randn(2, 256)
+    with TensorResidencyPool(max_cached_bytes=budget) as pool, pool.scope(), torch.no_grad():
+        for _ in range(2):
+            model(x)
+        resident = [w for w in weights if pool.is_resident(w)]
+        assert pool.resident_bytes == len(resident) * held <= budget
+        assert len(resident) == 3

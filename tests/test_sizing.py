@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
-from torch_to_nnef.tensor import TensorResidencyPool, offload_module
+from torch_to_nnef.tensor import TensorResidencyPool, offload_module, storage
 from torch_to_nnef.tensor.quant import fp_to_tract_q4_0_with_min_max_calibration
 from torch_to_nnef.tensor.sizing import ModuleFootprint, module_footprint, parse_bytes
 
@@ -76,8 +76,9 @@ def test_footprint_counts_each_offloaded_tensor_once_and_finds_the_largest_layer
     )
 
 
-def test_footprint_counts_what_the_pool_counts(tmp_path: Path) -> None:
-    """Offloaded bytes are payload bytes: a Q4_0 weight counts its codes and scales."""
+def test_footprint_counts_payload_bytes(tmp_path: Path) -> None:
+    """Offloaded bytes are payload bytes: a Q4_0 weight counts its packed codes and scales;
+    the pool counts what the loaded value holds (its codes one per byte)."""
     model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False))
     model[0].weight = torch.nn.Parameter(
         fp_to_tract_q4_0_with_min_max_calibration(model[0].weight.detach()),
@@ -87,8 +88,8 @@ def test_footprint_counts_what_the_pool_counts(tmp_path: Path) -> None:
     footprint = module_footprint(model)
     assert footprint.offloaded_bytes == 64 * 64 // 2 + 64 * 64 // 32 * 2  # 4 bits + f16 scales
     with TensorResidencyPool() as pool:
-        pool.prefetch(model[0].weight).wait()
-        assert pool.resident_bytes == footprint.offloaded_bytes
+        value = pool.prefetch(model[0].weight).wait()
+        assert pool.resident_bytes == storage.value_nbytes(value) == 64 * 64 + 64 * 64 // 32 * 2
 
 
 def test_footprint_of_a_model_without_offloaded_tensors() -> None:

@@ -712,6 +712,7 @@ def test_public_api_is_exactly_exported() -> None:
             "encode_opaque",
             "decode_opaque",
             "decode_offload_state",
+            "value_nbytes",
             "is_opaque_payload",
             "payload_path",
             "make_private_dir",

@@ -76,7 +76,9 @@ class ModuleFootprint(NamedTuple):
     """What :func:`module_footprint` reports about a model."""
 
     offloaded_bytes: int
-    """Bytes of every offloaded tensor, each counted once (tied weights share one)."""
+    """Bytes of every offloaded tensor's payload, each counted once (tied weights share one).
+    A quantized value holds more once loaded (Q4_0: its codes one per byte, about twice its
+    payload), and a pool counts what values hold."""
     resident_bytes: int
     """Bytes of the parameters and buffers that are not offloaded (always in memory)."""
     largest_layer: str

@@ -645,6 +645,8 @@ class Actor:
         self._loads += 1
         self._bytes_read += entry.nbytes
         if self.entries.get(entry.key) is entry and entry.value is None:
+            if type(value) is not torch.Tensor:  # may hold more than its file (Q4_0 codes)
+                entry.nbytes = storage.value_nbytes(value)
             self._make_resident(entry, value)
         elif entry.value is not None:
             value = entry.value
@@ -909,7 +911,7 @@ class Actor:
         version = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
             self._write_backs += 1
-            self._bytes_written += entry.nbytes
+            self._bytes_written += entry.source.payload_nbytes  # the file's (see _on_loaded)
             entry.version = version  # the file holds the pool's value (or a later write)
             if slot is not None:
                 with self.lock:

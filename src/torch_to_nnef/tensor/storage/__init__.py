@@ -66,6 +66,7 @@ from torch_to_nnef.tensor.storage._opaque import decode_offload_state as decode_
 from torch_to_nnef.tensor.storage._opaque import decode_opaque as decode_opaque
 from torch_to_nnef.tensor.storage._opaque import encode_opaque as encode_opaque
 from torch_to_nnef.tensor.storage._opaque import is_opaque_payload as is_opaque_payload
+from torch_to_nnef.tensor.storage._opaque import value_nbytes as value_nbytes
 from torch_to_nnef.tensor.storage._paths import payload_path as payload_path
 from torch_to_nnef.tensor.storage._pinned import CHUNK_BYTES as PINNED_CHUNK_BYTES
 from torch_to_nnef.tensor.storage._pinned import CHUNKS_PER_DEVICE as PINNED_CHUNKS_PER_DEVICE
@@ -108,6 +109,7 @@ __all__ = [
     "encode_opaque",
     "decode_opaque",
     "decode_offload_state",
+    "value_nbytes",
     "is_opaque_payload",
     # file names
     "payload_path",

@@ -35,7 +35,13 @@ from torch_to_nnef.tensor.opaque import (
     offload_state_class,
 )
 
-__all__ = ["decode_offload_state", "decode_opaque", "encode_opaque", "is_opaque_payload"]
+__all__ = [
+    "decode_offload_state",
+    "decode_opaque",
+    "encode_opaque",
+    "is_opaque_payload",
+    "value_nbytes",
+]
 
 CLASS_KEY = "t2n.class"
 ATTRIBUTES_KEY = "t2n.attributes"
@@ -306,3 +312,40 @@ def decode_opaque(
             f"{tag}.from_offload_state() built a {type(value).__name__}, not a tensor"
         )
     return value
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+# ---------------------------------------------------------------------------------------------
+def value_nbytes(value: torch.Tensor) -> int:
+    """Bytes of memory a loaded value holds: a plain tensor's own, and for an opaque value
+    (a ``QTensor``) those of the tensors it keeps in its attributes, nested objects (its
+    scheme) included, each storage once. A value in memory may take more than its payload
+    file: Q4_0 codes are packed two per byte in the file and held one per byte.
+
+    Args:
+        value: a loaded value (what ``OffloadedTensor.reload`` returns).
+    """
+    if type(value) is torch.Tensor or not isinstance(value, OpaqueTensor):
+        return value.numel() * value.element_size()
+    storages: dict[tuple[str, int], int] = {}
+    seen: set[int] = set()
+    pending: list[Any] = list(vars(value).values())
+    while pending:
+        item = pending.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, torch.Tensor):
+            if type(item) is torch.Tensor:
+                held = item.untyped_storage()
+                storages[(str(item.device), held.data_ptr())] = held.nbytes()
+            else:
+                pending.append(item.__dict__)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            pending.extend(item)
+        elif hasattr(item, "__dict__") and not isinstance(item, type):
+            pending.extend(vars(item).values())
+    return sum(storages.values())
