@@ -705,3 +705,32 @@ def test_a_pool_counts_what_quantized_values_hold_in_memory(tmp_path: Path) -> N
         resident = [w for w in weights if pool.is_resident(w)]
         assert pool.resident_bytes == len(resident) * held <= budget
         assert len(resident) == 3
+
+
+@pytest.mark.timeout(60)
+def test_in_place_ops_on_a_quantized_value_are_refused(tmp_path: Path) -> None:
+    """An op runs on a decompressed copy of a QTensor: in place, its change was lost without
+    a word (under a pool's read_write lease too, whose write-back then wrote the old value).
+    It is refused; changing the codes under the lease is written back."""
+    weight = torch.randn(8, 64, generator=torch.Generator().manual_seed(0))
+    q = fp_to_tract_q4_0_with_min_max_calibration(weight)
+    before = q.decompress().clone()
+    for change in (
+        lambda t: t.mul_(0.5),
+        lambda t: t.__setitem__(0, 1.0),
+        lambda t: torch.add(torch.ones(8, 64), 1.0, out=t),
+    ):
+        with pytest.raises(T2NErrorNotImplemented, match="change a decompressed copy"):
+            change(q)
+    assert torch.equal(q.decompress(), before)
+    assert torch.equal(q * 2, before * 2)  # out of place, as before
+    offloaded = OffloadedTensor.from_original_tensor(q, "w", tmp_path)
+    with TensorResidencyPool() as pool:
+        with pool.acquire(offloaded, mode="read_write") as value:
+            with pytest.raises(T2NErrorNotImplemented, match="change a decompressed copy"):
+                value.mul_(0.5)
+            value.u8_blob[0].fill_(0)  # what the value keeps: changed, and written back
+        pool.flush()
+    reloaded = offloaded.reload()
+    assert torch.equal(reloaded.u8_blob[0], torch.zeros_like(reloaded.u8_blob[0]))
+    assert torch.equal(reloaded.u8_blob[1:], q.u8_blob[1:])

@@ -54,6 +54,52 @@ IR_OPAQUE_NAME = "t2n::opaque_tensor_expand"
 _S = TypeVar("_S", bound="SupportsOffloadState")
 
 # ---------------------------------------------------------------------------------------------
+# In-place operations, seen from __torch_function__
+# ---------------------------------------------------------------------------------------------
+_INPLACE_OPERATORS = frozenset(
+    {
+        "__setitem__",
+        "__iadd__",
+        "__isub__",
+        "__imul__",
+        "__itruediv__",
+        "__ifloordiv__",
+        "__imod__",
+        "__ipow__",
+        "__iand__",
+        "__ior__",
+        "__ixor__",
+        "__ilshift__",
+        "__irshift__",
+    }
+)
+# Trailing-underscore methods that do not write the tensor's values.
+_NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
+_WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
+# Private in-place ops that write a list of tensors: foreach and fused optimizer kernels.
+_MULTI_TENSOR_PREFIXES = ("_foreach_", "_fused_")
+
+
+def _writes_first_argument(func: Callable[..., Any]) -> bool:
+    """Whether ``func`` writes the values of its first argument (``add_``, ``__setitem__``,
+    the multi-tensor ``_foreach_mul_`` and ``_fused_adamw_``)."""
+    try:
+        return _WRITES_FIRST_ARGUMENT[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return False
+    name = getattr(func, "__name__", "")
+    writes = name in _INPLACE_OPERATORS or (
+        name.endswith("_")
+        and (not name.startswith("_") or name.startswith(_MULTI_TENSOR_PREFIXES))
+        and name not in _NOT_VALUE_WRITES
+    )
+    _WRITES_FIRST_ARGUMENT[func] = writes
+    return writes
+
+
+# ---------------------------------------------------------------------------------------------
 # Expansion through a custom op, so that a trace records where an opaque value is produced.
 # The op is registered once at import. A trace records an integer token, never reused, that
 # names one live opaque tensor; the registry holds the tensors weakly.
@@ -199,7 +245,9 @@ class OpaqueTensor(torch.Tensor):
     the value lives on) and implement :meth:`_to_base_tensor`. Every torch operation on an
     opaque tensor runs on the expanded value and returns a plain ``torch.Tensor``; metadata
     queries (``shape``, ``dtype``, ``device``, ``numel()``) answer from the shell without
-    expanding.
+    expanding. An operation that would write the tensor in place (``mul_``, ``t[i] = v``,
+    ``out=t``) raises :class:`T2NErrorNotImplemented`: it would change an expanded copy, and
+    the change would be lost.
 
     ``detach()`` and ``requires_grad_()`` return the tensor itself, so that
     ``nn.Parameter(opaque, requires_grad=False)`` keeps the opaque type. ``data`` returns the
@@ -337,7 +385,16 @@ class OpaqueTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        return _call_expanded(func, args, kwargs or {})
+        kwargs = kwargs or {}
+        written = args[0] if args and _writes_first_argument(func) else kwargs.get("out")
+        if isinstance(written, OpaqueTensor):
+            raise T2NErrorNotImplemented(
+                f"in-place {getattr(func, '__name__', func)} on {type(written).__name__} would "
+                "change a decompressed copy, and the change would be lost; change what the "
+                "value keeps (a QTensor's u8_blob or qscheme.scale), or make a new value (e.g. "
+                "quantize the changed weight again) and store it (update_values())"
+            )
+        return _call_expanded(func, args, kwargs)
 
     @classmethod
     def __torch_dispatch__(  # type: ignore[override]

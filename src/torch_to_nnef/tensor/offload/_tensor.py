@@ -39,6 +39,7 @@ from torch_to_nnef.tensor.opaque import (
     OpaqueTensor,
     SupportsOffloadState,
     _is_tracing,
+    _writes_first_argument,
     opaque_to_final_tensor,
 )
 
@@ -407,49 +408,6 @@ def _describe(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------------------------------------
 # In-place operations and gc requests, seen from __torch_function__
 # ---------------------------------------------------------------------------------------------
-_INPLACE_OPERATORS = frozenset(
-    {
-        "__setitem__",
-        "__iadd__",
-        "__isub__",
-        "__imul__",
-        "__itruediv__",
-        "__ifloordiv__",
-        "__imod__",
-        "__ipow__",
-        "__iand__",
-        "__ior__",
-        "__ixor__",
-        "__ilshift__",
-        "__irshift__",
-    }
-)
-# Trailing-underscore methods that do not write the tensor's values.
-_NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
-_WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
-# Private in-place ops that write a list of tensors: foreach and fused optimizer kernels.
-_MULTI_TENSOR_PREFIXES = ("_foreach_", "_fused_")
-
-
-def _writes_first_argument(func: Callable[..., Any]) -> bool:
-    """Whether ``func`` writes the values of its first argument (``add_``, ``__setitem__``,
-    the multi-tensor ``_foreach_mul_`` and ``_fused_adamw_``)."""
-    try:
-        return _WRITES_FIRST_ARGUMENT[func]
-    except KeyError:
-        pass
-    except TypeError:  # unhashable callable
-        return False
-    name = getattr(func, "__name__", "")
-    writes = name in _INPLACE_OPERATORS or (
-        name.endswith("_")
-        and (not name.startswith("_") or name.startswith(_MULTI_TENSOR_PREFIXES))
-        and name not in _NOT_VALUE_WRITES
-    )
-    _WRITES_FIRST_ARGUMENT[func] = writes
-    return writes
-
-
 def _holds_offloaded(value: Any) -> bool:
     """Whether ``value`` is a list or tuple holding an offloaded tensor."""
     return type(value) in (list, tuple) and any(isinstance(v, OffloadedTensor) for v in value)
