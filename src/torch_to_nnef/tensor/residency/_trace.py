@@ -185,10 +185,10 @@ class ReadAhead:
             if self._sources.get(key) is not source:
                 self._trace.forget(key)  # a new tensor reusing a dead one's id
                 self._sources[key] = source
+            # The other threads' windows (none, usually: iterating them costs a few µs).
+            others = [w for w in self._windows if w is not window] if len(self._windows) > 1 else []
             was_read_ahead = key in self._held
-            if was_read_ahead and not any(
-                key in other.keys for other in self._windows if other is not window
-            ):
+            if was_read_ahead and not any(key in other.keys for other in others):
                 held = self._leave(key, thread)
         for lease in left:
             self.let_go(lease)
@@ -202,7 +202,7 @@ class ReadAhead:
         begin: list[PoolSource] = []
         with self._lock:
             window.keys = frozenset(planned)
-            wanted = set().union(*(other.keys for other in self._windows))
+            wanted = window.keys.union(*(other.keys for other in others))
             dropped = [self._leave(k, thread) for k in list(self._held) if k not in wanted]
             for k in planned:
                 ahead = self._sources.get(k)

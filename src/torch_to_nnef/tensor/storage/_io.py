@@ -170,13 +170,7 @@ def check_unchanged_after_read(layout: PayloadLayout, fd: int) -> None:
     """Raise :class:`T2NErrorStorage` if the open file ``fd`` of ``layout`` was written in
     place while it was read (its identity checked before the read no longer holds): what was
     read may be half old, half new."""
-    try:
-        stat = os.fstat(fd)
-    except OSError as exc:
-        raise T2NErrorStorage(
-            f"cannot inspect payload file '{layout.path}': {os_error_message(exc)}"
-        ) from exc
-    if _changed(layout, stat):
+    if _changed(layout, check_regular_file(layout.path, fd)):
         raise T2NErrorStorage(
             f"payload file '{layout.path}' was modified in place while it was read (what was "
             "read may be half old, half new); a payload file must only be replaced, never "
