@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -403,15 +405,47 @@ def test_swapped_arguments_are_named(tmp_path: Path) -> None:
         load_offloaded_checkpoint(meta_model(), 3)  # type: ignore[arg-type]
 
 
-def test_a_pickle_checkpoint_is_refused_with_the_conversion(dense: Net, tmp_path: Path) -> None:
-    torch.save(state_without_ties(dense), tmp_path / "pytorch_model.bin")
-    for given in (tmp_path / "pytorch_model.bin", tmp_path):
-        with pytest.raises(T2NErrorCheckpoint) as caught:
+def refused_then_converted(given: Path, directory: Path) -> Net:
+    """Load ``given``, refused as pickle; run the conversion the error gives; load
+    ``directory``, as a user following the advice would."""
+    with pytest.raises(T2NErrorCheckpoint) as caught:
+        load_offloaded_checkpoint(meta_model(), given)
+    message = str(caught.value)
+    assert "is a pickle checkpoint (torch.save), not safetensors" in message
+    assert "t2n_load_checkpoint_and_dispatch" in message
+    command = re.search(r'python -c "(.*?)"; or load', message)
+    assert command is not None, message
+    subprocess.run([sys.executable, "-c", command.group(1)], check=True, timeout=120)
+    return load_offloaded_checkpoint(meta_model(), directory)
+
+
+@pytest.mark.timeout(300)
+def test_a_pickle_checkpoint_is_refused_with_a_conversion_that_works(
+    dense: Net, tmp_path: Path
+) -> None:
+    state = state_without_ties(dense)
+    single = tmp_path / "single"
+    single.mkdir()
+    torch.save(state, single / "pytorch_model.bin")
+    for given in (single / "pytorch_model.bin", single):
+        with pytest.raises(T2NErrorCheckpoint, match="pickle checkpoint"):
             load_offloaded_checkpoint(meta_model(), given)
-        message = str(caught.value)
-        assert "is a pickle checkpoint (torch.save), not safetensors" in message
-        assert "st.save_file(" in message and "weights_only=True" in message
-        assert "t2n_load_checkpoint_and_dispatch" in message
+    assert torch.equal(output(refused_then_converted(single, single)), output(dense))
+    assert (single / "model.safetensors").is_file()
+
+    # Sharded: every shard converted, and an index of the new names written.
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    keys = sorted(state)
+    weight_map = {}
+    for number, part in enumerate((keys[::2], keys[1::2]), start=1):
+        name = f"pytorch_model-{number:05d}-of-00002.bin"
+        torch.save({key: state[key] for key in part}, sharded / name)
+        weight_map.update(dict.fromkeys(part, name))
+    (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    model = refused_then_converted(sharded, sharded)
+    assert torch.equal(output(model), output(dense))
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
 def test_a_safetensors_header_length_that_looks_like_pickle_is_read_in_place(

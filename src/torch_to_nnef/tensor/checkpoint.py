@@ -396,7 +396,7 @@ def plan_binding(
         else:
             bindings.append(PlannedBinding(tensor, names, key, wanted))
     report.compared = len(bindings) + len(report.shapes) + report.dtype_count
-    report.on_meta = _left_on_meta(unbound, bindings, transient)
+    report.on_meta = _left_on_meta(unbound, bindings, transient, _declares_untied(model))
     unexpected = sorted(key for key in found if key not in known and not ignored(key))
     if renamed:
         LOGGER.info(
@@ -443,16 +443,28 @@ def _bound_dtype(
     return requested
 
 
+def _declares_untied(model: nn.Module) -> bool:
+    """Whether ``model`` says its head is not tied to its embedding (a transformers model's
+    ``tie_word_embeddings=False``)."""
+    config = getattr(model, "config", None)
+    text = getattr(config, "get_text_config", None)
+    if callable(text):
+        config = text()
+    return getattr(config, "tie_word_embeddings", None) is False
+
+
 def _left_on_meta(
     unbound: list[tuple[tuple[str, ...], torch.Tensor]],
     bindings: list[PlannedBinding],
     transient: set[str],
+    untied: bool,
 ) -> list[str]:
-    """Describe each unbound meta tensor, with the likely cause."""
+    """Describe each unbound meta tensor, with the likely cause. ``untied``: the model says
+    it ties no weights, so none is missing for want of a tie."""
     by_shape: dict[tuple[tuple[int, ...], torch.dtype], list[str]] = {}
     for binding in bindings:
         by_shape.setdefault((tuple(binding.tensor.shape), binding.tensor.dtype), []).append(
-            binding.key
+            binding.names[0]
         )
     described = []
     for names, tensor in unbound:
@@ -464,6 +476,8 @@ def _left_on_meta(
         twin = twins[0] if tensor.dim() >= 2 and len(twins) == 1 else None
         if all(name in transient for name in names):
             cause = _TRANSIENT
+        elif twin is not None and untied:
+            cause = f"{_ABSENT}, and the model ties it to no weight: {_UNTIED}"
         elif twin is not None:
             cause = f"{_TIED} {twin!r}, whose value the checkpoint holds"
         else:
@@ -475,6 +489,7 @@ def _left_on_meta(
 _TRANSIENT = "non-persistent buffer, never saved in checkpoints"
 _TIED = "likely a weight tied to"
 _ABSENT = "absent from the checkpoint"
+_UNTIED = "config.tie_word_embeddings=False"
 
 
 @dataclass
@@ -552,6 +567,11 @@ class _Misfits:
                 )
             elif any(_ABSENT in item for item in self.on_meta):
                 hints.append("check that the checkpoint belongs to this model")
+            if any(_UNTIED in item for item in self.on_meta):
+                hints.append(
+                    "a base model's checkpoint holds no head: bind it to the base model, or, "
+                    "if the head is the embedding, build the model with tie_word_embeddings=True"
+                )
         return " ".join(parts) + " To fix: " + "; ".join(hints) + "."
 
     def _dtype_group(self, pair: tuple[torch.dtype, torch.dtype], keys: list[str]) -> str:
@@ -701,20 +721,44 @@ def _is_pickle(path: Path) -> bool:
     return head.startswith(_ZIP_MAGIC) or (head[:1] == _PICKLE_MAGIC and head[1:2] in _PROTOCOLS)
 
 
+def _conversion(path: Path, index: Path | None) -> str:
+    """A command converting the pickle checkpoint ``path`` (or every shard of ``index``) to
+    safetensors, beside it, under the names :func:`open_checkpoint` looks for first."""
+    save = (
+        "st.save_file({k: v.contiguous().clone() for k, v in torch.load(%s, "
+        "weights_only=True).items()}, %s, metadata={'format': 'pt'})"
+    )
+    if index is None:
+        name = SAFETENSORS_SINGLE_NAME if path.name == PICKLE_NAME else f"{path.stem}.safetensors"
+        code = "import torch, safetensors.torch as st; " + save % (
+            repr(str(path)),
+            repr(str(path.with_name(name))),
+        )
+    else:
+        code = (
+            "import json, torch, safetensors.torch as st; from pathlib import Path; "
+            f"i = Path({str(index)!r}); m = json.loads(i.read_text()); "
+            "new = {s: s.rsplit('.', 1)[0] + '.safetensors' "
+            "for s in set(m['weight_map'].values())}; "
+            "[" + save % ("i.parent / s", "i.parent / n") + " for s, n in new.items()]; "
+            "m['weight_map'] = {k: new[s] for k, s in m['weight_map'].items()}; "
+            f"(i.parent / {SAFETENSORS_INDEX_NAME!r}).write_text(json.dumps(m))"
+        )
+    return f'python -c "{code}"'
+
+
 _ZIP_MAGIC = b"PK\x03\x04"
 _PICKLE_MAGIC = b"\x80"  # PROTO opcode, then the protocol number
 _PROTOCOLS = {bytes([number]) for number in range(2, 6)}
 
 
-def _load_pickle(path: Path, allow: bool) -> dict[str, torch.Tensor]:
-    """The tensors of the pickle checkpoint ``path``, read without running its code."""
+def _load_pickle(path: Path, allow: bool, index: Path | None = None) -> dict[str, torch.Tensor]:
+    """The tensors of the pickle checkpoint ``path`` (a shard of ``index``), read without
+    running its code."""
     if not allow:
-        destination = path.with_name(path.name.split(".")[0] + ".safetensors")
         raise T2NErrorCheckpoint(
             f"'{path}' is a pickle checkpoint (torch.save), not safetensors: it cannot be "
-            'read in place. Convert it once: python -c "import torch, safetensors.torch as st; '
-            f"st.save_file({{k: v.contiguous().clone() for k, v in torch.load('{path}', "
-            f"weights_only=True).items()}}, '{destination}')\"; or load it with "
+            f"read in place. Convert it once: {_conversion(path, index)}; or load it with "
             "torch_to_nnef.tensor.hf.t2n_load_checkpoint_and_dispatch(model, checkpoint, "
             "'t2n_offload_disk', offload_dir), which reads it with torch.load(weights_only=True) "
             "and writes each tensor once into offload_dir"
@@ -761,7 +805,7 @@ def _open_index(index: Path, allow_pickle: bool) -> Checkpoint:
     held: dict[Path, Collection[str]] = {}
     for path in sorted(set(files.values())):
         if _is_pickle(path):
-            tensors = _load_pickle(path, allow_pickle)
+            tensors = _load_pickle(path, allow_pickle, index)
             loaded.update(tensors)
             held[path] = tensors.keys()
         else:
