@@ -282,6 +282,75 @@ def test_from_pretrained_inside_the_context_yields_offloaded_tensors(
         transformers.AutoModelForCausalLM.from_pretrained(case.path, device_map="auto")
 
 
+def test_from_pretrained_inside_the_context_keeps_the_float32_modules(tmp_path: Path) -> None:
+    """As from_pretrained: under float16, T5 keeps its feed-forward output ("wo", its
+    _keep_in_fp32_modules) in float32, where float16 overflows on large activations."""
+    config = transformers.T5Config(
+        d_model=64, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4, d_kv=16,
+        vocab_size=100, decoder_start_token_id=0, pad_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    dense = transformers.T5ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # activations finite in float32 only, as in real T5 checkpoints
+        for block in [*dense.encoder.block, *dense.decoder.block]:
+            block.layer[-1].DenseReluDense.wo.weight.mul_(1e5)
+    dense.save_pretrained(tmp_path / "t5")
+    plain = transformers.T5ForConditionalGeneration.from_pretrained(
+        tmp_path / "t5", dtype=torch.float16
+    ).eval()
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        model = transformers.T5ForConditionalGeneration.from_pretrained(
+            tmp_path / "t5", dtype=torch.float16
+        )
+    dtypes = {name: p.dtype for name, p in plain.named_parameters()}
+    assert {name: p.dtype for name, p in model.named_parameters()} == dtypes
+    assert {torch.float16, torch.float32} == set(dtypes.values())
+    with torch.no_grad():
+        expected = plain.generate(PROMPT, max_new_tokens=6, do_sample=False)
+        assert torch.equal(model.generate(PROMPT, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_from_pretrained_inside_the_context_takes_the_class_config_and_its_options(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """As from_pretrained: the class's configuration class reads the checkpoint's (a Mistral
+    checkpoint in a Llama model), config= may be a path, and configuration attributes given
+    as options are set, false ones too; other options are refused unless off."""
+    config = transformers.MistralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, vocab_size=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    transformers.MistralForCausalLM(config).save_pretrained(tmp_path / "mistral")
+    expected = generate(transformers.LlamaForCausalLM.from_pretrained(tmp_path / "mistral").eval())
+    for given in ({}, {"config": str(tmp_path / "mistral")}):
+        with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+            model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "mistral", **given)
+        assert isinstance(model.config, transformers.LlamaConfig)
+        assert torch.equal(generate(model), expected)
+
+    tied = saved[("qwen2", True)]
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        model = transformers.AutoModelForCausalLM.from_pretrained(
+            tied.path, use_cache=False, trust_remote_code=False
+        )
+        assert model.config.use_cache is False
+        model = transformers.Qwen2ForCausalLM.from_pretrained(tied.path, use_cache=False)
+        assert model.config.use_cache is False
+        assert torch.equal(generate(model), tied.tokens)
+        with pytest.raises(T2NErrorNotImplemented, match="revision"):
+            transformers.Qwen2ForCausalLM.from_pretrained(tied.path, revision="main")
+        with pytest.raises(T2NErrorMisuse, match="config= must be"):
+            transformers.Qwen2ForCausalLM.from_pretrained(tied.path, config=3)
+        # Untied by request, the checkpoint lacks the head: said so, without advising a tie.
+        with pytest.raises(T2NErrorCheckpoint) as caught:
+            transformers.Qwen2ForCausalLM.from_pretrained(tied.path, tie_word_embeddings=False)
+    message = str(caught.value)
+    assert "'lm_head.weight' (absent from the checkpoint, and the model ties it to no" in message
+    assert "a base model's checkpoint holds no head" in message
+    assert "model.tie_weights()" not in message
+
+
 def test_torch_load_inside_the_context_offloads_what_it_reads(tmp_path: Path) -> None:
     """As upstream's: a tensor, or a dict's tensors, come back offloaded (read with
     weights_only=True); files of the offload directory and weights_only=False calls are

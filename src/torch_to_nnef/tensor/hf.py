@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import logging
 import os
 import re
@@ -476,9 +477,11 @@ def ctx_maybe_load_from_disk_as_offloaded(
     - ``PreTrainedModel.from_pretrained(path)`` (and ``AutoModel*.from_pretrained``) builds the
       model under ``accelerate.init_empty_weights()`` and binds it with
       :func:`t2n_load_checkpoint_and_dispatch` (:data:`ON_DISK_DEVICE_MAP_KEY`): its
-      parameters are offloaded tensors reading the checkpoint in place. ``config``, ``dtype``
-      (or ``torch_dtype``) and ``strict`` are honoured; other options of ``from_pretrained``
-      (quantization, device maps, remote code) are refused.
+      parameters are offloaded tensors reading the checkpoint in place. ``config`` (an
+      object or a path), ``dtype`` (or ``torch_dtype``; the checkpoint's by default),
+      ``attn_implementation``, ``strict`` and options that are configuration attributes are
+      honoured, and the modules transformers keeps in float32 stay so; other options of
+      ``from_pretrained`` (quantization, device maps, remote code) are refused unless off.
     - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
       in place, loaded on ``device`` (and so does peft's loading of adapters).
     - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
@@ -564,7 +567,17 @@ def _offloaded_values(loaded: Any, offload_dir: PathLike) -> Any:
     return loaded
 
 
-_HONOURED = {"config", "dtype", "torch_dtype", "strict", "local_files_only", "low_cpu_mem_usage"}
+# Options of from_pretrained taken here; any other is a configuration attribute (set on the
+# configuration, as from_pretrained does), or refused unless it is off (False, None, 0).
+_HONOURED = {
+    "config",
+    "dtype",
+    "torch_dtype",
+    "strict",
+    "attn_implementation",
+    "local_files_only",
+    "low_cpu_mem_usage",
+}
 
 
 def _from_pretrained_offloaded(
@@ -577,37 +590,89 @@ def _from_pretrained_offloaded(
     import accelerate  # optional dependency
     import transformers
 
-    refused = sorted(key for key, value in kwargs.items() if key not in _HONOURED and value)
-    if args or refused:
-        raise T2NErrorNotImplemented(
-            f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded takes config=, "
-            f"dtype= and strict= only; got {', '.join(refused) or 'positional arguments'}. "
-            "Leave the context to use the others"
-        )
     directory = Path(name)
-    if not directory.is_dir():
+    if not args and not directory.is_dir():
         raise T2NErrorMisuse(
             f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded reads a local "
             f"checkpoint directory; '{name}' is not one (download it first, e.g. with "
             "huggingface_hub.snapshot_download)"
         )
-    config = kwargs.get("config") or transformers.AutoConfig.from_pretrained(directory)
+    config = _pretrained_config(cls, directory, kwargs.get("config")) if not args else None
+    others = {key: value for key, value in kwargs.items() if key not in _HONOURED}
+    overrides = {key: value for key, value in others.items() if hasattr(config, key)}
+    refused = sorted(key for key, value in others.items() if key not in overrides and value)
+    if args or refused:
+        raise T2NErrorNotImplemented(
+            f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded takes config=, "
+            f"dtype=, attn_implementation=, strict= and configuration attributes only; got "
+            f"{', '.join(refused) or 'positional arguments'}. Leave the context to use the others"
+        )
+    for key, value in overrides.items():
+        setattr(config, key, value)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
-    dtype = None if dtype in (None, "auto") else _dtype(dtype)
+    # "auto" (and nothing): the checkpoint's own, so that its tensors are read in place.
+    dtype = _checkpoint_dtype(directory) if dtype in (None, "auto") else _dtype(dtype)
+    options: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
+    if kwargs.get("attn_implementation") is not None:
+        options["attn_implementation"] = kwargs["attn_implementation"]
     with accelerate.init_empty_weights():
-        model = cls._from_config(config, **({"dtype": dtype} if dtype is not None else {}))
-    t2n_load_checkpoint_and_dispatch(
+        model = cls._from_config(config, **options)
+    if dtype is not None:
+        _keep_in_float32(model, dtype)
+    t2n_load_checkpoint_and_dispatch(  # each tensor in its skeleton's dtype, as from_pretrained
         model,
         directory,
         ON_DISK_DEVICE_MAP_KEY,
         offload_dir,
         strict=bool(kwargs.get("strict", False)),
-        dtype=dtype if dtype is not None else _checkpoint_dtype(directory),
     )
     if model.can_generate() and (directory / "generation_config.json").is_file():
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.eval()
     return model
+
+
+def _pretrained_config(cls: type[Any], directory: Path, given: Any) -> Any:
+    """The configuration ``from_pretrained`` builds ``cls`` with: a copy of ``given``, or
+    ``cls``'s configuration class read from ``given`` (a path) or the checkpoint."""
+    import transformers
+
+    if isinstance(given, transformers.PretrainedConfig):
+        return copy.deepcopy(given)
+    if given is not None and not isinstance(given, (str, os.PathLike)):
+        raise T2NErrorMisuse(
+            f"config= must be a transformers configuration or the path of one; got "
+            f"{type(given).__name__}"
+        )
+    config_class = getattr(cls, "config_class", None) or transformers.AutoConfig
+    return config_class.from_pretrained(directory if given is None else given)
+
+
+def _keep_in_float32(model: nn.Module, dtype: torch.dtype) -> None:
+    """Give the skeleton's tensors that transformers keeps in float32 under ``dtype`` (the
+    model's ``_keep_in_fp32_modules`` under float16, ``_keep_in_fp32_modules_strict`` under
+    float16 and bfloat16) that dtype, as ``from_pretrained`` does: T5's feed-forward output
+    overflows in float16. A tensor under several names is kept whole (ties stay)."""
+    plan = getattr(model, "_get_dtype_plan", None)
+    if callable(plan):
+        patterns = [key for key, kept in plan(dtype).items() if kept == torch.float32]
+    else:  # transformers before the plan: the same two rules
+        patterns = list(getattr(model, "_keep_in_fp32_modules", None) or ()) * (
+            dtype == torch.float16
+        )
+        if dtype in (torch.float16, torch.bfloat16):
+            patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+    if not patterns:
+        return
+    # transformers' matching: a pattern anywhere in the tensor's name, "*" any text.
+    kept = re.compile("|".join(f"(?:{pattern.replace('*', '.*')})" for pattern in patterns))
+    updater = ModTensorUpdater(model, add_buffers=True)
+    for names, tensor in list(updater.iter_tensors()):
+        narrower = tensor.is_floating_point() and tensor.dtype != torch.float32
+        if narrower and any(kept.search(name) for name in names):
+            updater.update_by_ref(
+                tensor, tensor.to(torch.float32), enforce_tensor_consistency=False
+            )
 
 
 def _checkpoint_dtype(directory: Path) -> torch.dtype | None:
