@@ -974,6 +974,8 @@ pool = TensorResidencyPool()
 for i, t in enumerate(ts[1:], start=1):
     with pool.acquire(t, mode="read_write") as value:
         value.fill_(float(i + 1))
+with pool.acquire(ts[0], mode="read_write") as value:
+    value.fill_(7.0)  # a whole change of the value the daemon holds next
 held = threading.Event()
 def hold():
     with pool.acquire(ts[0], mode="read_write") as value:
@@ -984,7 +986,8 @@ threading.Thread(target=hold, daemon=True).start()
 held.wait()
 """,
     )
-    assert values == [0.0, 2.0, 3.0]  # the daemon's change under way is not whole: dropped
+    # The daemon's change under way is not whole: dropped; the change before it is written.
+    assert values == [7.0, 2.0, 3.0]
     assert "still had values leased by threads still running" in result.stderr
 
 

@@ -110,6 +110,9 @@ class PoolSource:
     def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
         raise NotImplementedError
 
+    def _write_unsaved(self, owner: object) -> None:
+        raise NotImplementedError
+
 
 class ScopePool(Protocol):
     """What a tensor needs from the pool of the active residency scope."""

@@ -1252,6 +1252,22 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         finally:
             self._end_write()
 
+    def _write_unsaved(self, owner: object) -> None:
+        """Write the pool ``owner``'s unsaved value, when it is the latest write (blocking).
+
+        For a pool that cannot wait for the end of a ``read_write`` lease on the value (at
+        interpreter exit): what it writes is the change of leases that ended, sheltered
+        from the one under way (see :meth:`_shelter_unsaved`), copied under the lock that
+        a lease entering on it takes before it changes anything.
+        """
+        with self._write_lock:
+            with self._pending_lock:
+                unsaved = self._unsaved
+                if unsaved is None or unsaved[0] is not owner:
+                    return
+                value = _copy_of(unsaved[2], unsaved[2].device)
+            self._write_encoded(self._check_update(value, True, True), None, keep=unsaved[1])
+
     def _end_write(self) -> None:
         """End an announced write-back: reads waiting for it go on."""
         with self._pending:

@@ -746,10 +746,15 @@ class _Unclosed:
 
     def _flush_unleased(self, refused: T2NErrorMisuse) -> None:
         """Close refused (values leased): write back every change but those under a
-        ``read_write`` lease still held, which cannot be whole."""
+        ``read_write`` lease still held, which cannot be whole; of a value under such a
+        lease, the change of leases that ended before it is written."""
         runtime = self._runtime
+        actor = runtime.actor
         try:
-            runtime.call(Flush(runtime.actor, None))
+            runtime.call(Flush(actor, None))
+            sources = runtime.call(Transition(lambda: [e.source for e in actor.entries.values()]))
+            for source in sources:
+                source._write_unsaved(actor)
         except T2NError as error:
             _log_unwritten("open at interpreter exit", error)
             return
