@@ -184,6 +184,40 @@ def test_a_reload_outside_the_pool_sees_its_dirty_value(tmp_path: Path) -> None:
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 8.0))
 
 
+@pytest.mark.timeout(60)
+def test_flush_writes_the_change_made_before_a_read_write_lease_still_held(
+    tmp_path: Path,
+) -> None:
+    """The change of an ended lease is whole: flush writes it, while another thread's lease
+    changes the value; that change is written once its lease ends."""
+    t = _tensor(tmp_path)
+    changing, go_on = threading.Event(), threading.Event()
+
+    def change() -> None:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(-1.0)
+            changing.set()
+            go_on.wait(30)
+
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(4.0)
+        thread = threading.Thread(target=change)
+        thread.start()
+        try:
+            assert changing.wait(30)
+            pool.flush()
+            assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
+            pool.flush(t)  # nothing more to write; the lease's change stays its own
+            assert torch.equal(t.reload(), torch.full((NUMEL,), 4.0))
+        finally:
+            go_on.set()
+            thread.join(30)
+        pool.flush()
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), -1.0))
+        check_invariants(pool)
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. close() while a read_write acquire waits for its load
 # ---------------------------------------------------------------------------------------------

@@ -36,6 +36,9 @@ class _Model:
         self.memory = [0.0] * len(SIZES)
         self.disk = [0.0] * len(SIZES)
         self.dirty: set[int] = set()
+        # The value as of the last whole change: noted when the last of the read_write
+        # leases changing it at once ends.
+        self.noted = [0.0] * len(SIZES)
         self.hits = self.misses = self.loads = self.evictions = self.write_backs = 0
 
     @staticmethod
@@ -90,11 +93,13 @@ class _Model:
                 total -= self.nbytes(i)
                 self.remove(i)
 
-    def release(self, i: int, read_write: bool, delta: float) -> None:
+    def release(self, i: int, read_write: bool, delta: float, last_writer: bool) -> None:
         self.leases[i] -= 1
         if read_write:
             self.memory[i] += delta
             self.dirty.add(i)
+            if last_writer:
+                self.noted[i] = self.memory[i]
         if i in self.order:
             self.order.move_to_end(i)
         self.enforce()
@@ -156,7 +161,8 @@ class PoolMachine(RuleBasedStateMachine):
         if read_write:
             value.add_(1.0)
         lease.__exit__(None, None, None)
-        self.model.release(i, read_write, 1.0)
+        writers = [j for j, _, _, rw in self.open_leases if rw and j == i]
+        self.model.release(i, read_write, 1.0, last_writer=not writers)
 
     @rule(i=st.integers(0, len(SIZES) - 1))
     def prefetch(self, i: int) -> None:
@@ -199,7 +205,10 @@ class PoolMachine(RuleBasedStateMachine):
     def flush(self) -> None:
         self.pool.flush()
         writing = {i for i, _, _, read_write in self.open_leases if read_write}
-        for i in list(self.model.dirty - writing):  # a read_write lease's change is not whole
+        for i in self.model.dirty & writing:
+            # A read_write lease's change is not whole: the change before it is written.
+            self.model.disk[i] = self.model.noted[i]
+        for i in list(self.model.dirty - writing):
             self.model.disk[i] = self.model.memory[i]
             self.model.write_backs += 1
             self.model.dirty.discard(i)

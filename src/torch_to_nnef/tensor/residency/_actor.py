@@ -960,7 +960,8 @@ class Actor:
         """Start write-backs of dirty values (all, or ``source``'s); return jobs to wait for.
 
         A value under a ``read_write`` lease is left for later (its eviction, the next flush
-        or close): its change is not whole while the lease is held."""
+        or close): its change is not whole while the lease is held. The change of the
+        leases that ended before it is written now (the tensor keeps it aside)."""
         self.sync()
         if source is None:
             entries = list(self.entries.values())
@@ -978,9 +979,15 @@ class Actor:
                 jobs.append(entry.write)
             elif entry.dirty and entry.value is not None:
                 job = self._start_write(entry)
-                if job is not None:  # else written once its read_write lease ends
-                    jobs.append(job)
+                if job is None:  # the value, once its read_write lease ends; the earlier now
+                    job = self._job("write", entry.source._write_unsaved, (self,), self._on_job)
+                jobs.append(job)
         return jobs
+
+    def _on_job(self, job: Job) -> None:
+        """A job no entry waits for ended: its waiters take its outcome."""
+        self.jobs.discard(job)
+        job.finish(None, job.failure)
 
     def begin_close(self) -> None:
         self.sync()

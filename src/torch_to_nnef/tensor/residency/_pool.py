@@ -514,6 +514,9 @@ class TensorResidencyPool(Uncopyable):
     def flush(self, source: OffloadedTensor | None = None) -> None:
         """Write dirty values back (all, or ``source``'s) and wait for in-flight loads.
 
+        A value under a ``read_write`` lease is written once the lease ends (its change is not
+        whole before); the change of the leases that ended before it is written now.
+
         Args:
             source: the offloaded tensor to flush; ``None`` for every value of the pool.
 
