@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import re
 import subprocess
+import threading
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -15,6 +17,7 @@ import anyio
 import pytest
 import torch
 import torch.nn.functional as F
+from breakpoints import paused_in_new_threads
 from residency_checks import check_invariants
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -26,6 +29,7 @@ from torch_to_nnef.tensor.residency import (
     TensorResidencyPool,
     active_tensor_residency,
 )
+from torch_to_nnef.tensor.residency._runtime import Runtime
 
 NUMEL = 256  # float32: 1 KiB per tensor
 KIB = NUMEL * 4
@@ -1033,6 +1037,116 @@ print("ok", flush=True)
     assert "failed" not in result.stderr, result.stderr
     (written,) = storage.read_payload(storage.read_layout(saved)).values()
     assert torch.equal(written, torch.full((1024,), 5.0))
+
+
+def _stranded(tmp_path: Path) -> tuple[TensorResidencyPool, OffloadedTensor, Any, Any]:
+    """A pool whose `async with` block, on a loop run by hand in this thread, is never left
+    (the loop stopped, not closed), after a change of its tensor; and that loop's task."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "t", offload_dir=tmp_path)
+    pool = TensorResidencyPool()
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(5.0)
+            await asyncio.Event().wait()
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(serve())
+    loop.run_until_complete(asyncio.sleep(0.05))
+    return pool, t, loop, task
+
+
+def _file_value(t: OffloadedTensor) -> torch.Tensor:
+    (value,) = storage.read_payload(storage.read_layout(t.offload_path)).values()
+    return value
+
+
+@pytest.mark.timeout(60)
+def test_another_loop_on_the_thread_of_a_stopped_serving_loop_is_served_inline(
+    tmp_path: Path,
+) -> None:
+    """No other thread can drive the pool while the loop serving it is stopped: a task of
+    another loop on that thread runs its requests there (asyncio's futures of the stopped
+    loop cannot be awaited from it), and closes it; the first loop then leaves its block."""
+    pool, t, loop, task = _stranded(tmp_path)
+    try:
+
+        async def use() -> None:
+            assert torch.equal(await pool.aresolve(t), torch.full((NUMEL,), 5.0))
+            async with pool.acquire(t) as value:
+                assert float(value[0]) == 5.0
+            await pool.aflush()
+            assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
+            await pool.aclose()
+
+        asyncio.run(use())
+        assert pool.closed
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        assert task.cancelled()
+    finally:
+        loop.close()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("where", ["this-thread", "another-thread"])
+def test_a_pool_whose_serving_loop_closed_inside_its_block_closes(
+    tmp_path: Path, where: str
+) -> None:
+    """Its `async with` block can no longer be left: close() closes it from the caller,
+    writing its change back, so that the caller knows it is on disk."""
+    before = set(threading.enumerate())
+    pool, t, loop, task = _stranded(tmp_path)
+    loop.close()
+    if where == "this-thread":
+        pool.close()
+    else:
+        with concurrent.futures.ThreadPoolExecutor(1) as executor:
+            executor.submit(pool.close).result(30)
+    assert pool.closed
+    assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
+    _assert_ended(set(threading.enumerate()) - before)  # its workers stopped
+    pool.close()  # again: nothing to do
+    task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+
+
+def _assert_ended(threads: set[threading.Thread]) -> None:
+    for thread in threads:
+        thread.join(10)
+    assert not [thread.name for thread in threads if thread.is_alive()]
+
+
+@pytest.mark.timeout(60)
+def test_async_with_and_a_first_sync_call_at_once_never_both_serve(tmp_path: Path) -> None:
+    """One of them serves the pool: the other is refused (here the async with, paused
+    between its look at the pool and its start, while the sync call starts the pool's
+    thread). Closing the pool stops every thread it started."""
+    t = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "t", offload_dir=tmp_path)
+    pool = TensorResidencyPool()
+    outcome: list[BaseException | None] = []
+
+    async def enter() -> None:
+        try:
+            async with pool:
+                outcome.append(None)
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    before = set(threading.enumerate())
+    with paused_in_new_threads(Runtime.attach_current.__code__, on="call") as point:
+        point.armed.set()
+        entering = threading.Thread(target=asyncio.run, args=(enter(),))
+        entering.start()
+        assert point.paused.wait(30)
+        assert torch.equal(pool.resolve(t), torch.ones(NUMEL))  # starts the pool's thread
+        point.go()
+        entering.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], T2NErrorMisuse), outcome
+    assert "already runs" in str(outcome[0])
+    assert torch.equal(pool.resolve(t), torch.ones(NUMEL))
+    pool.close()
+    _assert_ended(set(threading.enumerate()) - before)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -231,11 +231,6 @@ class TensorResidencyPool(Uncopyable):
 
     async def __aenter__(self) -> TensorResidencyPool:
         self._actor.check_open()
-        if self._runtime.running:
-            raise T2NErrorMisuse(
-                "this TensorResidencyPool already runs (on its own thread or another loop); "
-                "enter `async with pool` once, before any synchronous use"
-            )
         self._runtime.attach_current()
         return self
 
@@ -553,7 +548,10 @@ class TensorResidencyPool(Uncopyable):
             self._stop_private_loop()  # a close that an interrupt cut short stopped nothing
             return
         self._end_interrupted_forwards()
-        self._call_blocking(self._close_request())
+        if self._runtime.stranded_here():  # its loop of the caller's is gone: close it here
+            self._runtime.close_stranded(self._close_request())
+        else:
+            self._call_blocking(self._close_request())
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
             self._actor.finish_close()
@@ -568,7 +566,7 @@ class TensorResidencyPool(Uncopyable):
             self._stop_private_loop()
             return
         runtime = self._runtime
-        if not runtime.running:
+        if not runtime.running or runtime.stranded_here():
             self.close()
             return
         self._end_interrupted_forwards()
@@ -777,10 +775,9 @@ class _Unclosed:
             return
         pool = self._pool()
         close = pool._close_request() if pool is not None else Close(actor, _nothing)
-        done = Reply()
-        runtime.drive(close, done, inline=True)
-        error = done.exception()
-        if error is not None:
+        try:
+            runtime.close_stranded(close)
+        except Exception as error:
             _log_unwritten("whose `async with` block was never left", error)
 
 

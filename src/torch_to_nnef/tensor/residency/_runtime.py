@@ -448,6 +448,10 @@ class Runtime:
         loop = self.loop
         return self._thread is None and loop is not None and loop.is_running()
 
+    def _loop_runs(self) -> bool:
+        loop = self.loop
+        return loop is not None and loop.is_running()
+
     def stranded(self) -> bool:
         """Served on a loop of the caller's (``async with pool``) that no longer runs: the
         block was never left (its task pending, or destroyed with the loop). Nothing drives
@@ -455,8 +459,22 @@ class Runtime:
         loop = self.loop
         return self._thread is None and loop is not None and not loop.is_running()
 
+    def stranded_here(self) -> bool:
+        """Stranded, and the calling thread may drive the actor: that loop is closed, or this
+        is its thread (where it cannot run meanwhile)."""
+        loop = self.loop
+        return self.stranded() and loop is not None and (loop.is_closed() or self.on_loop_thread())
+
     def on_loop_thread(self) -> bool:
         return self.thread_id == threading.get_ident()
+
+    def _in_serving_loop(self) -> bool:
+        """Whether the calling task runs on the loop that serves the pool (not merely on its
+        thread: another loop may run there while that one is stopped)."""
+        try:
+            return asyncio.get_running_loop() is self.loop
+        except RuntimeError:
+            return False
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -488,8 +506,26 @@ class Runtime:
         return workers
 
     def attach_current(self) -> None:
-        """Serve on the running loop of the calling task (``async with pool``)."""
-        self._attach(asyncio.get_running_loop())
+        """Serve on the running loop of the calling task (``async with pool``); refused when
+        a loop serves the pool already (checked under the lock that a first sync call takes
+        to start the private loop, so that never both serve it)."""
+        with self._start_lock:
+            if self.loop is not None:
+                raise T2NErrorMisuse(
+                    "this TensorResidencyPool already runs (on its own thread or another loop); "
+                    "enter `async with pool` once, before any synchronous use"
+                )
+            self._attach(asyncio.get_running_loop())
+
+    def close_stranded(self, close: Operation) -> None:
+        """Close a stranded pool from the calling thread (:meth:`stranded_here`): drive the
+        close here, as the loop thread would, its writes on the workers; then stop serving
+        on that loop. Raises what the close raises (the pool stays open)."""
+        done = Reply()
+        with self._start_lock:
+            self.drive(close, done, inline=True)
+        done.result()
+        self.detach_current()
 
     def detach_current(self) -> None:
         """Stop serving on the caller's loop (end of ``async with pool``). No private loop
@@ -740,9 +776,11 @@ class Runtime:
         job.complete()
 
     def call(self, operation: Operation) -> Any:
-        """The sync face: run ``operation`` and block until it ends (any thread)."""
+        """The sync face: run ``operation`` and block until it ends (any thread). On the
+        loop's thread, it runs inline: while that loop runs (a callback of it), only what
+        does not wait for a write; while it is stopped, everything."""
         if self.on_loop_thread():
-            if operation.twin is not None:
+            if operation.twin is not None and self._loop_runs():
                 name = operation.twin[1:]
                 raise T2NErrorMisuse(
                     f"pool.{name}() would block the pool's event loop: "
@@ -801,7 +839,11 @@ class Runtime:
         return done
 
     async def acall(self, operation: Operation) -> Any:
-        """The async face: run ``operation`` and await it (the pool's loop or another)."""
+        """The async face: run ``operation`` and await it (the pool's loop or another). A
+        task of another loop on the thread of the pool's, which is stopped then, runs it
+        inline, as a sync call there: no other thread can."""
+        if self.on_loop_thread() and not self._in_serving_loop():
+            return self.call(operation)
         if self.on_loop_thread():
             assert self.loop is not None
             here: asyncio.Future[Any] = self.loop.create_future()
