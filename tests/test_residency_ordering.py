@@ -870,6 +870,45 @@ def test_deepcopy_in_a_scope_copies_the_latest_value(tmp_path: Path, bound: str)
         assert torch.equal(model.weight.clone(), torch.ones(4, 4))
 
 
+COPIES: dict[str, Callable[[OffloadedTensor], OffloadedTensor]] = {
+    "deepcopy": copy.deepcopy,
+    "to_copy": lambda t: t.to("cpu", copy=True),
+}
+
+
+@pytest.mark.parametrize("how", sorted(COPIES))
+@pytest.mark.parametrize("then", ["close", "flush", "evict"])
+def test_a_copy_during_a_write_back_of_a_checkpoint_tensor_has_the_change(
+    tmp_path: Path, how: str, then: str
+) -> None:
+    """A copy started while a pool writes back its change of a tensor reading a checkpoint
+    in place: the write-back moves the tensor to a file of its own and drops the unsaved
+    value at once, and the copy takes that file's value, never the checkpoint's."""
+    safetensors.torch.save_file({"w": torch.zeros(NUMEL)}, str(tmp_path / "m.safetensors"))
+    t = OffloadedTensor.from_safetensors(tmp_path / "m.safetensors", "w", offload_dir=tmp_path)
+    code = OffloadedTensor._write_encoded.__code__
+    copies: list[OffloadedTensor] = []
+    with paused_in_new_threads(code, on="call") as point:
+        pool = TensorResidencyPool()
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(7.0)  # the latest write, not written back yet
+        point.armed.set()
+        writer = threading.Thread(target=getattr(pool, then), args=(t,) if then == "evict" else ())
+        writer.start()
+        try:
+            assert point.paused.wait(30)  # the write-back is under way
+            copier = threading.Thread(target=lambda: copies.append(COPIES[how](t)))
+            copier.start()
+            time.sleep(0.2)  # the copy waits for the write-back's end
+        finally:
+            point.go()
+            writer.join(30)
+        copier.join(30)
+        pool.close()
+    assert t.owns_payload  # the write-back moved it to its own file
+    assert torch.equal(copies[0].reload(), torch.full((NUMEL,), 7.0)), "the copy is stale"
+
+
 # ---------------------------------------------------------------------------------------------
 # 5. A direct write reaches new requests while an older value is pinned or leased
 # ---------------------------------------------------------------------------------------------

@@ -932,10 +932,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         existing = memo.get(id(self))
         if isinstance(existing, OffloadedTensor):
             return existing
-        binding = self._binding
         duplicate: OffloadedTensor
-        self._wait_announced_writes()
-        if binding.owned is None and self._latest_unsaved() is None:
+        binding = self._checkpoint_binding()
+        if binding is not None:
             duplicate = type(self).from_safetensors(
                 binding.layout,
                 binding.names[_PLAIN_ENTRY],
@@ -957,6 +956,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             duplicate._is_param = True  # what nn.Parameter(duplicate, requires_grad=False) sets
         memo[id(self)] = duplicate
         return duplicate
+
+    def _checkpoint_binding(self) -> _Binding | None:
+        """The binding into a checkpoint that holds the latest value, or ``None`` (the
+        tensor owns its file, or a pool holds an unsaved change of it).
+
+        Read after the announced write-backs end, and together with the unsaved value under
+        the lock a write-back's switch takes: a write-back moves the tensor to its own file
+        and drops the unsaved value in one step, so the two never disagree."""
+        self._wait_announced_writes()
+        with self._pending_lock:
+            binding = self._binding
+            if binding.owned is None and self._unsaved is None:
+                return binding
+            return None
 
     def __copy__(self) -> OffloadedTensor:
         """A copy, as :meth:`__deepcopy__` makes: two tensors never share a payload they own."""
@@ -1183,13 +1196,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 while self._pending_writes:
                     self._pending.wait()
 
-    def _latest_unsaved(self) -> torch.Tensor | None:
-        """The value a pool changed and has not written yet, when it is the latest write."""
-        unsaved = self._unsaved
-        return None if unsaved is None else unsaved[2]
-
     def _unsaved_copy(self, device: torch.device) -> torch.Tensor | None:
-        """A copy on ``device`` of :meth:`_latest_unsaved`, or ``None``.
+        """A copy on ``device`` of the value a pool changed and has not written yet, when it
+        is the latest write; ``None`` otherwise.
 
         Copied under the lock that :meth:`_shelter_unsaved` takes to swap the value for its
         copy: a ``read_write`` lease entering on the value waits for this copy to end before
