@@ -357,6 +357,40 @@ def test_an_out_argument_is_a_write(offloaded: OffloadedTensor, weight: torch.Te
     assert torch.equal(offloaded.reload(), torch.full_like(weight, 3.0))
 
 
+ATEN_WRITES: dict[str, tuple[Callable[[OffloadedTensor], Any], Callable[[torch.Tensor], Any]]] = {
+    "add_": (lambda t: torch.ops.aten.add_.Scalar(t, 1.0), lambda w: w + 1.0),
+    "add_packet": (lambda t: torch.ops.aten.add_(t, 1.0), lambda w: w + 1.0),
+    "fill_": (lambda t: torch.ops.aten.fill_.Scalar(t, 5.0), lambda w: torch.full_like(w, 5.0)),
+    "copy_": (lambda t: torch.ops.aten.copy_(t, torch.ones(6, 8)), lambda w: torch.ones(6, 8)),
+    "add.out": (
+        lambda t: torch.ops.aten.add.out(torch.ones(6, 8), 2.0, out=t),
+        lambda w: torch.full_like(w, 3.0),
+    ),
+    "Tensor.set_": (lambda t: torch.Tensor.set_(t, torch.zeros(3)), lambda w: torch.zeros(3)),
+}
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+@pytest.mark.parametrize("write", sorted(ATEN_WRITES))
+def test_an_aten_op_writing_the_tensor_is_a_write(
+    offloaded: OffloadedTensor, weight: torch.Tensor, write: str, scoped: bool
+) -> None:
+    """An aten op that writes the tensor (``torch.ops.aten.add_.Scalar``, an ``out``
+    variant), or ``torch.Tensor.set_`` (torch's binding of it skips ``__torch_function__``),
+    writes it as ``t.add_()`` and ``t.set_()`` do: outside a scope, and in one under the
+    pool's ``read_write`` lease (written back), never changing the pool's value behind it."""
+    op, expected_of = ATEN_WRITES[write]
+    expected = expected_of(weight)
+    with TensorResidencyPool() as pool:
+        with pool.scope() if scoped else contextlib.nullcontext():
+            assert op(offloaded) is offloaded
+        with pool.scope():
+            assert torch.equal(offloaded * 1, expected)
+        assert torch.equal(offloaded.reload(), expected)
+    assert torch.equal(on_disk(offloaded), expected)
+    assert tuple(offloaded.shape) == tuple(expected.shape)
+
+
 def test_a_functional_op_with_inplace_true_is_a_write(
     offloaded: OffloadedTensor,
     weight: torch.Tensor,
@@ -412,6 +446,8 @@ def test_what_gradients_and_multi_tensor_writes_would_lose_is_refused(
     before = offloaded.reload()
     with pytest.raises(T2NErrorNotImplemented, match="multi-tensor op"):
         torch._foreach_mul_([offloaded], 2.0)
+    with pytest.raises(T2NErrorNotImplemented, match="multi-tensor op"):
+        torch.ops.aten._foreach_mul_.Scalar([offloaded], 2.0)
     assert torch.equal(offloaded.reload(), before)
 
 
@@ -1142,6 +1178,8 @@ def test_offloaded_qtensor_cast_and_in_place_rules(
         offloaded.mul_(2)
     with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
         offloaded.copy_(torch.zeros(8, 64))
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
+        torch.ops.aten.mul_.Scalar(offloaded, 2)
     with pytest.raises(T2NErrorMisuse, match="floating dtypes only"):
         offloaded.to(torch.int8)
     assert offloaded.dtype == torch.float16

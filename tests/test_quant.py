@@ -719,6 +719,8 @@ def test_in_place_ops_on_a_quantized_value_are_refused(tmp_path: Path) -> None:
         lambda t: t.mul_(0.5),
         lambda t: t.__setitem__(0, 1.0),
         lambda t: torch.add(torch.ones(8, 64), 1.0, out=t),
+        lambda t: torch.ops.aten.add_.Scalar(t, 1.0),
+        lambda t: torch.Tensor.set_(t, torch.zeros(8, 64)),
     ):
         with pytest.raises(T2NErrorNotImplemented, match="change a decompressed copy"):
             change(q)

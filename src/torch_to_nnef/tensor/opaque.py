@@ -99,6 +99,69 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
     return writes
 
 
+def _in_place_refusal(operation: Any, written: type) -> T2NErrorNotImplemented:
+    """The error of an in-place ``operation`` writing an opaque tensor of type ``written``."""
+    return T2NErrorNotImplemented(
+        f"in-place {getattr(operation, '__name__', operation)} on {written.__name__} "
+        "would change a decompressed copy, and the change would be lost; change what the "
+        "value keeps (a QTensor's u8_blob or qscheme.scale), or make a new value (e.g. "
+        "quantize the changed weight again) and store it (update_values())"
+    )
+
+
+def _holds_opaque(value: Any) -> bool:
+    """Whether ``value`` is an opaque tensor, or a list or tuple holding one."""
+    if type(value) in (list, tuple):
+        return any(isinstance(item, OpaqueTensor) for item in value)
+    return isinstance(value, OpaqueTensor)
+
+
+_MUTABLE_ATEN_OPS: dict[Any, bool] = {}
+
+
+def _goes_to_dispatch(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
+    """Whether ``func`` runs down to ``__torch_dispatch__`` with the opaque tensors as they
+    are, where the schema of the aten op it calls names the arguments it writes: an aten op
+    that writes an argument, called as such (``torch.ops.aten.add_.Scalar``)."""
+    if not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return False
+    try:
+        return _MUTABLE_ATEN_OPS[func]
+    except KeyError:
+        pass
+    if isinstance(func, torch._ops.OpOverload):
+        mutable = bool(func._schema.is_mutable)
+    else:
+        mutable = any(getattr(func, name)._schema.is_mutable for name in func.overloads())
+    _MUTABLE_ATEN_OPS[func] = mutable
+    return mutable
+
+
+def _places_written(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> list[int | str]:
+    """Where the opaque tensors that the aten op ``func`` writes are (argument positions, or
+    keywords): the arguments its schema marks as written (``Tensor(a!) self`` of ``add_``,
+    the ``out`` arguments of ``max.dim_max``), holding an opaque tensor alone or in a list.
+
+    An op reaches ``__torch_dispatch__`` without ``__torch_function__`` when called through
+    ``torch.ops.aten``, or through a binding of torch that skips it (``torch.Tensor.set_``)."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.is_mutable:
+        return []
+    if schema.name.split("::")[-1] in _NOT_VALUE_WRITES:
+        return []
+    places: list[int | str] = []
+    for position, argument in enumerate(schema.arguments):
+        if argument.alias_info is None or not argument.alias_info.is_write:
+            continue
+        place: int | str = position if position < len(args) else argument.name
+        value = args[place] if isinstance(place, int) else kwargs.get(place)
+        if _holds_opaque(value):
+            places.append(place)
+    return places
+
+
 # ---------------------------------------------------------------------------------------------
 # Expansion through a custom op, so that a trace records where an opaque value is produced.
 # The op is registered once at import. A trace records an integer token, never reused, that
@@ -388,12 +451,10 @@ class OpaqueTensor(torch.Tensor):
         kwargs = kwargs or {}
         written = args[0] if args and _writes_first_argument(func) else kwargs.get("out")
         if isinstance(written, OpaqueTensor):
-            raise T2NErrorNotImplemented(
-                f"in-place {getattr(func, '__name__', func)} on {type(written).__name__} would "
-                "change a decompressed copy, and the change would be lost; change what the "
-                "value keeps (a QTensor's u8_blob or qscheme.scale), or make a new value (e.g. "
-                "quantize the changed weight again) and store it (update_values())"
-            )
+            raise _in_place_refusal(func, type(written))
+        if _goes_to_dispatch(func, kwargs):
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         return _call_expanded(func, args, kwargs)
 
     @classmethod
@@ -404,8 +465,33 @@ class OpaqueTensor(torch.Tensor):
         args: tuple[Any, ...] = (),
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
-        args, kwargs = _expand_all(args, kwargs or {})
+        kwargs = kwargs or {}
+        written = _places_written(func, args, kwargs)
+        if written:
+            first = args[written[0]] if isinstance(written[0], int) else kwargs[written[0]]
+            if type(first) in (list, tuple):
+                first = next(item for item in first if isinstance(item, OpaqueTensor))
+            return type(first)._write_at_dispatch(func, args, kwargs, written)
+        args, kwargs = _expand_all(args, kwargs)
         return func(*args, **kwargs)
+
+    @classmethod
+    def _write_at_dispatch(
+        cls,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        places: list[int | str],
+    ) -> Any:
+        """Run the aten op ``func``, which writes the opaque tensors at ``places``.
+
+        Refused here: it would change expanded copies (or a value a pool serves to others),
+        and the change would be lost. Subclasses whose value can be written override it.
+
+        Raises:
+            T2NErrorNotImplemented: always.
+        """
+        raise _in_place_refusal(func, cls)
 
 
 class OpaqueTensorRef(torch.Tensor):

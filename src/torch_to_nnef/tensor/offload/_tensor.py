@@ -413,6 +413,14 @@ def _holds_offloaded(value: Any) -> bool:
     return type(value) in (list, tuple) and any(isinstance(v, OffloadedTensor) for v in value)
 
 
+def _multi_tensor_refusal(func: Callable[..., Any]) -> T2NErrorNotImplemented:
+    return T2NErrorNotImplemented(
+        f"{getattr(func, '__name__', func)!r} writes a list of tensors holding offloaded "
+        "ones in place (a multi-tensor op): its writes would be lost. Write each "
+        "tensor on its own (optimizers: foreach=False, fused=False)"
+    )
+
+
 def _arguments_written(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> list[int | str]:
@@ -457,7 +465,9 @@ def _apply_writing_arguments(
     written: list[int | str],
 ) -> Any:
     """Run ``func`` with the offloaded tensors at ``written`` written as an in-place op
-    writes each (:meth:`OffloadedTensor._change`, one inside the other)."""
+    writes each (:meth:`OffloadedTensor._change`, one inside the other). Where the result
+    is a written value (or a list or tuple holding some: an aten op returns what it wrote),
+    it holds the offloaded tensor instead, never a value a pool serves."""
 
     def run(values: dict[int | str, torch.Tensor], places: list[int | str]) -> Any:
         if places:
@@ -466,7 +476,11 @@ def _apply_writing_arguments(
             return tensor._change(func, lambda value: run({**values, place: value}, rest))
         arguments = [values.get(i, _expand_argument(a)) for i, a in enumerate(args)]
         keywords = {k: values.get(k, _expand_argument(v)) for k, v in kwargs.items()}
-        return func(*arguments, **keywords)
+        result = func(*arguments, **keywords)
+        tensors = {id(value): _argument(args, kwargs, place) for place, value in values.items()}
+        if type(result) in (list, tuple):
+            return type(result)(tensors.get(id(item), item) for item in result)
+        return tensors.get(id(result), result)
 
     return run({}, written)
 
@@ -1621,6 +1635,36 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return self if result is value else result
 
     @classmethod
+    def _write_at_dispatch(
+        cls,
+        func: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: Mapping[str, Any],
+        places: list[int | str],
+    ) -> Any:
+        """Run the aten op ``func``, which writes the tensors at ``places``, as their
+        in-place ops write them (:meth:`_change`: under a pool's ``read_write`` lease in a
+        scope, rewriting the payload elsewhere); ``set_`` as :meth:`set_` does, storing a copy
+        of the source. An op reaches this without ``__torch_function__`` when called through
+        ``torch.ops.aten``, or through a binding of torch that skips it
+        (``torch.Tensor.set_``).
+
+        Raises:
+            T2NErrorNotImplemented: a written argument is a list of tensors (a multi-tensor
+                op), another opaque tensor, or an offloaded opaque value (a ``QTensor``).
+        """
+        written = [_argument(args, kwargs, place) for place in places]
+        for tensor in written:
+            if type(tensor) in (list, tuple):
+                raise _multi_tensor_refusal(func)
+            if not isinstance(tensor, OffloadedTensor):
+                return type(tensor)._write_at_dispatch(func, args, kwargs, places)
+        if getattr(func, "overloadpacket", None) is torch.ops.aten.set_:
+            source = args[1] if len(args) > 1 else None
+            return written[0].set_(source, *args[2:], **kwargs)
+        return _apply_writing_arguments(func, args, kwargs, places)
+
+    @classmethod
     def __torch_function__(
         cls,
         func: Callable[..., Any],
@@ -1637,11 +1681,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         elif not args and writes and isinstance(kwargs.get("tensor"), OffloadedTensor):
             result = kwargs["tensor"]._apply_to_keyword("tensor", func, args, kwargs)
         elif writes and args and _holds_offloaded(args[0]):
-            raise T2NErrorNotImplemented(
-                f"{getattr(func, '__name__', func)!r} writes a list of tensors holding offloaded "
-                "ones in place (a multi-tensor op): its writes would be lost. Write each "
-                "tensor on its own (optimizers: foreach=False, fused=False)"
-            )
+            raise _multi_tensor_refusal(func)
         elif written := _arguments_written(func, args, kwargs):
             result = _apply_writing_arguments(func, args, kwargs, written)
         elif (table := _looked_up_table(func, args, kwargs)) is not None and (
