@@ -391,6 +391,44 @@ def test_an_aten_op_writing_the_tensor_is_a_write(
     assert tuple(offloaded.shape) == tuple(expected.shape)
 
 
+def _indices() -> torch.Tensor:
+    return torch.empty(6, 8, dtype=torch.long)
+
+
+SEQUENCE_OUTS: dict[
+    str, tuple[Callable[[torch.Tensor, Any], Any], Callable[[torch.Tensor], Any]]
+] = {
+    "max": (lambda x, t: torch.max(x, 0, out=(t, _indices())), lambda x: x.max(0).values),
+    "max_list": (lambda x, t: torch.max(x, 0, out=[t, _indices()]), lambda x: x.max(0).values),
+    "sort": (lambda x, t: torch.sort(x[0], out=(t, _indices())), lambda x: x[0].sort().values),
+    "frexp": (
+        lambda x, t: torch.frexp(x[0], out=(t, torch.empty(6, 8, dtype=torch.int32))),
+        lambda x: torch.frexp(x[0]).mantissa,
+    ),
+}
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+@pytest.mark.parametrize("op", sorted(SEQUENCE_OUTS))
+def test_a_tensor_in_a_tuple_out_argument_is_written(
+    offloaded: OffloadedTensor, op: str, scoped: bool
+) -> None:
+    """``out=(t, indices)`` (``torch.max``, ``torch.sort``, ``torch.frexp``; a list too)
+    writes ``t`` as ``out=t`` does: outside a scope, and in one under the pool's
+    ``read_write`` lease (written back); the result holds ``t`` itself."""
+    run, expected_of = SEQUENCE_OUTS[op]
+    x = seeded(3, 6, 8, seed=1)
+    expected = expected_of(x)
+    with TensorResidencyPool() as pool:
+        with pool.scope() if scoped else contextlib.nullcontext():
+            assert run(x, offloaded)[0] is offloaded
+        with pool.scope():
+            assert torch.equal(offloaded * 1, expected)
+        pool.flush()
+        assert torch.equal(on_disk(offloaded), expected)
+    assert torch.equal(offloaded.reload(), expected)
+
+
 def test_a_functional_op_with_inplace_true_is_a_write(
     offloaded: OffloadedTensor,
     weight: torch.Tensor,
@@ -1180,6 +1218,8 @@ def test_offloaded_qtensor_cast_and_in_place_rules(
         offloaded.copy_(torch.zeros(8, 64))
     with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
         torch.ops.aten.mul_.Scalar(offloaded, 2)
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress"):
+        torch.max(torch.zeros(2, 8, 64), 0, out=(offloaded, torch.empty(8, 64, dtype=torch.long)))
     with pytest.raises(T2NErrorMisuse, match="floating dtypes only"):
         offloaded.to(torch.int8)
     assert offloaded.dtype == torch.float16

@@ -721,6 +721,8 @@ def test_in_place_ops_on_a_quantized_value_are_refused(tmp_path: Path) -> None:
         lambda t: torch.add(torch.ones(8, 64), 1.0, out=t),
         lambda t: torch.ops.aten.add_.Scalar(t, 1.0),
         lambda t: torch.Tensor.set_(t, torch.zeros(8, 64)),
+        lambda t: torch.max(torch.randn(3, 8, 64), 0, out=(t, torch.empty(8, 64).long())),
+        lambda t: torch.sort(torch.randn(8, 64), out=[t, torch.empty(8, 64).long()]),
     ):
         with pytest.raises(T2NErrorNotImplemented, match="change a decompressed copy"):
             change(q)

@@ -121,8 +121,12 @@ _MUTABLE_ATEN_OPS: dict[Any, bool] = {}
 
 def _goes_to_dispatch(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
     """Whether ``func`` runs down to ``__torch_dispatch__`` with the opaque tensors as they
-    are, where the schema of the aten op it calls names the arguments it writes: an aten op
-    that writes an argument, called as such (``torch.ops.aten.add_.Scalar``)."""
+    are, where the schema of the aten op it calls names the arguments it writes: an op given
+    a list or tuple ``out=`` holding an opaque tensor (``torch.max(x, 0, out=(t, i))``), and
+    an aten op that writes an argument, called as such (``torch.ops.aten.add_.Scalar``)."""
+    out = kwargs.get("out")
+    if type(out) in (list, tuple) and _holds_opaque(out):
+        return True
     if not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
         return False
     try:
@@ -309,8 +313,9 @@ class OpaqueTensor(torch.Tensor):
     opaque tensor runs on the expanded value and returns a plain ``torch.Tensor``; metadata
     queries (``shape``, ``dtype``, ``device``, ``numel()``) answer from the shell without
     expanding. An operation that would write the tensor in place (``mul_``, ``t[i] = v``,
-    ``out=t``) raises :class:`T2NErrorNotImplemented`: it would change an expanded copy, and
-    the change would be lost.
+    ``out=t``, ``out=(t, indices)``, ``torch.ops.aten.add_.Scalar(t, 1)``) raises
+    :class:`T2NErrorNotImplemented`: it would change an expanded copy, and the change would be
+    lost.
 
     ``detach()`` and ``requires_grad_()`` return the tensor itself, so that
     ``nn.Parameter(opaque, requires_grad=False)`` keeps the opaque type. ``data`` returns the
