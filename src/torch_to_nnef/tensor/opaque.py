@@ -117,6 +117,7 @@ def _holds_opaque(value: Any) -> bool:
 
 
 _MUTABLE_ATEN_OPS: dict[Any, bool] = {}
+_ATEN_OPS = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 
 def _goes_to_dispatch(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bool:
@@ -127,7 +128,7 @@ def _goes_to_dispatch(func: Callable[..., Any], kwargs: Mapping[str, Any]) -> bo
     out = kwargs.get("out")
     if type(out) in (list, tuple) and _holds_opaque(out):
         return True
-    if not isinstance(func, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+    if not isinstance(func, _ATEN_OPS):
         return False
     try:
         return _MUTABLE_ATEN_OPS[func]
