@@ -34,3 +34,14 @@ def buffered_reads() -> Iterator[None]:
     previous = storage.set_mapped_reads(False)
     yield
     storage.set_mapped_reads(previous)
+
+
+@pytest.fixture(autouse=True)
+def _grad_mode_left_as_found() -> Iterator[None]:
+    """Autograd's mode is per thread: a test that leaves it off on the main thread (e.g. a
+    ``torch.no_grad()`` block across awaits of interleaved tasks) changes the tests after it."""
+    import torch
+
+    enabled = torch.is_grad_enabled()
+    yield
+    assert torch.is_grad_enabled() == enabled, "the test left autograd's mode changed"

@@ -132,9 +132,14 @@ def test_concurrent_forwards_reading_ahead_leave_no_lease_behind(tmp_path: Path)
     async def serve() -> None:
         async with pool:
 
+            def forward() -> torch.Tensor:
+                with torch.no_grad():  # grad mode is the thread's: set it in the worker
+                    output: torch.Tensor = model(x)
+                return output
+
             async def request() -> torch.Tensor:
-                with pool.scope(), torch.no_grad():
-                    return await asyncio.to_thread(model, x)
+                with pool.scope():  # a contextvar: the worker thread runs in the scope
+                    return await asyncio.to_thread(forward)
 
             for _ in range(8):
                 for output in await asyncio.gather(request(), request(), request()):
