@@ -405,45 +405,60 @@ def test_swapped_arguments_are_named(tmp_path: Path) -> None:
         load_offloaded_checkpoint(meta_model(), 3)  # type: ignore[arg-type]
 
 
-def refused_then_converted(given: Path, directory: Path) -> Net:
-    """Load ``given``, refused as pickle; run the conversion the error gives; load
-    ``directory``, as a user following the advice would."""
+def refused_then_converted(given: Path) -> Net:
+    """Load ``given``, refused as pickle; run the shell command the error gives (with this
+    interpreter as ``python``); load what it says to bind, as a user following the advice."""
     with pytest.raises(T2NErrorCheckpoint) as caught:
         load_offloaded_checkpoint(meta_model(), given)
     message = str(caught.value)
     assert "is a pickle checkpoint (torch.save), not safetensors" in message
     assert "t2n_load_checkpoint_and_dispatch" in message
-    command = re.search(r'python -c "(.*?)"; or load', message)
-    assert command is not None, message
-    subprocess.run([sys.executable, "-c", command.group(1)], check=True, timeout=120)
-    return load_offloaded_checkpoint(meta_model(), directory)
+    advice = re.search(r"Convert it once: (python -c .*) \(then bind '(.*?)'\); or load", message)
+    assert advice is not None, message
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"
+    subprocess.run(
+        ["bash", "-c", advice.group(1)], check=True, timeout=120, env={**os.environ, "PATH": path}
+    )
+    return load_offloaded_checkpoint(meta_model(), Path(advice.group(2)))
 
 
 @pytest.mark.timeout(300)
 def test_a_pickle_checkpoint_is_refused_with_a_conversion_that_works(
     dense: Net, tmp_path: Path
 ) -> None:
+    """The conversion runs in a shell whatever the path holds, and never writes over a file:
+    a model.safetensors already there (its own values) stays, the conversion going beside
+    it under the pickle file's name."""
     state = state_without_ties(dense)
-    single = tmp_path / "single"
-    single.mkdir()
+    odd = tmp_path / """it's "odd" $HOME"""
+    single = odd / "single"
+    single.mkdir(parents=True)
     torch.save(state, single / "pytorch_model.bin")
     for given in (single / "pytorch_model.bin", single):
         with pytest.raises(T2NErrorCheckpoint, match="pickle checkpoint"):
             load_offloaded_checkpoint(meta_model(), given)
-    assert torch.equal(output(refused_then_converted(single, single)), output(dense))
+    assert torch.equal(output(refused_then_converted(single)), output(dense))
     assert (single / "model.safetensors").is_file()
 
-    # Sharded: every shard converted, and an index of the new names written.
-    sharded = tmp_path / "sharded"
-    sharded.mkdir()
+    other = odd / "other"
+    other.mkdir()
+    safetensors.torch.save_file({"x": torch.ones(2)}, str(other / "model.safetensors"))
+    before = digests(other)
+    torch.save(state, other / "pytorch_model.bin")
+    assert torch.equal(output(refused_then_converted(other / "pytorch_model.bin")), output(dense))
+    assert digests(other)["model.safetensors"] == before["model.safetensors"]
+
+    # Sharded, shards in folders with dots: every shard converted beside it, a new index.
+    sharded = odd / "sharded"
     keys = sorted(state)
     weight_map = {}
-    for number, part in enumerate((keys[::2], keys[1::2]), start=1):
-        name = f"pytorch_model-{number:05d}-of-00002.bin"
+    for number, part in enumerate((keys[::2], keys[1::2])):
+        name = f"v1.{number}/shard"
+        (sharded / name).parent.mkdir(parents=True)
         torch.save({key: state[key] for key in part}, sharded / name)
         weight_map.update(dict.fromkeys(part, name))
     (sharded / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
-    model = refused_then_converted(sharded, sharded)
+    model = refused_then_converted(sharded)
     assert torch.equal(output(model), output(dense))
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shlex
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
@@ -722,29 +723,39 @@ def _is_pickle(path: Path) -> bool:
 
 
 def _conversion(path: Path, index: Path | None) -> str:
-    """A command converting the pickle checkpoint ``path`` (or every shard of ``index``) to
-    safetensors, beside it, under the names :func:`open_checkpoint` looks for first."""
+    """A shell command converting the pickle checkpoint ``path`` (or every shard of ``index``)
+    to safetensors beside it, and what to bind then. It writes no file that exists: the
+    single file's conversion goes under the first name :func:`open_checkpoint` looks for
+    when it is free (``model.safetensors``), each shard's under the shard's name."""
     save = (
         "st.save_file({k: v.contiguous().clone() for k, v in torch.load(%s, "
-        "weights_only=True).items()}, %s, metadata={'format': 'pt'})"
+        'weights_only=True).items()}, %s, metadata={"format": "pt"})'
     )
     if index is None:
-        name = SAFETENSORS_SINGLE_NAME if path.name == PICKLE_NAME else f"{path.stem}.safetensors"
-        code = "import torch, safetensors.torch as st; " + save % (
-            repr(str(path)),
-            repr(str(path.with_name(name))),
+        free = path.with_name(SAFETENSORS_SINGLE_NAME)
+        target = free if path.name == PICKLE_NAME and not free.exists() else path
+        destination = target.with_suffix(".safetensors")
+        checked = (
+            "import os, torch, safetensors.torch as st; "
+            f"d = {json.dumps(str(destination))}; "
+            'assert not os.path.exists(d), d + " exists: move it away first"; '
         )
+        code = checked + save % (json.dumps(str(path)), "d")
+        then = destination if destination.name != SAFETENSORS_SINGLE_NAME else path.parent
     else:
         code = (
             "import json, torch, safetensors.torch as st; from pathlib import Path; "
-            f"i = Path({str(index)!r}); m = json.loads(i.read_text()); "
-            "new = {s: s.rsplit('.', 1)[0] + '.safetensors' "
-            "for s in set(m['weight_map'].values())}; "
+            f"i = Path({json.dumps(str(index))}); m = json.loads(i.read_text()); "
+            'new = {s: str(Path(s).with_suffix(".safetensors")) '
+            'for s in set(m["weight_map"].values())}; '
+            "taken = [n for n in set(new.values()) if (i.parent / n).exists()]; "
+            'assert len(set(new.values())) == len(new) and not taken, f"{taken} exist"; '
             "[" + save % ("i.parent / s", "i.parent / n") + " for s, n in new.items()]; "
-            "m['weight_map'] = {k: new[s] for k, s in m['weight_map'].items()}; "
-            f"(i.parent / {SAFETENSORS_INDEX_NAME!r}).write_text(json.dumps(m))"
+            'm["weight_map"] = {k: new[s] for k, s in m["weight_map"].items()}; '
+            f"(i.parent / {json.dumps(SAFETENSORS_INDEX_NAME)}).write_text(json.dumps(m))"
         )
-    return f'python -c "{code}"'
+        then = index.parent
+    return f"python -c {shlex.quote(code)} (then bind '{then}')"
 
 
 _ZIP_MAGIC = b"PK\x03\x04"
