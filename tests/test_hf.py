@@ -335,6 +335,8 @@ def test_from_pretrained_inside_the_context_takes_the_class_config_and_its_optio
             tied.path, use_cache=False, trust_remote_code=False
         )
         assert model.config.use_cache is False
+        model = transformers.AutoModelForCausalLM.from_pretrained(tied.path, config=tied.config)
+        assert torch.equal(generate(model), tied.tokens)
         model = transformers.Qwen2ForCausalLM.from_pretrained(tied.path, use_cache=False)
         assert model.config.use_cache is False
         assert torch.equal(generate(model), tied.tokens)

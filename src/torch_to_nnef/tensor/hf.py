@@ -577,6 +577,8 @@ _HONOURED = {
     "attn_implementation",
     "local_files_only",
     "low_cpu_mem_usage",
+    "_from_auto",  # transformers' own, from AutoModel*.from_pretrained
+    "_from_pipeline",
 }
 
 
