@@ -1074,6 +1074,8 @@ def test_another_loop_on_the_thread_of_a_stopped_serving_loop_is_served_inline(
 
         async def use() -> None:
             assert torch.equal(await pool.aresolve(t), torch.full((NUMEL,), 5.0))
+            await pool.aevict(t)
+            assert torch.equal(await pool.prefetch(t), torch.full((NUMEL,), 5.0))
             async with pool.acquire(t) as value:
                 assert float(value[0]) == 5.0
             await pool.aflush()

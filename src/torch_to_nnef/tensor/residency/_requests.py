@@ -42,6 +42,7 @@ class Resolve(Operation):
 class Prefetch(Resolve):
     """Start (or join) a load, pinning the value with ``pin``; the loaded value."""
 
+    inline = "prefetch"
     consumer = False
 
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device, pin: bool) -> None:
@@ -105,6 +106,7 @@ class Evict(Operation):
     """Evict a value, waiting for its load or write-back first."""
 
     twin = "aevict"
+    inline = "evict"
 
     def __init__(self, actor: Actor, source: PoolSource) -> None:
         super().__init__()
@@ -121,6 +123,7 @@ class Flush(Operation):
     """Write dirty values back (all, or one tensor's) and wait for loads in flight."""
 
     twin = "aflush"
+    inline = "flush"
 
     def __init__(self, actor: Actor, source: PoolSource | None) -> None:
         super().__init__()
@@ -140,6 +143,7 @@ class Close(Operation):
     """Refuse while values are leased; write every dirty value back; release everything."""
 
     twin = "aclose"
+    inline = "close"
 
     def __init__(self, actor: Actor, before: Callable[[], None]) -> None:
         super().__init__()

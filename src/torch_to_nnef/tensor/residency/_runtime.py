@@ -830,10 +830,12 @@ class Runtime:
             self.actor.add_stall(time.perf_counter() - started)
 
     def start(self, operation: Operation) -> Reply:
-        """Send ``operation`` to the loop without waiting (any thread); its completion."""
+        """Send ``operation`` to the loop without waiting (any thread); its completion. On
+        the loop's thread while that loop is stopped, it runs to its end there: nothing
+        else would apply the end of its job."""
         done = Reply()
         if self.on_loop_thread():
-            self.drive(operation, done)
+            self.drive(operation, done, inline=not self._loop_runs())
         else:
             self.post(self.drive, operation, done)
         return done
