@@ -6,10 +6,17 @@ from pathlib import Path
 
 import anyio
 import pytest
+import safetensors.torch
+import torch
 from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
-from torch_to_nnef.tensor import TensorResidencyPool, offload_module, stream_modules
+from torch_to_nnef.tensor import (
+    OffloadedTensor,
+    TensorResidencyPool,
+    offload_module,
+    stream_modules,
+)
 
 
 def test_stream_modules_given_one_module_asks_for_its_layers(tmp_path: Path) -> None:
@@ -121,3 +128,19 @@ def test_pools_leases_and_handles_refuse_to_be_copied(tmp_path: Path, how: str) 
             assert torch.equal(value, torch.ones(8))
         stream.close()
     assert pool.closed, "the lease ended once: close() found nothing held"
+
+
+def test_an_offload_dir_that_is_no_path_and_a_dtype_no_file_stores_are_named(
+    tmp_path: Path,
+) -> None:
+    safetensors.torch.save_file({"w": torch.ones(2)}, str(tmp_path / "x.safetensors"))
+    for call in (
+        lambda: OffloadedTensor.from_original_tensor(torch.ones(2), "w", offload_dir=5),
+        lambda: OffloadedTensor.from_safetensors(tmp_path / "x.safetensors", "w", offload_dir=5),
+    ):
+        with pytest.raises(T2NErrorMisuse, match="offload_dir must be a directory's path"):
+            call()  # type: ignore[arg-type]
+    weight = OffloadedTensor.from_original_tensor(torch.ones(2), "w", offload_dir=tmp_path)
+    with pytest.raises(T2NErrorMisuse, match=r"torch\.quint8 cannot be stored in a payload file"):
+        weight.to(torch.quint8)
+    assert weight.dtype == torch.float32 and torch.equal(weight.reload(), torch.ones(2))

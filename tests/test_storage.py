@@ -685,6 +685,7 @@ def test_public_api_is_exactly_exported() -> None:
             "MAX_HEADER_BYTES",
             "EntrySpec",
             "PayloadLayout",
+            "dtype_code",
             "read_layout",
             "changed_since_read",
             "read_payload",

@@ -178,12 +178,22 @@ def _private_dir() -> _PrivateDir:
         return current
 
 
+def _directory(offload_dir: PathLike) -> Path:
+    """``offload_dir`` as a path; a value of another type is refused by name."""
+    if not isinstance(offload_dir, str | os.PathLike):
+        raise T2NErrorMisuse(
+            f"offload_dir must be a directory's path (a str or os.PathLike) or None, got "
+            f"{type(offload_dir).__name__}"
+        )
+    return Path(offload_dir)
+
+
 def _resolve_dir(offload_dir: PathLike | None) -> tuple[Path, _PrivateDir | None]:
     """The directory to write payloads in, created if needed, and the private one it may be."""
     if offload_dir is None:
         private = _private_dir()
         return private.path, private
-    directory = Path(offload_dir)
+    directory = _directory(offload_dir)
     if directory.exists() and not directory.is_dir():
         raise T2NErrorStorage(
             f"offload_dir '{directory}' exists and is not a directory; pass a directory"
@@ -673,7 +683,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 f"to point {name!r} at an existing payload file, give its offload_dir and "
                 "storage_id; to offload values, pass them as elem"
             )
-        directory = Path(offload_dir)
+        directory = _directory(offload_dir)
         path = storage.payload_path(directory, name, storage_id)
         _refuse_if_read(path, name)
         layout = storage.read_layout(path)
@@ -844,7 +854,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             dtype=spec.dtype,
             device=_canonical_device(device),
             name=key if name is None else name,
-            offload_dir=None if offload_dir is None else Path(offload_dir),
+            offload_dir=None if offload_dir is None else _directory(offload_dir),
             private=None,
             storage_id=_new_storage_id(),
             value_type=torch.Tensor,
@@ -1513,6 +1523,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return self
 
     def _cast_payload(self, dtype: torch.dtype) -> None:
+        storage.dtype_code(dtype)  # a dtype no payload file stores is refused before a read
         value = self._reload_unmanaged(_CPU)
         cast = value.to(dtype)
         if isinstance(value, OpaqueTensor) and not isinstance(cast, SupportsOffloadState):

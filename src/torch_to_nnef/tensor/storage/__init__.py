@@ -49,6 +49,7 @@ from torch_to_nnef.tensor.storage._format import DATA_ALIGNMENT as DATA_ALIGNMEN
 from torch_to_nnef.tensor.storage._format import MAX_HEADER_BYTES as MAX_HEADER_BYTES
 from torch_to_nnef.tensor.storage._format import EntrySpec as EntrySpec
 from torch_to_nnef.tensor.storage._format import PayloadLayout as PayloadLayout
+from torch_to_nnef.tensor.storage._format import dtype_code as dtype_code
 from torch_to_nnef.tensor.storage._io import changed_since_read as changed_since_read
 from torch_to_nnef.tensor.storage._io import make_private_dir as make_private_dir
 from torch_to_nnef.tensor.storage._io import open_regular_file as open_regular_file
@@ -78,6 +79,7 @@ __all__ = [
     "MAX_HEADER_BYTES",
     "EntrySpec",
     "PayloadLayout",
+    "dtype_code",
     # reading
     "read_layout",
     "changed_since_read",
