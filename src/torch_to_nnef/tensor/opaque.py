@@ -167,6 +167,30 @@ def _places_written(
     return places
 
 
+def _overload(func: Callable[..., Any]) -> Callable[..., Any]:
+    """The overload an aten op packet with a single one stands for (``fill_diagonal_``);
+    ``func`` itself otherwise (torch picks among several when it is called)."""
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        names = func.overloads()
+        if len(names) == 1:
+            return getattr(func, names[0])  # type: ignore[no-any-return]
+    return func
+
+
+def _write_places(
+    func: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: Mapping[str, Any],
+    places: list[int | str],
+) -> Any:
+    """Run the aten op ``func`` writing the opaque tensors at ``places``, as the type of the
+    first of them writes (or refuses)."""
+    first = args[places[0]] if isinstance(places[0], int) else kwargs[places[0]]
+    if type(first) in (list, tuple):
+        first = next(item for item in first if isinstance(item, OpaqueTensor))
+    return type(first)._write_at_dispatch(func, args, kwargs, places)
+
+
 # ---------------------------------------------------------------------------------------------
 # Expansion through a custom op, so that a trace records where an opaque value is produced.
 # The op is registered once at import. A trace records an integer token, never reused, that
@@ -459,7 +483,14 @@ class OpaqueTensor(torch.Tensor):
         if isinstance(written, OpaqueTensor):
             raise _in_place_refusal(func, type(written))
         if _goes_to_dispatch(func, kwargs):
-            with torch._C.DisableTorchFunctionSubclass():
+            # An aten op called as such, whose schema names what it writes, is written
+            # here: one that torch decomposes before dispatch (fill_diagonal_) never
+            # reaches it whole.
+            places = _places_written(_overload(func), args, kwargs)
+            if places:
+                return _write_places(_overload(func), args, kwargs, places)
+            # The shells record no history: autograd, above dispatch, would give them some.
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         return _call_expanded(func, args, kwargs)
 
@@ -474,10 +505,7 @@ class OpaqueTensor(torch.Tensor):
         kwargs = kwargs or {}
         written = _places_written(func, args, kwargs)
         if written:
-            first = args[written[0]] if isinstance(written[0], int) else kwargs[written[0]]
-            if type(first) in (list, tuple):
-                first = next(item for item in first if isinstance(item, OpaqueTensor))
-            return type(first)._write_at_dispatch(func, args, kwargs, written)
+            return _write_places(func, args, kwargs, written)
         args, kwargs = _expand_all(args, kwargs)
         return func(*args, **kwargs)
 

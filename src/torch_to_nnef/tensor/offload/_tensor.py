@@ -483,6 +483,9 @@ def _apply_writing_arguments(
         if places:
             place, rest = places[0], places[1:]
             tensor: OffloadedTensor = _argument(args, kwargs, place)
+            for earlier, value in values.items():  # one tensor in two places: one value
+                if _argument(args, kwargs, earlier) is tensor:
+                    return run({**values, place: value}, rest)
             return tensor._change(func, lambda value: run({**values, place: value}, rest))
         arguments = [values.get(i, _expand_argument(a)) for i, a in enumerate(args)]
         keywords = {k: values.get(k, _expand_argument(v)) for k, v in kwargs.items()}
@@ -1632,15 +1635,23 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         if self._binding.opaque:
             self._refuse_in_place(getattr(func, "__name__", repr(func)))
+        if torch._C._get_tracing_state() is not None:
+            raise T2NErrorNotImplemented(
+                f"{getattr(func, '__name__', func)!r} writes the offloaded tensor "
+                f"{self._name!r} under torch.jit.trace: a trace replays no write to a file; "
+                "change the tensor before or after tracing"
+            )
+        # The value records no autograd history (offloaded tensors have no gradients): a
+        # pool's value changed by an input requiring them would hold that graph.
         scope = active_tensor_residency()
         if scope is not None:
             pool, device = scope
             lease = pool._scope_lease(self, device)
-            with lease as value, torch._C.DisableTorchFunctionSubclass():
+            with lease as value, torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 result = run(value)
             return self if result is value else result
         value = storage.handoff(self._reload_unmanaged())
-        with torch._C.DisableTorchFunctionSubclass():
+        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
             result = run(value)
         self.update_values(value)
         return self if result is value else result
