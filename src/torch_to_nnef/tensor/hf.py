@@ -656,14 +656,14 @@ def _keep_in_float32(model: nn.Module, dtype: torch.dtype) -> None:
     float16 and bfloat16) that dtype, as ``from_pretrained`` does: T5's feed-forward output
     overflows in float16. A tensor under several names is kept whole (ties stay)."""
     plan = getattr(model, "_get_dtype_plan", None)
+    patterns: list[str] = []
     if callable(plan):
         patterns = [key for key, kept in plan(dtype).items() if kept == torch.float32]
     else:  # transformers before the plan: the same two rules
-        patterns = list(getattr(model, "_keep_in_fp32_modules", None) or ()) * (
-            dtype == torch.float16
-        )
+        if dtype == torch.float16:
+            patterns += getattr(model, "_keep_in_fp32_modules", None) or ()
         if dtype in (torch.float16, torch.bfloat16):
-            patterns += list(getattr(model, "_keep_in_fp32_modules_strict", None) or ())
+            patterns += getattr(model, "_keep_in_fp32_modules_strict", None) or ()
     if not patterns:
         return
     # transformers' matching: a pattern anywhere in the tensor's name, "*" any text.
