@@ -996,6 +996,43 @@ held.wait()
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.parametrize("loop_closed", [False, True], ids=["loop-stopped", "loop-closed"])
+def test_a_block_never_left_and_leased_by_a_daemon_thread_at_exit_writes_every_other_change(
+    tmp_path: Path, loop_closed: bool
+) -> None:
+    """A pool whose `async with` block was never left, a daemon thread holding a lease at
+    exit: its close is refused, and the exiting thread writes what a leased pool writes (the
+    others' changes, and the change of the leased value made before the lease)."""
+    values, result = _files_at_exit(
+        tmp_path,
+        f"""
+pool = TensorResidencyPool()
+held = threading.Event()
+def hold():
+    with pool.acquire(ts[0], mode="read_write") as value:
+        value.fill_(100.0)
+        held.set()
+        time.sleep(60)
+async def serve():
+    async with pool:
+        for i, t in enumerate(ts):
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(float(i + 1))
+        threading.Thread(target=hold, daemon=True).start()
+        await asyncio.to_thread(held.wait)
+        await asyncio.Event().wait()  # the block is never left
+loop = asyncio.new_event_loop()
+task = loop.create_task(serve())
+loop.run_until_complete(asyncio.sleep(0.3))
+if {loop_closed}:
+    loop.close()
+""",
+    )
+    assert values == [1.0, 2.0, 3.0]
+    assert "still had values leased by threads still running" in result.stderr
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("loop_closed", [False, True], ids=["loop-left", "loop-closed"])
 def test_an_async_with_block_never_left_writes_its_changes_back_at_exit(
     tmp_path: Path, loop_closed: bool

@@ -12,7 +12,7 @@ import contextlib
 import logging
 import warnings
 import weakref
-from collections.abc import Generator, Iterable
+from collections.abc import Callable, Generator, Iterable
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -741,19 +741,19 @@ class _Unclosed:
                 finally:
                     runtime.stop_private()
         except T2NErrorMisuse as error:  # leased by a thread still running (a daemon)
-            self._flush_unleased(error)
+            self._flush_unleased(error, runtime.call)
         except T2NError as error:  # a write failed
             _log_unwritten("open at interpreter exit", error)
 
-    def _flush_unleased(self, refused: T2NErrorMisuse) -> None:
+    def _flush_unleased(self, refused: T2NErrorMisuse, call: Callable[[Operation], Any]) -> None:
         """Close refused (values leased): write back every change but those under a
         ``read_write`` lease still held, which cannot be whole; of a value under such a
-        lease, the change of leases that ended before it is written."""
-        runtime = self._runtime
-        actor = runtime.actor
+        lease, the change of leases that ended before it is written. ``call`` runs the
+        requests (the runtime's sync face, or the exiting thread for a stranded pool)."""
+        actor = self._runtime.actor
         try:
-            runtime.call(Flush(actor, None))
-            sources = runtime.call(Transition(lambda: [e.source for e in actor.entries.values()]))
+            call(Flush(actor, None))
+            sources = call(Transition(lambda: [e.source for e in actor.entries.values()]))
             for source in sources:
                 source._write_unsaved(actor)
         except T2NError as error:
@@ -777,6 +777,8 @@ class _Unclosed:
         close = pool._close_request() if pool is not None else Close(actor, _nothing)
         try:
             runtime.close_stranded(close)
+        except T2NErrorMisuse as error:  # leased by a thread still running (a daemon)
+            self._flush_unleased(error, runtime.call_stranded)
         except Exception as error:
             _log_unwritten("whose `async with` block was never left", error)
 

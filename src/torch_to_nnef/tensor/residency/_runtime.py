@@ -517,14 +517,19 @@ class Runtime:
                 )
             self._attach(asyncio.get_running_loop())
 
-    def close_stranded(self, close: Operation) -> None:
-        """Close a stranded pool from the calling thread (:meth:`stranded_here`): drive the
-        close here, as the loop thread would, its writes on the workers; then stop serving
-        on that loop. Raises what the close raises (the pool stays open)."""
+    def call_stranded(self, operation: Operation) -> Any:
+        """Run ``operation`` to its end on the calling thread, for a stranded pool that only
+        this thread drives (:meth:`stranded_here`, or the exiting thread): as the loop
+        thread would, its jobs on the workers."""
         done = Reply()
         with self._start_lock:
-            self.drive(close, done, inline=True)
-        done.result()
+            self.drive(operation, done, inline=True)
+        return done.result()
+
+    def close_stranded(self, close: Operation) -> None:
+        """Close a stranded pool from the calling thread (:meth:`call_stranded`), then stop
+        serving on its loop. Raises what the close raises (the pool stays open)."""
+        self.call_stranded(close)
         self.detach_current()
 
     def detach_current(self) -> None:
