@@ -20,7 +20,7 @@ import secrets
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, NoReturn, TypeVar
 
 import torch
 from torch.overrides import get_default_nowrap_functions
@@ -437,6 +437,41 @@ class OpaqueTensor(torch.Tensor):
     def detach(self) -> OpaqueTensor:  # type: ignore[override]
         """Return the tensor itself (opaque tensors carry no autograd history)."""
         return self
+
+    # -- no memory of its own ----------------------------------------------------------------
+    # Each expansion makes a new value: an address or a storage would be that of a copy
+    # freed at once, read afterwards by whoever asked (a serializer such as safetensors) or
+    # taken for a storage two tensors share.
+    def data_ptr(self) -> NoReturn:
+        """Refused: the tensor has no memory of its own (use its value).
+
+        Raises:
+            T2NErrorNotImplemented: always, naming what to use instead.
+        """
+        raise self._no_memory("data_ptr()")
+
+    def untyped_storage(self) -> NoReturn:
+        """Refused, as :meth:`data_ptr`.
+
+        Raises:
+            T2NErrorNotImplemented: always.
+        """
+        raise self._no_memory("untyped_storage()")
+
+    def storage(self) -> NoReturn:
+        """Refused, as :meth:`data_ptr`.
+
+        Raises:
+            T2NErrorNotImplemented: always.
+        """
+        raise self._no_memory("storage()")
+
+    def _no_memory(self, what: str) -> T2NErrorNotImplemented:
+        return T2NErrorNotImplemented(
+            f"{type(self).__name__} has no memory of its own for {what}: its value is made "
+            "anew at each use. Use the value (opaque_to_final_tensor(t)); to save it, save "
+            "what it keeps (for a QTensor, write_in_file() or its offload state)"
+        )
 
     def requires_grad_(self, mode: bool = False) -> OpaqueTensor:  # type: ignore[override]
         """Accept ``requires_grad_(False)`` and return the tensor itself.

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 import torch
 
@@ -1017,34 +1017,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             return (torch._utils._rebuild_parameter, (value, False, collections.OrderedDict()))
         return value.__reduce_ex__(protocol)
 
-    # -- no memory of its own ----------------------------------------------------------------
-    # Each load makes a new value: an address or a storage would be that of a copy freed at
-    # once, read afterwards by whoever asked (a serializer) or taken for a shared storage.
-    def data_ptr(self) -> NoReturn:
-        """Refused: the tensor has no memory of its own (use ``reload()``'s value).
-
-        Raises:
-            T2NErrorNotImplemented: always, naming how to save a model of such tensors.
-        """
-        raise self._no_memory("data_ptr()")
-
-    def untyped_storage(self) -> NoReturn:
-        """Refused, as :meth:`data_ptr`.
-
-        Raises:
-            T2NErrorNotImplemented: always.
-        """
-        raise self._no_memory("untyped_storage()")
-
-    def storage(self) -> NoReturn:
-        """Refused, as :meth:`data_ptr`.
-
-        Raises:
-            T2NErrorNotImplemented: always.
-        """
-        raise self._no_memory("storage()")
-
     def _no_memory(self, what: str) -> T2NErrorNotImplemented:
+        """Why ``what`` is refused (see :meth:`OpaqueTensor.data_ptr`), with how to save a
+        model of offloaded tensors."""
         return T2NErrorNotImplemented(
             f"OffloadedTensor {self._name!r} has no memory of its own for {what}: its value "
             f"lives in '{self.offload_path}', and each load makes a new one. Use the value "
