@@ -739,3 +739,45 @@ def test_in_place_ops_on_a_quantized_value_are_refused(tmp_path: Path) -> None:
     reloaded = offloaded.reload()
     assert torch.equal(reloaded.u8_blob[0], torch.zeros_like(reloaded.u8_blob[0]))
     assert torch.equal(reloaded.u8_blob[1:], q.u8_blob[1:])
+
+
+def test_a_quantized_value_has_no_memory_to_hand_out(tmp_path: Path) -> None:
+    """Its address or storage would be those of a decompressed copy freed at once: a
+    serializer (safetensors) wrote garbage, or took two values for one shared storage."""
+    import safetensors.torch
+
+    q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(8, 64))
+    for ask in (q.data_ptr, q.untyped_storage, q.storage):
+        with pytest.raises(T2NErrorNotImplemented, match="no memory of its own"):
+            ask()
+    with pytest.raises(T2NErrorNotImplemented, match="no memory of its own"):
+        safetensors.torch.save_file({"a": q}, str(tmp_path / "w.safetensors"))
+
+
+def test_values_that_no_code_stands_for_are_refused_with_a_given_scheme() -> None:
+    """As calibration refuses them: NaN and infinities have no code (NaN became an arbitrary
+    one); and a meta tensor has no values at all."""
+    weight = torch.randn(2, 32)
+    scheme = QScalePerGroupF16(32, torch.ones(2), 4)
+    for value in (float("nan"), float("inf")):
+        bad = weight.clone()
+        bad[1, 3] = value
+        with pytest.raises(T2NErrorImpossibleQuantization, match="NaN or infinite"):
+            QTensorTractScaleOnly(bad, scheme)
+    with pytest.raises(T2NErrorMisuse, match="meta tensor holds no values to quantize"):
+        fp_to_tract_q4_0_with_min_max_calibration(torch.empty(8, 64, device="meta"))
+
+
+def test_write_in_file_takes_the_longest_names_and_names_bad_places(tmp_path: Path) -> None:
+    q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(8, 64))
+    longest = "w" * (255 - len(".dat"))  # the longest name a file system takes
+    assert q.write_in_file(tmp_path, longest).name == longest + ".dat"
+    with pytest.raises(T2NErrorStorage, match="cannot write"):
+        q.write_in_file(tmp_path, longest + "w")
+    with pytest.raises(T2NErrorMisuse, match="dirpath must be the model folder's path"):
+        q.write_in_file(None, "w")  # type: ignore[arg-type]
+    (tmp_path / "folder.dat").mkdir()
+    with pytest.raises(T2NErrorMisuse, match="exists and is not a file"):
+        q.write_in_file(tmp_path, "folder")
+    with pytest.raises(T2NErrorMisuse, match="meta tensor holds no values to write"):
+        q.to("meta").write_in_file(tmp_path, "meta")

@@ -307,3 +307,14 @@ def test_indexing_and_updating_every_tensor_is_linear_in_model_size() -> None:
     small, large = _time_full_update(250), _time_full_update(2000)
     # 8x the tensors: linear work is ~8x; quadratic work would be ~64x.
     assert large < small * 24, (small, large)
+
+
+def test_a_replacement_that_is_no_tensor_is_refused_by_name() -> None:
+    model = nn.Linear(2, 2)
+    updater = ModTensorUpdater(model)
+    for wrong in (None, 3, "w", [1.0, 2.0]):
+        with pytest.raises(T2NErrorMisuse, match="a tensor replaces a model's tensor, got"):
+            updater.update_by_ref(model.weight, wrong)  # type: ignore[arg-type]
+        with pytest.raises(T2NErrorMisuse, match="a tensor replaces a model's tensor, got"):
+            updater.update_by_name("weight", wrong)  # type: ignore[arg-type]
+    assert isinstance(model.weight, nn.Parameter)

@@ -375,6 +375,7 @@ class ModTensorUpdater:
         entry = self._entry(ref)
         if new_tensor is ref:
             return ref
+        _check_tensor(new_tensor)
         return self._replace(
             entry, list(entry.slots.values()), new_tensor, enforce_tensor_consistency
         )
@@ -414,6 +415,7 @@ class ModTensorUpdater:
             )
         if new_tensor is entry.tensor:
             return new_tensor
+        _check_tensor(new_tensor)
         slots = list(entry.slots.values()) if tie_replacements else [slot]
         return self._replace(entry, slots, new_tensor, enforce_tensor_consistency, first=name)
 
@@ -491,4 +493,13 @@ def _raise_mismatches(
             f"{subject}: the new tensor has {'; '.join(problems)}. "
             "Convert it first (e.g. new.to(old.device, old.dtype)), or pass "
             "enforce_tensor_consistency=False to change it on purpose"
+        )
+
+
+def _check_tensor(new_tensor: object) -> None:
+    """Refuse a replacement that is no tensor, by name (before anything is replaced)."""
+    if not isinstance(new_tensor, torch.Tensor):
+        raise T2NErrorMisuse(
+            f"a tensor replaces a model's tensor, got {type(new_tensor).__name__}; convert it "
+            "first (e.g. torch.as_tensor(array))"
         )

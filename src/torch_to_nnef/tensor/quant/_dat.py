@@ -138,6 +138,8 @@ def q40_dat_bytes(
     shape = tuple(int(d) for d in codes.shape)
     if codes.dtype != torch.uint8:
         raise T2NErrorMisuse(f"Q4_0 codes must be torch.uint8, got {codes.dtype}")
+    if codes.is_meta or scale.is_meta:
+        raise T2NErrorMisuse("a meta tensor holds no values to write: write the loaded tensor")
     if codes.numel() % Q40_GROUP_SIZE != 0:
         raise T2NErrorMisuse(
             f"Q4_0 needs a volume divisible by {Q40_GROUP_SIZE}, got shape {shape}"
@@ -187,6 +189,11 @@ def label_path(dirpath: str | os.PathLike[str], label: str) -> Path:
         T2NErrorMisuse: ``label`` is not a str, is empty or absolute, or has empty, ``.`` or
             ``..`` components, backslashes or NUL characters (it must stay inside ``dirpath``).
     """
+    if not isinstance(dirpath, str | os.PathLike):
+        raise T2NErrorMisuse(
+            f"dirpath must be the model folder's path (a str or os.PathLike), got "
+            f"{type(dirpath).__name__}"
+        )
     parts = label.split("/") if isinstance(label, str) else [""]
     if any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
         raise T2NErrorMisuse(
@@ -194,6 +201,11 @@ def label_path(dirpath: str | os.PathLike[str], label: str) -> Path:
             "use names like 'encoder/layer0.weight'"
         )
     return Path(dirpath, *parts[:-1], parts[-1] + ".dat")
+
+
+_NAME_MAX = 255
+"""The longest file name of common file systems, in bytes (a label's ``.dat`` name may use
+it all)."""
 
 
 def write_dat_file(path: Path, header: bytes, blocks: torch.Tensor) -> Path:
@@ -210,12 +222,21 @@ def write_dat_file(path: Path, header: bytes, blocks: torch.Tensor) -> Path:
         T2NErrorStorage: the file could not be written.
     """
     payload = _byte_view(blocks)
-    if path.exists():
+    try:
+        exists = path.exists()
+    except OSError as exc:  # a name the file system refuses (too long)
+        raise T2NErrorStorage(f"cannot write {path}: {exc}") from exc
+    if exists:
+        if not path.is_file():
+            raise T2NErrorMisuse(f"{path} exists and is not a file: write into another folder")
         _check_existing(path, header, payload)
         return path
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        # Named after the label within the longest name the file system allows it.
+        name = os.fsencode(path.name)[: _NAME_MAX - 16].decode(errors="ignore")
+        prefix = f".{name}."
+        fd, tmp_name = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=path.parent)
     except OSError as exc:
         raise T2NErrorStorage(f"cannot create {path}: {exc}") from exc
     tmp = Path(tmp_name)

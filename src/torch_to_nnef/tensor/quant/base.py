@@ -210,6 +210,11 @@ class QScalePerGroupF16(QScheme, SupportsOffloadState):
         self._check_volume(fp_tensor.shape, "tensor")
         groups = self.reshape_tensor_per_group(fp_tensor.detach(), self.group_size)
         groups = groups.to(torch.float32)
+        if not bool(torch.isfinite(groups).all()):  # no code stands for them
+            raise T2NErrorImpossibleQuantization(
+                f"tensor of shape {tuple(fp_tensor.shape)} holds NaN or infinite values; "
+                "they cannot be quantized"
+            )
         scale = self.scale.to(device=groups.device, dtype=torch.float32)
         safe_scale = torch.where(scale == 0, torch.ones_like(scale), scale)
         ratio = torch.where(scale == 0, torch.zeros_like(groups), groups / safe_scale)
@@ -636,6 +641,11 @@ def plain_float(fp_tensor: torch.Tensor) -> torch.Tensor:
     if not fp_tensor.is_floating_point():
         raise T2NErrorMisuse(
             f"only floating point tensors can be quantized, got dtype {fp_tensor.dtype}"
+        )
+    if fp_tensor.is_meta:
+        raise T2NErrorMisuse(
+            "a meta tensor holds no values to quantize; load its values first (e.g. bind "
+            "the model to its checkpoint)"
         )
     return fp_tensor.detach()
 
