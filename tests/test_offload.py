@@ -441,6 +441,7 @@ def test_a_tensor_in_a_tuple_out_argument_is_written(
     assert torch.equal(offloaded.reload(), expected)
 
 
+@pytest.mark.filterwarnings("ignore:An output with one or more elements was resized")
 @pytest.mark.parametrize("scoped", [False, True])
 def test_one_tensor_in_two_out_places_ends_as_a_plain_one(
     offloaded: OffloadedTensor, scoped: bool
