@@ -4,6 +4,7 @@ the pause comes from ``threading.settrace``."""
 
 from __future__ import annotations
 
+import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -13,20 +14,24 @@ from typing import Any
 
 class Breakpoint:
     """Pause the next thread that calls (``on="call"``) or returns from (``on="return"``)
-    ``code`` once armed, until :meth:`go`; with ``caller``, only a call made from that
-    function's code."""
+    ``code``, or reaches its line ``line`` (``on="line"``), once armed, until :meth:`go`; with
+    ``caller``, only a call made from that function's code."""
 
-    def __init__(self, code: CodeType, on: str, caller: CodeType | None = None) -> None:
+    def __init__(
+        self, code: CodeType, on: str, caller: CodeType | None = None, line: int | None = None
+    ) -> None:
         self.code = code
         self.on = on
         self.caller = caller
+        self.line = line
         self.armed = threading.Event()
         self.paused = threading.Event()
         self._go = threading.Event()
         self._lock = threading.Lock()
 
     def _local(self, frame: FrameType, event: str, arg: Any) -> Any:
-        if event == self.on and self.armed.is_set():
+        at = self.line is None or frame.f_lineno == self.line
+        if event == self.on and at and self.armed.is_set():
             with self._lock:
                 hit = self.armed.is_set()
                 self.armed.clear()
@@ -50,13 +55,20 @@ class Breakpoint:
 
 @contextmanager
 def paused_in_new_threads(
-    code: CodeType, on: str = "return", caller: CodeType | None = None
+    code: CodeType, on: str = "return", caller: CodeType | None = None, line: int | None = None
 ) -> Iterator[Breakpoint]:
     """A :class:`Breakpoint` in the threads started inside the block."""
-    point = Breakpoint(code, on, caller)
+    point = Breakpoint(code, on, caller, line)
     threading.settrace(point._trace)
     try:
         yield point
     finally:
         threading.settrace(None)  # type: ignore[arg-type]
         point.go()
+
+
+def line_of(function: Any, text: str) -> int:
+    """The number of the first line of ``function``'s source that holds ``text`` (where a
+    ``on="line"`` breakpoint pauses, before that line runs)."""
+    lines, first = inspect.getsourcelines(function)
+    return first + next(i for i, source in enumerate(lines) if text in source)

@@ -12,7 +12,7 @@ from types import CodeType
 import anyio
 import pytest
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import line_of, paused_in_new_threads
 from forking import in_forked_child
 from residency_checks import settle
 
@@ -21,9 +21,11 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
+    ModuleStream,
     ResidencyStrategy,
     TensorResidencyLease,
     TensorResidencyPool,
+    _stream,
     active_tensor_residency,
     stream_modules,
 )
@@ -755,7 +757,7 @@ def test_a_lease_begun_after_the_stream_closed_under_a_forward_is_dropped(
 
 
 def _close_stream_in_a_forward(
-    tmp_path: Path, code: CodeType, on: str, *, depth: int, count: int
+    tmp_path: Path, code: CodeType, on: str, *, depth: int, count: int, line: int | None = None
 ) -> Blocks:
     """Close a stream while another thread's forward through it is paused at ``code``
     (``on`` its call or return); check that the forward failed saying so, that nothing stays
@@ -772,7 +774,7 @@ def _close_stream_in_a_forward(
         except BaseException as error:  # kept alive, with its traceback
             errors.append(error)
 
-    with paused_in_new_threads(code, on=on) as point:
+    with paused_in_new_threads(code, on=on, line=line) as point:
         point.armed.set()
         thread = threading.Thread(target=forward)
         thread.start()
@@ -786,6 +788,73 @@ def _close_stream_in_a_forward(
     pool.close()
     assert pool.closed
     return model
+
+
+def test_a_forward_binding_its_values_as_the_stream_closes_leaves_the_tensors(
+    tmp_path: Path,
+) -> None:
+    """The stream closes while another thread's forward is about to bind its values in place
+    of the module's tensors: the forward fails saying so, and the module holds its offloaded
+    tensors again (the values were bound where the close no longer looked, and stayed)."""
+    code = ModuleStream._bind.__code__
+    line = line_of(ModuleStream._bind, "with self._lock")
+    model = _close_stream_in_a_forward(tmp_path, code, "line", depth=0, count=2, line=line)
+    assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+
+
+def test_closing_a_stream_as_its_forward_leaves_the_scope_raises_nothing(
+    tmp_path: Path,
+) -> None:
+    """A close, in its own thread, ends what a forward inside a module holds while that
+    forward's thread leaves the scope the stream opened for it: the close returns (it reset a
+    scope another thread had just left: a TypeError)."""
+    dense, model = offloaded_blocks(tmp_path, count=2)
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, model.blocks)
+    inside, leave = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def pause(module: torch.nn.Module, args: object) -> None:
+        inside.set()
+        assert leave.wait(10)
+
+    def forward() -> None:
+        with torch.no_grad():
+            outcome.append(model(x))
+        outcome.append(active_tensor_residency())
+
+    def close() -> None:
+        try:
+            stream.close()
+        except BaseException as error:
+            outcome.append(error)
+
+    handle = model.blocks[0].register_forward_pre_hook(pause)
+    forwarding = threading.Thread(target=forward)
+    forwarding.start()  # before the breakpoint: only the close pauses
+    code = _stream._leave_scope.__code__
+    line = line_of(_stream._leave_scope, "ACTIVE_RESIDENCY.reset(")
+    try:
+        assert inside.wait(10)
+        with paused_in_new_threads(code, on="line", line=line) as point:
+            point.armed.set()
+            closing = threading.Thread(target=close)
+            closing.start()
+            assert point.paused.wait(10)
+            leave.set()
+            forwarding.join(10)
+            point.go()
+            closing.join(10)
+    finally:
+        leave.set()
+        handle.remove()
+        pool.close()
+    with torch.no_grad():
+        expected = dense(x)
+    assert len(outcome) == 2, outcome
+    assert torch.allclose(outcome[0], expected, atol=1e-6)  # type: ignore[arg-type]
+    assert outcome[1] is None
 
 
 def test_a_forward_the_stream_closed_under_leaves_the_scope_it_opened(tmp_path: Path) -> None:

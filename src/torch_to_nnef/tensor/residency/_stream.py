@@ -152,9 +152,10 @@ def _forget_thread(
 def _leave_scope(held: _Held) -> None:
     """Reset the scope the stream opened for ``held``'s forward (cleared once done): from
     that forward's own context only, as a context variable belongs to its context."""
-    if held.token is not None:
-        with contextlib.suppress(ValueError, RuntimeError):  # another context
-            ACTIVE_RESIDENCY.reset(held.token)
+    token = held.token
+    if token is not None:
+        with contextlib.suppress(ValueError, RuntimeError):  # another context, or reset
+            ACTIVE_RESIDENCY.reset(token)
             held.token = None
 
 
@@ -470,8 +471,10 @@ class ModuleStream(Uncopyable):
         gets its tensor back: both forwards read through the tensor, which serves the latest
         value. A place its owner set to something else meanwhile is left alone."""
         watched: dict[int, _Watched] = {}
-        bound = self._bound
-        with self._lock:
+        with self._lock:  # the dict close() swaps, read under its lock
+            bound = self._bound
+            if not self._handles:  # closed: its tensors serve this forward
+                return []
             for place in self._places[index]:
                 table, name, tensor = place
                 value = values.get(id(tensor))
@@ -499,8 +502,8 @@ class ModuleStream(Uncopyable):
     def _unbind(self, index: int) -> None:
         """Give module ``index``'s places their tensors back (a forward leaving it: another
         one still inside reads through the tensors from now on)."""
-        bound = self._bound
         with self._lock:
+            bound = self._bound
             for place in self._places[index]:
                 table, name, tensor = place
                 key = (id(table), name)
