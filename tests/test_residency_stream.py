@@ -756,8 +756,32 @@ def test_a_lease_begun_after_the_stream_closed_under_a_forward_is_dropped(
     )
 
 
+def test_a_lease_the_stream_closes_as_it_begins_is_given_back(
+    tmp_path: Path,
+) -> None:
+    """The stream closes while another thread's forward is beginning a lease on a value not
+    resident, before its read started: the forward fails saying so, and nothing stays
+    leased (the read started after the close was granted to the lease, held while the
+    forward's error lived)."""
+    _close_stream_in_a_forward(
+        tmp_path,
+        TensorResidencyLease._fast.__code__,
+        "return",
+        depth=0,
+        count=2,
+        caller=TensorResidencyLease._begin.__code__,
+    )
+
+
 def _close_stream_in_a_forward(
-    tmp_path: Path, code: CodeType, on: str, *, depth: int, count: int, line: int | None = None
+    tmp_path: Path,
+    code: CodeType,
+    on: str,
+    *,
+    depth: int,
+    count: int,
+    line: int | None = None,
+    caller: CodeType | None = None,
 ) -> Blocks:
     """Close a stream while another thread's forward through it is paused at ``code``
     (``on`` its call or return); check that the forward failed saying so, that nothing stays
@@ -774,7 +798,7 @@ def _close_stream_in_a_forward(
         except BaseException as error:  # kept alive, with its traceback
             errors.append(error)
 
-    with paused_in_new_threads(code, on=on, line=line) as point:
+    with paused_in_new_threads(code, on=on, caller=caller, line=line) as point:
         point.armed.set()
         thread = threading.Thread(target=forward)
         thread.start()

@@ -264,11 +264,20 @@ class TensorResidencyLease(Holder, Uncopyable):
         runtime.ensure_running()
         if self._begun is not None or runtime.on_loop_thread():
             return self._begun is not None
+        request = None
         if self._fast():
-            self._begun = _GRANTED
+            begun = _GRANTED
         else:
-            self._request = self._acquire()
-            self._begun = runtime.start(self._request)
+            request = self._request = self._acquire()  # where a cancel from now on finds it
+            begun = runtime.start(request)
+        if self._begun is _CANCELLED:
+            # Another thread cancelled it meanwhile (a stream's close), perhaps before
+            # anything was held: what it holds or will be granted is given back here.
+            if request is not None:
+                runtime.notify(request.abandon)  # (idempotent)
+            end_lease(self._pool, self, False)
+            return True
+        self._begun = begun
         return True
 
     def _cancel(self) -> None:
