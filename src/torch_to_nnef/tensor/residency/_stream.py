@@ -646,10 +646,14 @@ def stream_modules(
     hold the plain values its leases hold instead, and get their tensors back when it returns:
     its operations run on plain tensors, without an offloaded tensor's dispatch on each
     (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
-    lease keeps it. Opaque values (``QTensor``), a place its owner set to another tensor,
-    forwards inside the same pool's scope on another device and traces (``torch.jit.trace``,
-    ``torch.compile``) read through the tensors as before; so do concurrent forwards in one
-    module once a write came between their reads.
+    lease keeps it, seen by the value's version counter: a change through ``.data``
+    (``self.weight.data.mul_(2)``), whose alias counts its own versions, is not seen, and is
+    lost when the value is evicted; change the parameter itself under ``torch.no_grad()``
+    (or run that model in ``pool.scope()`` alone, which keeps it). Opaque values
+    (``QTensor``), a place its owner set to another tensor, forwards inside the same pool's
+    scope on another device and traces (``torch.jit.trace``, ``torch.compile``) read through
+    the tensors as before; so do concurrent forwards in one module once a write came between
+    their reads.
 
     The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
     the first pass. A forward outside a ``pool.scope()`` is served by the pool too; a forward
