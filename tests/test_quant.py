@@ -660,16 +660,25 @@ def test_offload_state_with_compressors_is_refused(weight: torch.Tensor) -> None
         (lambda s: s.update(specific_machine=3), "specific_machine must be None"),
         (lambda s: s.update(shape=[2048]), "2-D to 4-D"),
         (lambda s: s.update(scale=s["scale"].float()), "'scale' must hold 64 float16"),
+        (lambda s: s["scale"].__setitem__(3, float("inf")), "finite float16"),
+        (lambda s: s.update(shape=[128, 16]), "trailing volume 16"),
         (lambda s: s.update(u8_packing="none"), "'u8_packing' must be 'nibble_pairs'"),
         (lambda s: s.pop("__t2n_offload_state__"), "expected a dict tagged"),
     ],
 )
-def test_invalid_offload_state_raises_storage_error(tamper: object, message: str) -> None:
+def test_invalid_offload_state_raises_storage_error(
+    tamper: object, message: str, tmp_path: Path
+) -> None:
+    """Loading the state, or writing tract's file from it, refuses it alike: a file tract
+    cannot read is never written."""
     q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(64, 32))
     state = q.to_offload_state()
     tamper(state)  # type: ignore[operator]
     with pytest.raises(T2NErrorStorage, match=re.escape(message)):
         QTensorTractScaleOnly.from_offload_state(state)
+    with pytest.raises(T2NErrorStorage, match=re.escape(message)):
+        QTensorTractScaleOnly.write_offload_state_in_file(state, tmp_path, "w")
+    assert not list(tmp_path.iterdir())
 
 
 @CUDA

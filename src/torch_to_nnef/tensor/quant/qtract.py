@@ -322,9 +322,8 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
                 could not be written.
             T2NErrorMisuse: as for :meth:`write_in_file`.
         """
-        parts = _read_state(cls, state)
-        codes = _unpack_nibbles(parts["u8_blob"], parts["shape"])
-        return _write_q40(dirpath, label, codes, parts["scale"], inference_target, None)
+        # Checked as a load checks it (a shape or scales tract cannot read are refused).
+        return cls.from_offload_state(state).write_in_file(dirpath, label, inference_target)
 
 
 def _unpack_nibbles(blob: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
