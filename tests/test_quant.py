@@ -313,6 +313,31 @@ def test_invalid_scheme_arguments_are_misuse(kwargs: dict[str, object], message:
         QScalePerGroupF16(**kwargs)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize(
+    ("call", "message"),
+    [
+        (lambda q: q.qscheme.dequantize("codes", torch.float32), "takes the uint8 code tensor"),
+        (lambda q: q.qscheme.dequantize(q.decompress_to_u8(), "float32"), "floating target"),
+        (lambda q: q.qscheme.clone_with_scale_factor("2"), "a number or a tensor, got str"),
+        (lambda q: q.qscheme.clone_with_scale_factor(True), "a number or a tensor, got bool"),
+        (
+            lambda q: QTensorTractScaleOnly(q.decompress(), q.qscheme, u8_compressors=5),
+            "an iterable of U8Compressor instances (a list), got int",
+        ),
+        (
+            lambda q: QTensorTractScaleOnly(
+                q.decompress(), q.qscheme, u8_compressors=NibblePacker()
+            ),
+            "an iterable of U8Compressor instances (a list), got NibblePacker",
+        ),
+    ],
+)
+def test_bad_arguments_to_a_scheme_or_tensor_are_misuse(call: object, message: str) -> None:
+    q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(2, 32))
+    with pytest.raises(T2NErrorMisuse, match=re.escape(message)):
+        call(q)  # type: ignore[operator]
+
+
 # -- QScheme / QScalePerGroupF16 ----------------------------------------------------------------
 def test_scheme_is_a_value_object() -> None:
     qscheme = qscale_per_group_f16_min_max_calibration(torch.randn(4, 32), 4, 32)

@@ -233,8 +233,14 @@ class QScalePerGroupF16(QScheme, SupportsOffloadState):
                 group_size`` codes.
             T2NErrorMisuse: ``target_dtype`` is not a floating dtype.
         """
-        if not target_dtype.is_floating_point:
-            raise T2NErrorMisuse(f"dequantize needs a floating target dtype, got {target_dtype}")
+        if not isinstance(u8_tensor, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"dequantize takes the uint8 code tensor, got {type(u8_tensor).__name__}"
+            )
+        if not isinstance(target_dtype, torch.dtype) or not target_dtype.is_floating_point:
+            raise T2NErrorMisuse(
+                f"dequantize needs a floating target dtype (torch.float32), got {target_dtype!r}"
+            )
         self._check_volume(u8_tensor.shape, "code tensor")
         groups = self.reshape_tensor_per_group(u8_tensor, self.group_size).to(torch.float32)
         scale = self.scale.to(device=groups.device, dtype=torch.float32)
@@ -248,7 +254,18 @@ class QScalePerGroupF16(QScheme, SupportsOffloadState):
 
         ``scale_factor`` is a number or a tensor broadcastable to ``(n_groups, 1)``. The result
         is rounded to float16 again; this scheme is not modified.
+
+        Raises:
+            T2NErrorMisuse: ``scale_factor`` is not a number or a tensor, or the scales it
+                gives are not finite (a factor of 0).
         """
+        if isinstance(scale_factor, bool) or not isinstance(
+            scale_factor, (int, float, torch.Tensor)
+        ):
+            raise T2NErrorMisuse(
+                "clone_with_scale_factor takes a number or a tensor, got "
+                f"{type(scale_factor).__name__}"
+            )
         return type(self)(
             group_size=self.group_size,
             scale=(self.scale.to(torch.float32) / scale_factor).to(torch.float16),
@@ -408,6 +425,13 @@ class QTensor(OpaqueTensor):
         super().__init__()
         if not isinstance(qscheme, QScheme):
             raise T2NErrorMisuse(f"qscheme must be a QScheme, got {type(qscheme).__name__}")
+        if isinstance(u8_compressors, U8Compressor) or not isinstance(
+            u8_compressors, (Iterable, type(None))
+        ):
+            raise T2NErrorMisuse(
+                "u8_compressors must be an iterable of U8Compressor instances (a list), got "
+                f"{type(u8_compressors).__name__}"
+            )
         compressors = list(u8_compressors or ())
         for compressor in compressors:
             if not isinstance(compressor, U8Compressor):
