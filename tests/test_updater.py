@@ -249,9 +249,12 @@ def test_disable_and_restore_requires_grad() -> None:
     replaced = updater.update_by_name("layers.1.attn.weight", _dense(8, 8))
     assert not replaced.requires_grad
     opaque = updater.update_by_name("layers.1.mlp.weight", LazyTensor(_dense(8, 8)))
+    given = nn.Parameter(_dense(8, 8))  # a parameter requiring gradients, given as it is
+    assert updater.update_by_name("layers.0.attn.weight", given) is given
+    assert not given.requires_grad
 
     updater.restore_require_grad()
-    assert model.embed_tokens.weight.requires_grad
+    assert model.embed_tokens.weight.requires_grad and given.requires_grad
     assert model.layers[1].attn.weight is replaced and replaced.requires_grad
     assert not model.layers[0].attn.bias.requires_grad  # was frozen before
     assert model.layers[1].mlp.weight is opaque and not opaque.requires_grad

@@ -122,7 +122,8 @@ class ModTensorUpdater:
         add_unregistred_tensor: also index plain tensor attributes of the modules (neither
             parameters nor buffers), including aliases of indexed tensors.
         disable_requires_grad: set ``requires_grad=False`` on every parameter now, and give
-            replacements ``requires_grad=False``; :meth:`restore_require_grad` undoes it.
+            replacements ``requires_grad=False`` (an ``nn.Parameter`` passed as the
+            replacement included); :meth:`restore_require_grad` undoes it.
     """
 
     def __init__(
@@ -446,6 +447,8 @@ class ModTensorUpdater:
         if check:
             _raise_mismatches(_CHECKED, entry.tensor, new_tensor, names)
         new_tensor = self._parameterized(entry, slots, new_tensor)
+        if self._disable_requires_grad and new_tensor.requires_grad and new_tensor.is_leaf:
+            new_tensor.requires_grad_(False)  # a Parameter given as it is: as the others
         if not isinstance(new_tensor, nn.Parameter) and any(
             slot.kind is TensorHoldKind.PARAMETER for slot in slots
         ):
