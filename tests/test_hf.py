@@ -535,6 +535,81 @@ def test_devices_and_dtypes_that_cannot_be_used_are_refused_before_anything_is_b
         set_module_tensor_to_device(updater, name, "cpu", torch.zeros(64, device="meta"))
 
 
+def test_devices_of_backends_this_torch_lacks_are_refused_before_anything_is_bound(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """A backend torch was built without (mps, xpu here) is refused as CUDA without CUDA is:
+    before anything is bound, offloaded ("disk_mps": its values are only moved on load) or
+    not, instead of torch's own error halfway through the binding or at the first forward."""
+    case = saved[("llama", False)]
+    unusable = [
+        kind
+        for kind in ("mps", "xpu")
+        if not (
+            (kind == "mps" and torch.backends.mps.is_available())
+            or (kind == "xpu" and hasattr(torch, "xpu") and torch.xpu.is_available())
+        )
+    ]
+    if not unusable:
+        pytest.skip("every backend tried is usable here")
+    for kind in unusable:
+        for device in (kind, f"disk_{kind}"):
+            model = case.skeleton()
+            device_map = {"model.layers.1": device, "": "cpu"}
+            with pytest.raises(T2NErrorMisuse, match=f"cannot place tensors on {kind}"):
+                t2n_load_checkpoint_and_dispatch(model, case.path, device_map, tmp_path)
+            assert all(t.is_meta for t in model.parameters()), device
+            shard = sorted(case.path.glob("*.safetensors"))[0]
+            with pytest.raises(T2NErrorMisuse, match=f"cannot place tensors on {kind}"):
+                safe_load_file(shard, device=device, apply_offload=True)
+        with pytest.raises(T2NErrorMisuse, match=f"cannot place tensors on {kind}"):
+            maybe_load_offload_tensor(torch.ones(2), f"disk_{kind}", "x", tmp_path)
+
+
+def test_a_cast_that_cannot_be_written_leaves_the_model_unchanged(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """Entries cast on load are written to offload_dir; when it cannot take them (a file),
+    the model keeps its skeleton, tensors placed in memory before the failure included."""
+    case = saved[("llama", False)]
+    path = tmp_path / "bf16"
+    case.dense.to(torch.bfloat16).save_pretrained(path)
+    case.dense.float()
+    not_a_directory = tmp_path / "file"
+    not_a_directory.write_text("x")
+    model = case.skeleton().float()
+    device_map = {"model.embed_tokens": "cpu", "": "disk"}
+    with pytest.raises(OSError, match="not a directory"):
+        t2n_load_checkpoint_and_dispatch(model, path, device_map, not_a_directory)
+    assert all(t.is_meta for t in model.parameters())
+    model.tie_weights()
+    with pytest.raises(OSError, match="not a directory"):
+        load_offloaded_checkpoint(model, path, dtype=torch.float32, offload_dir=not_a_directory)
+    assert all(t.is_meta for t in model.parameters())
+
+
+def test_load_state_dict_refuses_a_device_map_that_is_no_dict(
+    saved: dict[tuple[str, bool], Saved],
+) -> None:
+    shard = sorted(saved[("llama", False)].path.glob("*.safetensors"))[0]
+    for device_map in ("disk", "t2n_offload_disk", ["disk"]):
+        with pytest.raises(T2NErrorMisuse, match="device_map must be a dict"):
+            load_state_dict(shard, device_map=device_map, apply_offload=True)  # type: ignore[arg-type]
+
+
+def test_from_pretrained_inside_the_context_takes_the_path_by_keyword(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """transformers' own parameter name, as some callers pass it."""
+    case = saved[("qwen2", True)]
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path):
+        model = transformers.Qwen2ForCausalLM.from_pretrained(
+            pretrained_model_name_or_path=case.path
+        )
+    assert isinstance(model.lm_head.weight, OffloadedTensor)
+    assert torch.equal(generate(model), case.tokens)
+
+
 @pytest.mark.parametrize(("family", "tied"), [("llama", False), ("qwen2", True)])
 @pytest.mark.timeout(120)
 def test_decoding_reads_the_embedding_rows_and_the_head_whole(

@@ -255,9 +255,13 @@ def load_offloaded_checkpoint(
     """
     check_arguments("load_offloaded_checkpoint", model, checkpoint, dtype)
     plan = plan_binding(model, open_checkpoint(Path(checkpoint)), strict=strict, dtype=dtype)
-    for binding in plan.bindings:
-        offloaded = plan.offloaded(binding, device=device, offload_dir=offload_dir)
-        plan.updater.update_by_ref(binding.tensor, offloaded, enforce_tensor_consistency=False)
+    # Every tensor is made before any is bound: one that cannot be (a cast value that cannot
+    # be written to offload_dir) leaves the model unchanged.
+    offloaded = [
+        plan.offloaded(binding, device=device, offload_dir=offload_dir) for binding in plan.bindings
+    ]
+    for binding, value in zip(plan.bindings, offloaded, strict=True):
+        plan.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
     return model
 
 

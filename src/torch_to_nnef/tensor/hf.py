@@ -104,7 +104,9 @@ def _checked(device: DeviceLike) -> DeviceLike:
     usable here and not the meta device.
 
     Raises:
-        T2NErrorMisuse: it names no device, CUDA without CUDA, or the meta device.
+        T2NErrorMisuse: it names no device, CUDA without CUDA, the meta device, or a device
+            torch cannot place a tensor on here (a backend this build lacks, such as ``"mps"``
+            or ``"xpu"``, or a device index beyond those present).
     """
     target = storage.resolve_device(maybe_extract_target_device(device))
     if target.type == "meta":
@@ -117,12 +119,33 @@ def _checked(device: DeviceLike) -> DeviceLike:
             f"device {device!r}: CUDA is not available on this machine "
             "(torch.cuda.is_available() is False); place the tensors on 'cpu' or 'disk'"
         )
+    if target.type != "cpu":
+        # An offloaded tensor only moves on load: without this, a device torch cannot use
+        # would fail mid-binding, or only at the first forward, with torch's own error.
+        try:
+            torch.empty(0, device=target)
+        except Exception as exc:  # each backend fails its own way (RuntimeError, ...)
+            first = (str(exc).splitlines() or [""])[0].split(". ")[0][:160]
+            raise T2NErrorMisuse(
+                f"device {device!r}: torch cannot place tensors on {target} on this machine "
+                f"({type(exc).__name__}: {first}); place them on 'cpu', 'disk' or a device "
+                "this machine has"
+            ) from exc
     return device
 
 
 def _checked_map(device_map: DeviceMap) -> DeviceMap:
     """``device_map`` once each of its devices is checked (:func:`_checked`), before any
-    tensor is placed."""
+    tensor is placed.
+
+    Raises:
+        T2NErrorMisuse: ``device_map`` is not a mapping, or a device of it is refused.
+    """
+    if not isinstance(device_map, Mapping):
+        raise T2NErrorMisuse(
+            f"device_map must be a dict of module names ('' for the whole model) to devices, "
+            f'such as {{"": "disk"}}; got {device_map!r}'
+        )
     for device in device_map.values():
         _checked(device)
     return device_map
@@ -153,9 +176,14 @@ def maybe_load_offload_tensor(
     The value is written once into a payload file of ``offload_dir`` (``None``: a private
     temporary directory) and loaded on the device after ``disk_``. Other devices, and values
     that are already offloaded, return ``value`` unchanged.
+
+    Raises:
+        T2NErrorMisuse: a disk device loading on a device that is none, not usable here, or
+            the meta device.
     """
     if not _is_disk(device) or isinstance(value, OffloadedTensor):
         return value
+    _checked(device)
     offloaded = OffloadedTensor.from_original_tensor(value, original_tensor_name, offload_dir)
     return offloaded.to(maybe_extract_target_device(device))
 
@@ -453,15 +481,21 @@ def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) ->
 
 
 def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None) -> None:
+    """Make every value, then bind them: a value that cannot be made (a cast one that cannot be
+    written to ``offload_dir``, a read that fails) leaves the model unchanged."""
+    values: list[torch.Tensor] = []
     for binding in plan.bindings:
         device = _binding_device(binding.names, placement)
         assert device is not None  # _check_covered
         if _is_disk(device):
-            value: torch.Tensor = plan.offloaded(
-                binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
+            values.append(
+                plan.offloaded(
+                    binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
+                )
             )
         else:
-            value = plan.resident(binding, device)
+            values.append(plan.resident(binding, device))
+    for binding, value in zip(plan.bindings, values, strict=True):
         plan.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
 
 
@@ -509,8 +543,12 @@ def ctx_maybe_load_from_disk_as_offloaded(
         disk = device if _is_disk(device) else f"disk_{device}"
         return safe_load_file(filename, device=disk, offload_dir=offload_dir, apply_offload=True)
 
-    def from_pretrained(cls: type[Any], name: PathLike, *args: Any, **kwargs: Any) -> Any:
-        return _from_pretrained_offloaded(cls, name, offload_dir, args, kwargs)
+    def from_pretrained(
+        cls: type[Any], pretrained_model_name_or_path: PathLike, *args: Any, **kwargs: Any
+    ) -> Any:  # transformers' parameter name, which callers may pass by keyword
+        return _from_pretrained_offloaded(
+            cls, pretrained_model_name_or_path, offload_dir, args, kwargs
+        )
 
     torch_load = torch.load
 
