@@ -588,6 +588,20 @@ def test_a_cast_that_cannot_be_written_leaves_the_model_unchanged(
     assert all(t.is_meta for t in model.parameters())
 
 
+def test_the_auto_map_is_computed_on_the_tied_model(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """accelerate's infer_auto_device_map warns, and sizes the tied head apart from its
+    embedding, when the model is not tied yet: the skeleton is tied before it is called."""
+    case = saved[("qwen2", True)]
+    model = case.skeleton()
+    with caplog.at_level("WARNING"):
+        t2n_load_checkpoint_and_dispatch(model, case.path, "t2n_auto", tmp_path)
+    assert not [r for r in caplog.records if "not tied" in r.getMessage()]
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert torch.equal(generate(model), case.tokens)
+
+
 def test_load_state_dict_refuses_a_device_map_that_is_no_dict(
     saved: dict[tuple[str, bool], Saved],
 ) -> None:

@@ -430,10 +430,10 @@ def t2n_load_checkpoint_and_dispatch(
             "t2n_load_checkpoint_and_dispatch does not apply weight converters or quantizers; "
             "load the converted checkpoint, or quantize after loading"
         )
-    placement = _resolve_device_map(model, device_map)
     tie = getattr(model, "tie_weights", None)
-    if callable(tie):
+    if callable(tie):  # first: accelerate's map ("t2n_auto") places tied weights together
         tie()
+    placement = _resolve_device_map(model, device_map)
     found = open_checkpoint(Path(checkpoint), allow_pickle=True)
     ignored = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", ()) or ()
