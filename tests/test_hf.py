@@ -602,6 +602,14 @@ def test_the_auto_map_is_computed_on_the_tied_model(
     assert torch.equal(generate(model), case.tokens)
 
 
+def test_the_file_readers_refuse_what_is_no_path() -> None:
+    for given in (None, 3, 1.5):
+        with pytest.raises(T2NErrorMisuse, match="takes the checkpoint file as a path"):
+            safe_load_file(given)  # type: ignore[arg-type]
+        with pytest.raises(T2NErrorMisuse, match="takes the checkpoint file as a path"):
+            load_state_dict(given)  # type: ignore[arg-type]
+
+
 def test_load_state_dict_refuses_a_device_map_that_is_no_dict(
     saved: dict[tuple[str, bool], Saved],
 ) -> None:

@@ -151,6 +151,16 @@ def _checked_map(device_map: DeviceMap) -> DeviceMap:
     return device_map
 
 
+def _file(function: str, path: object) -> Path:
+    """``path`` as a path, or :class:`T2NErrorMisuse` naming what was given instead."""
+    if not isinstance(path, str | os.PathLike):
+        raise T2NErrorMisuse(
+            f"{function}() takes the checkpoint file as a path (a str or os.PathLike), "
+            f"got {type(path).__name__}"
+        )
+    return Path(path)
+
+
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``dtype``, or the torch dtype a name such as ``"float16"`` names.
 
@@ -209,9 +219,10 @@ def safe_load_file(
 
     Raises:
         T2NErrorStorage: the file is missing or not valid safetensors.
-        T2NErrorMisuse: ``device`` is none, not usable here, or the meta device.
+        T2NErrorMisuse: ``filename`` is no path, or ``device`` is none, not usable here, or
+            the meta device.
     """
-    layout = storage.read_layout(filename)
+    layout = storage.read_layout(_file("safe_load_file", filename))
     target = maybe_extract_target_device(_checked(device))
     if apply_offload and _is_disk(device):
         return {
@@ -243,11 +254,11 @@ def load_state_dict(
     Raises:
         T2NErrorCheckpoint: a pickle file cannot be read as plain tensors.
         T2NErrorStorage: a safetensors file is not valid.
-        T2NErrorMisuse: a device of ``device_map`` is none, not usable here, or the meta
-            device.
+        T2NErrorMisuse: ``checkpoint_file`` is no path, or a device of ``device_map`` is none,
+            not usable here, or the meta device.
     """
     device_map = _checked_map(device_map or {"": "cpu"})
-    found = open_checkpoint(Path(checkpoint_file), allow_pickle=True)
+    found = open_checkpoint(_file("load_state_dict", checkpoint_file), allow_pickle=True)
     result: dict[str, torch.Tensor] = {}
     for key in found:
         device = _device_for(key, device_map) or "cpu"
