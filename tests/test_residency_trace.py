@@ -271,3 +271,40 @@ def _interrupted_at(codes: set[CodeType], n: int, run: Callable[[], object]) -> 
     finally:
         sys.setprofile(None)
     return False
+
+
+@pytest.mark.timeout(60)
+def test_evict_lets_go_of_what_the_read_ahead_holds(tmp_path: Path) -> None:
+    """Once every forward and its scope ended, the read-ahead still holds the next forward's
+    first tensors; ``pool.evict`` of one of them evicts it (it was refused: "while it is
+    leased: release its lease first", a lease the caller never held), sync and async, and
+    the next forward is still right."""
+    dense, model, x = model_and_input(tmp_path)
+    with torch.no_grad():
+        expected = dense(x)
+    first = model[0].weight
+    with TensorResidencyPool(max_cached_bytes=0, read_ahead=2 * LAYER_BYTES) as pool:
+        with pool.scope(), torch.no_grad():
+            model(x)
+            model(x)  # learns the wrap: the next forward's first layer is held
+        assert pool.is_resident(first)
+        pool.evict(first)
+        assert not pool.is_resident(first)
+        with pool.scope(), torch.no_grad():
+            assert torch.equal(model(x), expected)
+
+    async def evict_async() -> None:
+        pool = TensorResidencyPool(max_cached_bytes=0, read_ahead=2 * LAYER_BYTES)
+        async with pool:
+
+            def forwards() -> None:
+                with pool.scope(), torch.no_grad():
+                    model(x)
+                    model(x)
+
+            await asyncio.to_thread(forwards)
+            assert pool.is_resident(first)
+            await pool.aevict(first)
+            assert not pool.is_resident(first)
+
+    asyncio.run(evict_async())

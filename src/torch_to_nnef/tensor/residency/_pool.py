@@ -490,11 +490,16 @@ class TensorResidencyPool(Uncopyable):
         Args:
             source: the offloaded tensor.
 
+        A value that the trace-driven read-ahead holds for the next forward (``read_ahead``)
+        is let go first: no lease of the caller's holds it.
+
         Raises:
             T2NErrorMisuse: the value is leased or pinned.
             T2NErrorStorage: the write-back failed (the value stays resident and dirty).
         """
         self._check_source(source)
+        if self.read_ahead is not None:
+            self.read_ahead.drop(source)
         self._call_blocking(Evict(self._actor, source))
 
     async def aevict(self, source: OffloadedTensor) -> None:
@@ -504,6 +509,8 @@ class TensorResidencyPool(Uncopyable):
             source: the offloaded tensor.
         """
         self._check_source(source)
+        if self.read_ahead is not None:
+            self.read_ahead.drop(source)
         await self._acall_blocking(Evict(self._actor, source))
 
     def flush(self, source: OffloadedTensor | None = None) -> None:

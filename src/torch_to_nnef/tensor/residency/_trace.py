@@ -231,6 +231,16 @@ class ReadAhead:
                 break  # on the pool's loop thread: no read-ahead there
         return held
 
+    def drop(self, source: PoolSource) -> None:
+        """Let go of the value of ``source`` that a window holds (an explicit eviction: the
+        pool's user holds no lease on it to release); it is read ahead again when needed."""
+        with self._lock:
+            lease = self._held.get(id(source))
+            if lease is None or self._sources.get(id(source)) is not source:
+                return
+            lease = self._leave(id(source), threading.get_ident())
+        self.let_go(lease)
+
     def let_go(self, lease: TensorResidencyLease) -> None:
         """Drop a lease taken out of the window (idempotent)."""
         lease._cancel()
