@@ -485,13 +485,11 @@ class TensorResidencyPool(Uncopyable):
         """Remove ``source``'s value from the pool, writing it back first when dirty.
 
         Waits for a load or write-back in flight first. A value that is not resident is left
-        alone.
+        alone. A value that the trace-driven read-ahead holds for the next forward
+        (``read_ahead``) is let go first: no lease of the caller's holds it.
 
         Args:
             source: the offloaded tensor.
-
-        A value that the trace-driven read-ahead holds for the next forward (``read_ahead``)
-        is let go first: no lease of the caller's holds it.
 
         Raises:
             T2NErrorMisuse: the value is leased or pinned.
