@@ -588,6 +588,39 @@ def test_a_cast_that_cannot_be_written_leaves_the_model_unchanged(
     assert all(t.is_meta for t in model.parameters())
 
 
+def test_a_skeleton_with_weights_frees_each_before_the_next_is_read(
+    saved: dict[tuple[str, bool], Saved],
+) -> None:
+    """A model built with its weights (not on the meta device) bound in memory: each tensor
+    replaced is freed before the next value is read, so that loading takes one model's memory
+    (plus a tensor), not two. Observed at each read of a value into memory."""
+    import gc
+    import weakref
+
+    from torch_to_nnef.tensor.checkpoint import BindingPlan
+
+    case = saved[("llama", False)]
+    model = transformers.AutoModelForCausalLM.from_config(case.config).eval()
+    old = [weakref.ref(t) for t in model.parameters()]
+    alive_at_reads: list[int] = []
+
+    def observe(frame: object, event: str, arg: object) -> None:
+        if event == "call" and frame.f_code is BindingPlan.resident.__code__:  # type: ignore[attr-defined]
+            alive_at_reads.append(sum(ref() is not None for ref in old))
+
+    gc.disable()  # (the count needs no cycle collection: nothing refers to a replaced tensor)
+    sys.setprofile(observe)
+    try:
+        t2n_load_checkpoint_and_dispatch(model, case.path, {"": "cpu"}, None, strict=True)
+    finally:
+        sys.setprofile(None)
+        gc.enable()
+    assert len(alive_at_reads) == len(old)
+    # At the k-th read, the k tensors replaced before it are gone.
+    assert alive_at_reads == [len(old) - k for k in range(len(old))]
+    assert torch.equal(generate(model), case.tokens)
+
+
 def test_the_auto_map_is_computed_on_the_tied_model(
     saved: dict[tuple[str, bool], Saved], tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -190,6 +190,21 @@ class BindingPlan:
         value = found.loaded[key].to(binding.dtype)
         return OffloadedTensor.from_original_tensor(value, binding.names[0], offload_dir).to(device)
 
+    def bind_each(self, value_of: Callable[[int, PlannedBinding], torch.Tensor]) -> None:
+        """Bind each planned tensor, in order, to ``value_of(index, binding)``; the plan's
+        bindings are used up. It lets go of each tensor as it is replaced: a model built with
+        its weights frees each one before the next value is made (loading takes one model's
+        memory, not two)."""
+        pending = self.bindings[::-1]
+        self.bindings.clear()
+        index = 0
+        while pending:
+            binding = pending.pop()
+            value = value_of(index, binding)
+            self.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
+            del binding, value
+            index += 1
+
     def resident(self, binding: PlannedBinding, device: torch.device | str | int) -> torch.Tensor:
         """The value of ``binding`` read into memory on ``device``."""
         found, key = self.checkpoint, binding.key
@@ -260,8 +275,7 @@ def load_offloaded_checkpoint(
     offloaded = [
         plan.offloaded(binding, device=device, offload_dir=offload_dir) for binding in plan.bindings
     ]
-    for binding, value in zip(plan.bindings, offloaded, strict=True):
-        plan.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
+    plan.bind_each(lambda index, binding: offloaded[index])
     return model
 
 

@@ -40,6 +40,7 @@ from torch_to_nnef.tensor.checkpoint import (
     PICKLE_NAME,
     SAFETENSORS_SINGLE_NAME,
     BindingPlan,
+    PlannedBinding,
     check_arguments,
     open_checkpoint,
     plan_binding,
@@ -492,22 +493,28 @@ def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) ->
 
 
 def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None) -> None:
-    """Make every value, then bind them: a value that cannot be made (a cast one that cannot be
-    written to ``offload_dir``, a read that fails) leaves the model unchanged."""
-    values: list[torch.Tensor] = []
+    """Make the offloaded values, then bind every tensor: one that cannot be made (a cast
+    value that cannot be written to ``offload_dir``) leaves the model unchanged. A value read
+    into memory is read as it is bound, so that the tensor it replaces (a skeleton built
+    with its weights, on the CPU or a GPU) is freed before the next is read."""
+    devices = []
     for binding in plan.bindings:
         device = _binding_device(binding.names, placement)
         assert device is not None  # _check_covered
-        if _is_disk(device):
-            values.append(
-                plan.offloaded(
-                    binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
-                )
-            )
-        else:
-            values.append(plan.resident(binding, device))
-    for binding, value in zip(plan.bindings, values, strict=True):
-        plan.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
+        devices.append(device)
+    offloaded = {
+        index: plan.offloaded(
+            binding, device=maybe_extract_target_device(device), offload_dir=offload_dir
+        )
+        for index, (binding, device) in enumerate(zip(plan.bindings, devices, strict=True))
+        if _is_disk(device)
+    }
+
+    def value_of(index: int, binding: PlannedBinding) -> torch.Tensor:
+        value = offloaded.pop(index, None)
+        return plan.resident(binding, devices[index]) if value is None else value
+
+    plan.bind_each(value_of)
 
 
 # ---------------------------------------------------------------------------------------------
