@@ -275,6 +275,11 @@ def test_from_pretrained_inside_the_context_yields_offloaded_tensors(
     # Outside the context, loading is unchanged.
     plain = transformers.AutoModelForCausalLM.from_pretrained(case.path)
     assert offloaded_share(plain)[0] == 0
+    # Where the model came from is recorded as from_pretrained records it, by its class too.
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        direct = type(plain).from_pretrained(case.path)
+    assert model.name_or_path == direct.name_or_path == plain.name_or_path == str(case.path)
+    assert direct.config.name_or_path == plain.config.name_or_path
     with (
         ctx_maybe_load_from_disk_as_offloaded(tmp_path),
         pytest.raises(T2NErrorNotImplemented, match="device_map"),

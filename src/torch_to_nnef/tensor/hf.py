@@ -667,6 +667,8 @@ def _from_pretrained_offloaded(
         )
     for key, value in overrides.items():
         setattr(config, key, value)
+    assert config is not None  # (positional arguments were refused)
+    config.name_or_path = str(name)  # as from_pretrained records it (the model copies it)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     # "auto" (and nothing): the checkpoint's own, so that its tensors are read in place.
     dtype = _checkpoint_dtype(directory) if dtype in (None, "auto") else _dtype(dtype)
