@@ -605,6 +605,44 @@ def test_a_norm_in_training_mode_writes_its_offloaded_running_statistics(
     assert torch.equal(model(x), dense(x))
 
 
+_TORCH_NORMS = {
+    "torch.batch_norm": lambda x, m, v: torch.batch_norm(
+        x, None, None, m, v, True, 0.1, 1e-5, False
+    ),
+    "torch.native_batch_norm": lambda x, m, v: torch.native_batch_norm(
+        x, None, None, m, v, True, 0.1, 1e-5
+    ),
+    "aten.native_batch_norm": lambda x, m, v: torch.ops.aten.native_batch_norm.default(
+        x, None, None, m, v, training=True, momentum=0.1, eps=1e-5
+    ),
+    "torch.instance_norm": lambda x, m, v: torch.instance_norm(
+        x.unsqueeze(-1).expand(8, 4, 3), None, None, m, v, True, 0.1, 1e-5, False
+    ),
+}
+
+
+@pytest.mark.parametrize("scoped", [False, True])
+@pytest.mark.parametrize("norm", list(_TORCH_NORMS))
+def test_torch_own_norms_write_their_offloaded_running_statistics(
+    tmp_path: Path, scoped: bool, norm: str
+) -> None:
+    """torch's batch and instance norms called directly (``torch.batch_norm``, the aten op)
+    update the running mean and variance as ``F.batch_norm`` does, though their schemas do not
+    mark them as written: the offloaded ones get the change (it was made on a copy, and lost)."""
+    torch.manual_seed(0)
+    x, mean, var = torch.randn(8, 4), torch.randn(4), torch.rand(4) + 0.5
+    dense_mean, dense_var = mean.clone(), var.clone()
+    _TORCH_NORMS[norm](x, dense_mean, dense_var)
+    assert not torch.equal(dense_mean, mean)
+    offloaded_mean = OffloadedTensor.from_original_tensor(mean, "mean", tmp_path)
+    offloaded_var = OffloadedTensor.from_original_tensor(var, "var", tmp_path)
+    with TensorResidencyPool() as pool, pool.scope() if scoped else contextlib.nullcontext():
+        _TORCH_NORMS[norm](x, offloaded_mean, offloaded_var)
+    assert torch.allclose(offloaded_mean.reload(), dense_mean)
+    assert torch.allclose(offloaded_var.reload(), dense_var)
+    assert torch.allclose(on_disk(offloaded_mean), dense_mean)
+
+
 def test_copy_broadcasts_and_casts(offloaded: OffloadedTensor) -> None:
     offloaded.copy_(torch.arange(8, dtype=torch.int64))
     assert torch.equal(offloaded.reload(), torch.arange(8.0).expand(6, 8))

@@ -437,13 +437,17 @@ def _arguments_written(
     """Where the offloaded tensors that an op other than an in-place method writes are
     (argument positions, or keywords): the running mean and variance of a batch norm in
     training mode (its second and third arguments) and of an instance norm using its input's
-    statistics (keywords), the table of an embedding lookup with ``max_norm`` (which
+    statistics (keywords), those of torch's own batch and instance norms updating them
+    (:data:`_RUNNING_STATS_FLAG`), the table of an embedding lookup with ``max_norm`` (which
     renormalizes the rows it gathers, in the table). Their kernels write them in place,
     without torch's version counter knowing."""
+    flag = _RUNNING_STATS_FLAG.get(getattr(func, "overloadpacket", func))
     if func is torch.nn.functional.batch_norm and kwargs.get("training"):
         places: list[int | str] = [1, 2]
     elif func is torch.nn.functional.instance_norm and kwargs.get("use_input_stats"):
         places = ["running_mean", "running_var"]
+    elif flag is not None and _argument(args, kwargs, _place(args, 5, flag)):
+        places = [_place(args, 3, "running_mean"), _place(args, 4, "running_var")]
     elif (
         func is torch.nn.functional.embedding
         and _argument(args, kwargs, _place(args, 3, "max_norm")) is not None
@@ -454,6 +458,20 @@ def _arguments_written(
     return [
         place for place in places if isinstance(_argument(args, kwargs, place), OffloadedTensor)
     ]
+
+
+_RUNNING_STATS_FLAG: dict[Any, str] = {
+    torch.batch_norm: "training",
+    torch.native_batch_norm: "training",
+    torch.instance_norm: "use_input_stats",
+    torch.ops.aten.batch_norm: "training",
+    torch.ops.aten.native_batch_norm: "training",
+    torch.ops.aten.instance_norm: "use_input_stats",
+}
+"""Torch's own batch and instance norms (and their aten ops), by the keyword of the flag that
+has them update the running mean and variance (their fourth and fifth arguments, the flag the
+sixth): their schemas do not mark those as written (``Tensor? running_mean``), and
+``instance_norm`` writes them through an alias, so the change is found by name."""
 
 
 def _argument(args: tuple[Any, ...], kwargs: Mapping[str, Any], place: int | str) -> Any:
