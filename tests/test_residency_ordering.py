@@ -30,6 +30,7 @@ from torch import nn
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
+from torch_to_nnef.tensor.storage import _io as storage_io
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -124,6 +125,81 @@ def test_two_pools_a_dtype_change_and_in_place_ops_follow_program_order(tmp_path
         assert torch.equal(b.resolve(t), torch.full((NUMEL,), 5.0, dtype=half))
         b.flush()  # superseded by a's change: writes nothing
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0, dtype=half))
+
+
+def _in_thread(run: Callable[[], object]) -> threading.Thread:
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_in_place_ops_outside_a_scope_in_two_threads_keep_both_writes(tmp_path: Path) -> None:
+    """An in-place op outside any scope reads the value, changes it and writes it: a write
+    of another thread landing in between is kept, as on a plain tensor (the op runs again
+    from it), never overwritten by a value derived from the write before it."""
+    t = _tensor(tmp_path)
+    with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point:
+        point.armed.set()
+        adder = _in_thread(lambda: t.add_(1.0))  # pauses after reading 0
+        assert point.paused.wait(10)
+        t[0:2] = 10.0  # another thread's write, in between
+        point.go()
+        adder.join(10)
+    assert not adder.is_alive()
+    want = torch.ones(NUMEL)
+    want[0:2] = 11.0
+    assert torch.equal(t.reload(), want)
+    assert torch.equal(on_disk(t), want)
+
+
+def test_a_dtype_change_keeps_a_pools_change_that_ends_while_it_casts(tmp_path: Path) -> None:
+    """``t.to(dtype)`` changes the dtype, not the value: a ``read_write`` lease's change
+    noted while the cast runs is cast too, not silently lost."""
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as pool:
+        pool.resolve(t)  # the pool's threads start outside the breakpoint's block
+        with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point:
+            point.armed.set()
+            caster = _in_thread(lambda: t.to(torch.float64))  # pauses after reading 0
+            assert point.paused.wait(10)
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+            point.go()
+            caster.join(10)
+        assert not caster.is_alive()
+        assert torch.equal(pool.resolve(t), torch.ones(NUMEL, dtype=torch.float64))
+    assert torch.equal(on_disk(t), torch.ones(NUMEL, dtype=torch.float64))
+
+
+def test_a_lease_ending_while_an_in_place_op_writes_is_never_silently_lost(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An in-place op outside any scope found its value current and writes it: a
+    ``read_write`` lease taken on the older value then ends while the file is written. Its
+    change is kept, or dropped with the warning that says so; never noted as the latest
+    write and then overwritten by the op's value, which does not hold it."""
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as pool:
+        pool.resolve(t)  # resident: the lease is a hit on the value before the op
+        with paused_in_new_threads(storage_io.write_payload.__code__, on="call") as point:
+            point.armed.set()
+            adder = _in_thread(lambda: t.add_(1000.0))  # pauses as it writes 1000
+            assert point.paused.wait(10)
+
+            def lease() -> None:
+                with pool.acquire(t, mode="read_write") as value:
+                    value.add_(1.0)
+
+            leaser = _in_thread(lease)
+            leaser.join(0.5)
+            point.go()
+            adder.join(10)
+            leaser.join(10)
+        assert not adder.is_alive() and not leaser.is_alive()
+        value = float(pool.resolve(t)[0])
+        assert value == 1001.0 or (value == 1000.0 and "change is dropped" in caplog.text)
+        assert torch.equal(pool.resolve(t), torch.full((NUMEL,), value))
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), value))
 
 
 def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(

@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
@@ -45,6 +45,7 @@ from torch_to_nnef.tensor.opaque import (
 
 __all__ = ["OffloadedTensor"]
 
+_R = TypeVar("_R")
 LOGGER = logging.getLogger(__name__)
 
 DeviceLike = torch.device | str | int
@@ -628,6 +629,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _pending: threading.Condition
     _pending_lock: threading.Lock
     _pending_writes: int
+    _deriving: object | None
     _unsaved: tuple[object, object, torch.Tensor] | None
     _latest: tuple[object, object, object]
 
@@ -778,6 +780,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._pending_lock = threading.Lock()
         self._pending = threading.Condition(self._pending_lock)
         self._pending_writes = 0
+        # The latest write a direct read-modify-write (_rewrite) derived the value it is
+        # writing from, while it writes it: a pool's change on that write is older than it.
+        self._deriving = None
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -1237,8 +1242,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         that pool, other pools included, see it; an older unsaved value of another pool is
         superseded (its write-back will not happen)."""
         with self._pending_lock:
-            if self._version_for(owner) is not version:
-                return False
+            if self._version_for(owner) is not version or self._deriving is self._latest[0]:
+                return False  # (or a direct write derived from the older value is under way)
             self._count_write(owner)
             self._unsaved = (owner, self._latest[0], value)
             return True
@@ -1520,17 +1525,56 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
     def _cast_payload(self, dtype: torch.dtype) -> None:
         storage.dtype_code(dtype)  # a dtype no payload file stores is refused before a read
-        value = self._reload_unmanaged(_CPU)
-        cast = value.to(dtype)
-        if isinstance(value, OpaqueTensor) and not isinstance(cast, SupportsOffloadState):
-            raise T2NErrorNotImplemented(
-                f"casting offloaded {type(value).__name__} {self._name!r} to {dtype} would "
-                "decompress it; store the plain value explicitly with "
-                f"update_values(opaque_to_final_tensor(ot.reload()).to({dtype}), "
-                "strict_dtype=False)"
-            )
-        self.update_values(cast, strict_dtype=False)
+
+        def cast() -> tuple[torch.Tensor, None]:
+            value = self._reload_unmanaged(_CPU)
+            cast = value.to(dtype)
+            if isinstance(value, OpaqueTensor) and not isinstance(cast, SupportsOffloadState):
+                raise T2NErrorNotImplemented(
+                    f"casting offloaded {type(value).__name__} {self._name!r} to {dtype} would "
+                    "decompress it; store the plain value explicitly with "
+                    f"update_values(opaque_to_final_tensor(ot.reload()).to({dtype}), "
+                    "strict_dtype=False)"
+                )
+            return cast, None
+
+        self._rewrite(cast, strict_dtype=False)
         LOGGER.info("offloaded tensor %r cast to %s", self._name, dtype)
+
+    def _rewrite(
+        self, compute: Callable[[], tuple[torch.Tensor, _R]], strict_dtype: bool = True
+    ) -> _R:
+        """Write the value ``compute`` derives from the tensor's latest write (a direct
+        read-modify-write: an in-place op outside any scope, a cast), as one write.
+
+        A write landing while ``compute`` runs (another thread's direct write, a pool's
+        change noted as its ``read_write`` lease ends) would be lost if the value derived
+        from the write before it were written over it: ``compute`` then runs again, from
+        the new latest write. Once the value is found current, it is the later write: a
+        ``read_write`` lease ending while the file is written has its change dropped, with
+        a warning (:meth:`_note_unsaved`), as when it ends after the write. Returns what
+        ``compute`` returned with the value written.
+        """
+        while True:
+            with self._pending_lock:
+                version = self._latest[0]
+            value, result = compute()
+            try:
+                encoded = self._check_update(value, True, strict_dtype)
+            except T2NErrorValueMismatch:
+                if self._latest[0] is not version:  # retyped meanwhile: derive it again
+                    continue
+                raise
+            with self._write_lock:
+                with self._pending_lock:
+                    if self._latest[0] is not version:
+                        continue
+                    self._deriving = version
+                try:
+                    self._write_encoded(encoded, None, None)
+                finally:
+                    self._deriving = None
+                return result
 
     @property  # type: ignore[override]
     def data(self) -> OffloadedTensor:
@@ -1586,10 +1630,14 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         if self._binding.opaque:
             self._refuse_in_place("copy_")
         source = _expand_argument(src)
-        value = torch.empty(tuple(self.shape), dtype=self.dtype)
-        with torch._C.DisableTorchFunctionSubclass():
-            value.copy_(source)
-        self.update_values(value)
+
+        def copy() -> tuple[torch.Tensor, None]:
+            value = torch.empty(tuple(self.shape), dtype=self.dtype)
+            with torch._C.DisableTorchFunctionSubclass():
+                value.copy_(source)
+            return value, None
+
+        self._rewrite(copy)  # the shape and dtype of the latest write, whatever retypes it
         return self
 
     def _refuse_in_place(self, operation: str) -> None:
@@ -1643,11 +1691,14 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             with lease as value, torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
                 result = run(value)
             return self if result is value else result
-        value = storage.handoff(self._reload_unmanaged())
-        with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
-            result = run(value)
-        self.update_values(value)
-        return self if result is value else result
+
+        def change() -> tuple[torch.Tensor, Any]:
+            value = storage.handoff(self._reload_unmanaged())
+            with torch.no_grad(), torch._C.DisableTorchFunctionSubclass():
+                result = run(value)
+            return value, self if result is value else result
+
+        return self._rewrite(change)
 
     @classmethod
     def _write_at_dispatch(
