@@ -75,3 +75,10 @@ def in_forked_child_while_held(
     finally:
         release.set()
         holder.join(30)
+
+
+def put_values(tensor: torch.Tensor, queue: Any) -> None:
+    """Put the values of ``tensor`` on ``queue`` as nested lists: a process target, so that
+    what a child received comes back without sharing the child's memory (gone once it
+    exits)."""
+    queue.put(tensor.tolist())

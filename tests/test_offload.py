@@ -9,6 +9,7 @@ import functools
 import gc
 import hashlib
 import itertools
+import multiprocessing
 import os
 import re
 import signal
@@ -27,7 +28,7 @@ import safetensors.torch
 import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
-from forking import in_forked_child, in_forked_child_while_held
+from forking import in_forked_child, in_forked_child_while_held, put_values
 from interrupts import interrupted
 from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
@@ -936,6 +937,32 @@ def test_pickling_writes_the_latest_value_as_a_plain_tensor(
     restored = pickle.loads(pickle.dumps(offloaded))
     assert type(restored) is torch.Tensor
     assert torch.equal(restored, weight + 1.0)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_process_started_with_an_offloaded_tensor_as_argument_gets_its_value(
+    method: str, tmp_path: Path
+) -> None:
+    # The value is shared with the child by a descriptor that the starting process passes
+    # once pickling has ended: it must still be alive then.
+    weight = seeded(3, 4)
+    offloaded = OffloadedTensor.from_original_tensor(weight, "w", offload_dir=tmp_path)
+    parameter = nn.Parameter(
+        OffloadedTensor.from_original_tensor(-weight, "p", offload_dir=tmp_path),
+        requires_grad=False,
+    )
+    context = multiprocessing.get_context(method)
+    for sent, expected in [(offloaded, weight), (parameter, -weight)]:
+        received = context.Queue()
+        child = context.Process(target=put_values, args=(sent, received))
+        child.start()
+        try:
+            values = received.get(timeout=60)
+        finally:
+            child.join(timeout=30)
+        assert child.exitcode == 0
+        assert values == expected.tolist()
 
 
 def test_torch_save_of_a_model_with_offloaded_weights_writes_a_whole_checkpoint(

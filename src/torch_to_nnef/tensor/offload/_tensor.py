@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import multiprocessing.context
 import os
 import shutil
 import threading
@@ -1036,6 +1037,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         A parameter (``nn.Parameter(t, requires_grad=False)``) comes back as a parameter.
         """
         value = self.reload()
+        _keep_for_spawned_child(value)
         if self.__dict__.get("_is_param"):
             return (torch._utils._rebuild_parameter, (value, False, collections.OrderedDict()))
         return value.__reduce_ex__(protocol)
@@ -1767,6 +1769,18 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             _GC_REQUEST.pending = False
             gc.collect()
         return result
+
+
+def _keep_for_spawned_child(value: torch.Tensor) -> None:
+    """Keep ``value`` alive while a process is started with it (``spawn``, ``forkserver``:
+    ``Process(args=(t,))``). Torch pickles a CPU value for a child process as a shared
+    memory descriptor, which the starting process hands to the child by number once
+    pickling has ended: the value, made for this pickle, would by then be freed and its
+    descriptor closed. It is kept with the starting process's ``Popen`` object, as the
+    arguments of ``Process`` are kept with it."""
+    popen = multiprocessing.context.get_spawning_popen()
+    if popen is not None:
+        popen.__dict__.setdefault("_t2n_pickled_values", []).append(value)
 
 
 def _new_storage_id() -> str:
