@@ -1354,6 +1354,28 @@ def test_offloaded_qtensor_cast_and_in_place_rules(
     assert offloaded.dtype == torch.float16
 
 
+def test_assigning_a_plain_data_to_an_offloaded_qtensor_is_refused_not_decompressed(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    model = nn.Linear(64, 8)
+    model.weight = nn.Parameter(quantized, requires_grad=False)
+    offload_module(model, tmp_path)
+    offloaded = model.weight
+    assert isinstance(offloaded, OffloadedTensor)
+    with pytest.raises(T2NErrorNotImplemented, match=r"would decompress it.*model\.to\(dtype\)"):
+        model.half()  # assigns .data a dequantized float16 copy
+    with pytest.raises(T2NErrorNotImplemented, match="would decompress it"):
+        offloaded.data = torch.zeros(8, 64)
+    assert offloaded.offloaded_tensor_type is QTensorTractScaleOnly
+    assert offloaded.dtype == torch.float32
+    model.to(torch.float16)  # the cast that keeps it quantized
+    reloaded = offloaded.reload()
+    assert type(reloaded) is QTensorTractScaleOnly and reloaded.dtype == torch.float16
+    offloaded.data = quantized  # an opaque value is taken
+    assert type(offloaded.reload()) is QTensorTractScaleOnly
+    assert offloaded.dtype == torch.float32
+
+
 # ---------------------------------------------------------------------------------------------
 # What the residency pool relies on
 # ---------------------------------------------------------------------------------------------

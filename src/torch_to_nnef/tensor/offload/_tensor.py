@@ -1493,7 +1493,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         The tensor is modified in place rather than copied, so that modules, tied weights and
         residency pools holding it follow: ``model.to("cuda")`` and ``model.to(torch.float16)``
         work on offloaded models. (``model.half()``/``model.cuda()`` also work, by assigning
-        ``.data``, at the price of a load and a write per tensor.)
+        ``.data``, at the price of a load and a write per tensor, except on an opaque value,
+        which they would decompress: refused, see :attr:`data`.)
 
         With ``copy=True`` the tensor is left as it is: an independent offloaded copy (as
         ``copy.deepcopy`` makes) is retargeted and/or cast, and returned.
@@ -1584,7 +1585,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         Assigning ``.data`` replaces the value as torch does: shape, dtype and device may
         change (the new device becomes the target). It writes the new payload through
-        :meth:`update_values`.
+        :meth:`update_values`. An opaque payload (a ``QTensor``) takes an opaque value only:
+        a plain tensor (what ``model.half()`` or ``model.cuda()`` assign) would decompress it
+        without a word, and is refused with ``T2NErrorNotImplemented``; ``model.to(dtype)``
+        and ``model.to(device)`` keep it opaque.
         """
         return self
 
@@ -1594,6 +1598,19 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             return
         if not isinstance(new_data, torch.Tensor):
             raise T2NErrorMisuse(f"data must be a torch.Tensor, got {type(new_data).__name__}")
+        if isinstance(new_data, OffloadedTensor):
+            opaque = new_data._binding.opaque
+        else:
+            opaque = isinstance(new_data, SupportsOffloadState)
+        if self._binding.opaque and not opaque:
+            raise T2NErrorNotImplemented(
+                f"assigning a plain tensor to .data of offloaded "
+                f"{self.offloaded_tensor_type.__name__} {self._name!r} would decompress it "
+                "(model.half(), model.cuda() and model.float() assign .data): use "
+                "model.to(dtype) or model.to(device), which keep it "
+                f"{self.offloaded_tensor_type.__name__}; to store a plain value, "
+                "update_values(value, strict_shape=False, strict_dtype=False)"
+            )
         device = _canonical_device(new_data.device)
         self._replace_value(new_data, strict_shape=False, strict_dtype=False, device=device)
 
