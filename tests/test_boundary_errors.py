@@ -144,3 +144,24 @@ def test_an_offload_dir_that_is_no_path_and_a_dtype_no_file_stores_are_named(
     with pytest.raises(T2NErrorMisuse, match=r"torch\.quint8 cannot be stored in a payload file"):
         weight.to(torch.quint8)
     assert weight.dtype == torch.float32 and torch.equal(weight.reload(), torch.ones(2))
+
+
+def test_updater_and_offloaded_tensor_arguments_of_the_wrong_type_are_misuse(
+    tmp_path: Path,
+) -> None:
+    from torch_to_nnef.tensor.updater import ModTensorUpdater
+
+    with pytest.raises(T2NErrorMisuse, match=r"takes the nn\.Module whose tensors it replaces"):
+        ModTensorUpdater("not a module")  # type: ignore[arg-type]
+    updater = ModTensorUpdater(nn.Linear(3, 2))
+    for call in (
+        lambda: updater.update_by_name(5, torch.ones(2, 3)),  # type: ignore[arg-type]
+        lambda: updater.update_by_name(["weight"], torch.ones(2, 3)),  # type: ignore[arg-type]
+        lambda: updater.get_by_name(None),  # type: ignore[arg-type]
+        lambda: ModTensorUpdater.split_param_name(None),  # type: ignore[arg-type]
+    ):
+        with pytest.raises(T2NErrorMisuse, match="a tensor name must be a dotted str"):
+            call()
+    assert updater.get_by_name("weight").shape == (2, 3)
+    with pytest.raises(T2NErrorMisuse, match="must be the tensor to offload, or None"):
+        OffloadedTensor("values", "cpu", tmp_path, "w", torch.Tensor)  # type: ignore[arg-type]

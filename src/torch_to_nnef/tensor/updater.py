@@ -134,6 +134,11 @@ class ModTensorUpdater:
         add_unregistred_tensor: bool = False,
         disable_requires_grad: bool = False,
     ) -> None:
+        if not isinstance(model, nn.Module):
+            raise T2NErrorMisuse(
+                f"ModTensorUpdater takes the nn.Module whose tensors it replaces, got "
+                f"{type(model).__name__}"
+            )
         self._model = model
         self._add_parameter_if_unset = add_parameter_if_unset
         self._disable_requires_grad = disable_requires_grad
@@ -179,6 +184,7 @@ class ModTensorUpdater:
                 self._grad_disabled.extend(param_slots)
 
     def _slot(self, name: str) -> _Slot:
+        _check_name(name)
         try:
             return self._slots_by_name[name]
         except KeyError:
@@ -212,6 +218,7 @@ class ModTensorUpdater:
         Args:
             name: a parameter or buffer name, dotted from the root module.
         """
+        _check_name(name)
         module_name, _, local_name = name.rpartition(".")
         return module_name, local_name
 
@@ -496,6 +503,15 @@ def _raise_mismatches(
             f"{subject}: the new tensor has {'; '.join(problems)}. "
             "Convert it first (e.g. new.to(old.device, old.dtype)), or pass "
             "enforce_tensor_consistency=False to change it on purpose"
+        )
+
+
+def _check_name(name: object) -> None:
+    """Refuse a tensor name that is no string."""
+    if not isinstance(name, str):
+        raise T2NErrorMisuse(
+            f"a tensor name must be a dotted str such as 'encoder.0.weight', got "
+            f"{type(name).__name__} {name!r}"
         )
 
 

@@ -649,6 +649,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             raise T2NErrorMisuse(f"name must be a str, got {type(name).__name__}")
         if storage_id is not None and (not isinstance(storage_id, str) or not storage_id):
             raise T2NErrorMisuse(f"storage_id must be a non-empty str, got {storage_id!r}")
+        if elem is not None and not isinstance(elem, torch.Tensor):
+            raise T2NErrorMisuse(
+                f"elem of {name!r} must be the tensor to offload, or None to adopt an existing "
+                f"payload file; got {type(elem).__name__}"
+            )
         target = _canonical_device(device)
         if elem is None or (elem.device.type == "meta" and not isinstance(elem, OpaqueTensor)):
             return cls._adopt(
