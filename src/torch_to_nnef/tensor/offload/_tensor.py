@@ -578,7 +578,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     compute and return plain tensors; ``nn.Parameter(offloaded, requires_grad=False)`` keeps
     the type, so modules can hold offloaded weights. In-place operations (``mul_``,
     ``copy_``, ``x[i] = v``, ``nn.init.*``) load the value, apply the operation and write the
-    result back atomically.
+    result back atomically. A view (``t[0]``, ``t.T``, ``t.view(-1)``) is a view of a loaded
+    value, not of the tensor: an in-place operation on it (``t[0].add_(1)``) does not write
+    the tensor, nor does ``nn.init.orthogonal_``, which writes through such a view. Write
+    through the tensor itself (``t[0] += 1`` writes ``t[0] = t[0] + 1``), or with
+    :meth:`update_values`.
 
     Most code builds one with :meth:`from_original_tensor` or :meth:`from_safetensors`. The
     constructor either writes ``elem`` to a new payload file, or (``elem`` ``None`` or a meta
