@@ -967,6 +967,18 @@ atexit.register(lambda: threading.Thread(target=churn, daemon=True).start())
     assert values == [1.0, 2.0, 3.0]
 
 
+# What a daemon thread runs to hold a read_write lease on the first tensor at exit, its
+# change under way (not whole: never written).
+_DAEMON_HOLDING_THE_FIRST = """
+held = threading.Event()
+def hold():
+    with pool.acquire(ts[0], mode="read_write") as value:
+        value.fill_(100.0)
+        held.set()
+        time.sleep(60)
+"""
+
+
 @pytest.mark.timeout(120)
 def test_a_pool_leased_by_a_daemon_thread_at_exit_writes_every_other_change(
     tmp_path: Path,
@@ -980,12 +992,9 @@ for i, t in enumerate(ts[1:], start=1):
         value.fill_(float(i + 1))
 with pool.acquire(ts[0], mode="read_write") as value:
     value.fill_(7.0)  # a whole change of the value the daemon holds next
-held = threading.Event()
-def hold():
-    with pool.acquire(ts[0], mode="read_write") as value:
-        value.fill_(100.0)
-        held.set()
-        time.sleep(60)
+"""
+        + _DAEMON_HOLDING_THE_FIRST
+        + """
 threading.Thread(target=hold, daemon=True).start()
 held.wait()
 """,
@@ -1007,12 +1016,7 @@ def test_a_block_never_left_and_leased_by_a_daemon_thread_at_exit_writes_every_o
         tmp_path,
         f"""
 pool = TensorResidencyPool()
-held = threading.Event()
-def hold():
-    with pool.acquire(ts[0], mode="read_write") as value:
-        value.fill_(100.0)
-        held.set()
-        time.sleep(60)
+{_DAEMON_HOLDING_THE_FIRST}
 async def serve():
     async with pool:
         for i, t in enumerate(ts):
