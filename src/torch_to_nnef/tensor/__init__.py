@@ -1,7 +1,8 @@
 """Tensors for models bigger than memory: offloaded, quantized and named tensors.
 
 The public names of ``torch_to_nnef.tensor``; the modules below hold the details
-(``offload``, ``quant``, ``named``, ``opaque``, ``updater``, ``utils``, ``residency``).
+(``offload``, ``checkpoint``, ``quant``, ``named``, ``opaque``, ``updater``, ``utils``,
+``residency``, ``sizing``, ``storage``, and ``hf`` for Hugging Face models).
 """
 
 # Tensor subclasses

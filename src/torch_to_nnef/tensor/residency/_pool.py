@@ -79,7 +79,8 @@ class TensorResidencyPool(Uncopyable):
             exceed it. ``None``: no limit. Copies to a CUDA device are staged through pinned
             host memory outside this limit: a ring of at most
             ``storage.PINNED_CHUNKS_PER_DEVICE`` chunks of ``storage.PINNED_CHUNK_BYTES``
-            (64 MiB) per device, shared by the process, reported by ``stats().pinned_bytes``.
+            (8 chunks of 8 MiB: 64 MiB) per device, shared by the process, reported by
+            ``stats().pinned_bytes``.
         max_workers: at most this many disk jobs (loads, write-backs) run at once.
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
@@ -158,7 +159,8 @@ class TensorResidencyPool(Uncopyable):
         return self._actor.is_resident(source)
 
     def is_pinned(self, source: OffloadedTensor) -> bool:
-        """Whether ``source`` is pinned (LRU only; FIXED raises :class:`T2NErrorMisuse`)."""
+        """Whether ``source`` is pinned (``LRU`` and ``SCHEDULED``; ``FIXED`` raises
+        :class:`T2NErrorMisuse`)."""
         self._check_pins("is_pinned")
         self._check_source(source)
         self._runtime.catch_up()
@@ -205,7 +207,7 @@ class TensorResidencyPool(Uncopyable):
         if not self._actor.policy.allows_pins:
             raise T2NErrorMisuse(
                 f"{operation} is not supported by ResidencyStrategy.{self.strategy.name}, which "
-                "controls admission itself; use ResidencyStrategy.LRU for manual pins"
+                "controls admission itself; use ResidencyStrategy.LRU or SCHEDULED for manual pins"
             )
 
     # ------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Trace-driven read-ahead: learn the order in which forwards touch offloaded tensors.
 
-Inside ``pool.scope()`` of a pool made with ``read_ahead_bytes``, every offloaded tensor a
+Inside ``pool.scope()`` of a pool made with ``read_ahead=``, every offloaded tensor a
 forward touches is recorded, per thread, in the order of the touches. :class:`AccessTrace`
 keeps, for each tensor, the one touched right after it the last time (its successor): a
 forward's order, and the wrap from its last tensor to the next forward's first, is learned in
