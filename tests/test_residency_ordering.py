@@ -202,6 +202,41 @@ def test_a_lease_ending_while_an_in_place_op_writes_is_never_silently_lost(
     assert torch.equal(on_disk(t), torch.full((NUMEL,), value))
 
 
+def test_a_change_dropped_while_an_in_place_op_writes_is_never_served(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An in-place op outside any scope (``mul_(2)``, 3 -> 6) is writing its value when a
+    ``read_write`` lease on the older value ends: the lease's change (3 -> 4) is dropped.
+    Until the op's write lands, the pool serves the tensor's latest write (3), never the
+    value holding the dropped change, which is no write of the tensor; nor does a new
+    ``read_write`` lease build on it."""
+    t = OffloadedTensor.from_original_tensor(torch.full((NUMEL,), 3.0), "t", offload_dir=tmp_path)
+    with TensorResidencyPool() as pool:
+        pool.resolve(t)  # resident: the lease is a hit on the value before the op
+        with paused_in_new_threads(
+            OffloadedTensor._write_encoded.__code__,
+            on="call",
+            caller=OffloadedTensor._rewrite.__code__,
+        ) as point:
+            point.armed.set()
+            multiplier = _in_thread(lambda: t.mul_(2.0))  # pauses as it writes 6
+            assert point.paused.wait(10)
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+            assert "the lease's change is dropped" in caplog.text
+            assert float(pool.resolve(t)[0]) == 3.0
+            with pool.acquire(t) as value:
+                assert float(value[0]) == 3.0
+            with pool.acquire(t, mode="read_write") as value:
+                assert float(value[0]) == 3.0
+            point.go()
+            multiplier.join(10)
+        assert not multiplier.is_alive()
+        assert torch.equal(pool.resolve(t), torch.full((NUMEL,), 6.0))
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
 def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

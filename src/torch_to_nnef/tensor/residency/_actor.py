@@ -222,16 +222,26 @@ class Actor:
                     slot.unnoted = slot.unnoted or changed
                     return self._ended(slot, holder, changed=False)
                 changed, slot.unnoted = changed or slot.unnoted, False
+        dropped = False
         if changed:
             source = slot.entry.source
             changed = source._note_unsaved(self, slot.value, slot.version)
-            if not changed:
+            dropped = not changed
+            if dropped:
                 LOGGER.warning(
                     "%r was written while a read_write lease held its older value: the "
                     "lease's change is dropped, the later write stands",
                     source.name,
                 )
         with self.lock:
+            if dropped:
+                # The value holds the dropped change, which is no write of the tensor (the
+                # direct write that stands may still be under way, the version unchanged):
+                # no new hit or lease takes it, and the actor's next request drops it.
+                slot.dropped = True
+                slot.open = False
+                if self.published.get(slot.key) is slot:
+                    del self.published[slot.key]
             if holder.slot is None:  # released meanwhile by another thread
                 return False
             return self._ended(slot, holder, changed)
@@ -402,7 +412,9 @@ class Actor:
         of the tensor."""
         if entry.value is None:
             return False
-        written = entry.version is not entry.source._version_for(self)
+        written = entry.version is not entry.source._version_for(self) or self._dropped_change(
+            entry
+        )
         if not written and not self._changed_outside_leases(entry):
             return False
         if entry.write is not None:
@@ -464,9 +476,18 @@ class Actor:
     def _superseded_write(self, entry: Entry) -> Job | None:
         """The write-back to wait for before ``entry``'s value, written over since it was
         read, can be dropped: a request waits for it rather than take the older value."""
-        if entry.write is not None and entry.version is not entry.source._version_for(self):
+        if entry.write is not None and (
+            entry.version is not entry.source._version_for(self) or self._dropped_change(entry)
+        ):
             return entry.write
         return None
+
+    @staticmethod
+    def _dropped_change(entry: Entry) -> bool:
+        """Whether ``entry``'s value holds a ``read_write`` lease's change that was dropped
+        (see :meth:`release`): it is no value of the tensor, whatever its version says."""
+        slot = entry.slot
+        return slot is not None and slot.dropped
 
     def resolve_step(
         self, source: PoolSource, device: torch.device, first: bool
@@ -760,7 +781,7 @@ class Actor:
 
     def _reopen(self, entry: Entry) -> None:
         slot = entry.slot
-        if slot is not None and entry.value is not None and not self.closing:
+        if slot is not None and entry.value is not None and not self.closing and not slot.dropped:
             with self.lock:
                 slot.open = True
                 self.published[entry.key] = slot

@@ -179,6 +179,7 @@ class Slot:
         "changing",
         "device",
         "dirty",
+        "dropped",
         "dtype",
         "entry",
         "key",
@@ -224,6 +225,9 @@ class Slot:
         self.changing = 0
         self.unnoted = False
         self.dirty = False  # a read_write lease ended since the actor last looked
+        # A read_write lease's change to the value was dropped (a later direct write stands):
+        # the value holds a change that is no write of the tensor, and is served no more.
+        self.dropped = False
         self.tracked = False  # the actor counts leases as holding the value (outside the budget)
         self.writing = False  # a write-back runs: read_write leases go to the actor
         self.changed = False  # queued for the actor's next look at its leases
