@@ -237,6 +237,44 @@ def test_a_change_dropped_while_an_in_place_op_writes_is_never_served(
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
 
 
+def test_loads_of_two_pools_never_wait_for_each_others_queued_write_backs(
+    tmp_path: Path,
+) -> None:
+    """Each pool's only worker loads a tensor whose write-back the other pool announced
+    (and queued behind that other worker's load): the loads read the unsaved change, the
+    latest write, without waiting for those write-backs, and everything ends."""
+    t0, t1, t2 = (_tensor(tmp_path, f"t{i}") for i in range(3))
+    with TensorResidencyPool() as a, TensorResidencyPool() as b:
+        for pool, t in ((b, t0), (b, t1), (a, t2)):  # unsaved changes of each pool
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+        with paused_in_new_threads(
+            OffloadedTensor._write_encoded.__code__,
+            on="call",
+            caller=OffloadedTensor._rewrite.__code__,
+        ) as point:
+            point.armed.set()
+            direct = _in_thread(lambda: t0.mul_(2.0))  # holds t0's write lock, paused
+            assert point.paused.wait(10)
+            # Both workers wait behind that write: b's write-back of t0, a's load of t0.
+            flush_t0 = _in_thread(lambda: b.flush(t0))
+            time.sleep(0.2)
+            loaded_t0 = a.prefetch(t0)
+            time.sleep(0.2)
+            loaded_t1, loaded_t2 = a.prefetch(t1), b.prefetch(t2)  # queued on each worker
+            flushes = [_in_thread(lambda: a.flush(t2)), _in_thread(lambda: b.flush(t1))]
+            time.sleep(0.2)  # each flush announced its write-back, queued behind a load
+            point.go()
+            for thread in [direct, flush_t0, *flushes]:
+                thread.join(10)
+                assert not thread.is_alive(), "the workers of the two pools deadlocked"
+        assert float(loaded_t0.wait()[0]) == 2.0
+        assert float(loaded_t1.wait()[0]) == float(loaded_t2.wait()[0]) == 1.0
+        check_invariants(a)
+        check_invariants(b)
+    assert [float(on_disk(t)[0]) for t in (t0, t1, t2)] == [2.0, 1.0, 1.0]
+
+
 def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

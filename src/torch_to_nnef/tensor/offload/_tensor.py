@@ -1176,8 +1176,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 read (``storage.load_payload``).
         """
         target = self.device if device is None else _canonical_device(device)
-        self._wait_announced_writes()
+        # A pool's unsaved change is the latest write whether its write-back is announced or
+        # not: a copy of it is read without waiting for that write-back, which may be queued
+        # behind the very load (of another pool's worker) that reads it here.
         unsaved = self._unsaved_copy(target)
+        if unsaved is None:
+            self._wait_announced_writes()
+            unsaved = self._unsaved_copy(target)
         if unsaved is not None:
             return unsaved
         attempt = 0
