@@ -237,6 +237,84 @@ def test_a_change_dropped_while_an_in_place_op_writes_is_never_served(
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
 
 
+def test_a_prefetch_handle_never_returns_a_change_dropped_after_its_load(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A prefetch's value is loaded (3), then an in-place op outside any scope writes 6 while
+    a ``read_write`` lease adds 1 to that value: the lease's change is dropped. The handle,
+    waited for then, gives the tensor's latest write (3 while the op's write is under way),
+    never the value holding the dropped change (4)."""
+    t = OffloadedTensor.from_original_tensor(torch.full((NUMEL,), 3.0), "t", offload_dir=tmp_path)
+    with TensorResidencyPool() as pool:
+        handle = pool.prefetch(t)
+        assert float(handle.wait()[0]) == 3.0
+        with paused_in_new_threads(
+            OffloadedTensor._write_encoded.__code__,
+            on="call",
+            caller=OffloadedTensor._rewrite.__code__,
+        ) as point:
+            point.armed.set()
+            multiplier = _in_thread(lambda: t.mul_(2.0))  # pauses as it writes 6
+            assert point.paused.wait(10)
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+            assert "the lease's change is dropped" in caplog.text
+            assert float(handle.wait()[0]) == 3.0
+            point.go()
+            multiplier.join(10)
+        assert not multiplier.is_alive()
+        assert float(handle.wait()[0]) == 6.0
+        check_invariants(pool)
+
+
+def test_a_streamed_module_never_computes_on_a_change_dropped_after_its_read_ahead(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """While the first module of a stream runs, the second's weight (3) is leased ahead; an
+    in-place op outside any scope then writes 6 while a ``read_write`` lease adds 1 to the
+    value read ahead: that change is dropped. The second module computes on the tensor's
+    latest write (3 while the op's write is under way), never on the value holding the
+    dropped change (4)."""
+    from torch_to_nnef.tensor.checkpoint import offload_module
+
+    model = nn.Sequential(nn.Linear(NUMEL, NUMEL, bias=False), nn.Linear(NUMEL, NUMEL, bias=False))
+    with torch.no_grad():
+        model[0].weight.copy_(torch.eye(NUMEL))
+        model[1].weight.fill_(3.0)
+    offload_module(model, tmp_path)
+    weight = model[1].weight
+    threads: list[threading.Thread] = []
+
+    with TensorResidencyPool() as pool, stream_modules(pool, list(model), depth=1):
+
+        def write_meanwhile(module: nn.Module, args: object) -> None:
+            threads.append(_in_thread(lambda: weight.mul_(2.0)))  # pauses as it writes 6
+            assert point.paused.wait(10)
+            with pool.acquire(weight, mode="read_write") as value:
+                value.add_(1.0)
+
+        with paused_in_new_threads(
+            OffloadedTensor._write_encoded.__code__,
+            on="call",
+            caller=OffloadedTensor._rewrite.__code__,
+        ) as point:
+            handle = model[0].register_forward_pre_hook(write_meanwhile)  # after the stream's
+            point.armed.set()
+            try:
+                with torch.no_grad():
+                    out = model(torch.ones(1, NUMEL))
+            finally:
+                handle.remove()
+                point.go()
+                for thread in threads:
+                    thread.join(10)
+        assert "the lease's change is dropped" in caplog.text
+        assert torch.equal(out, torch.full((1, NUMEL), 3.0 * NUMEL))
+        assert not any(thread.is_alive() for thread in threads)
+        check_invariants(pool)
+    assert torch.equal(on_disk(weight), torch.full((NUMEL, NUMEL), 6.0))
+
+
 def test_loads_of_two_pools_never_wait_for_each_others_queued_write_backs(
     tmp_path: Path,
 ) -> None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -46,6 +47,11 @@ class Actor:
         self.policy = policy
         self.entries: dict[int, Entry] = {}
         self.published: dict[int, Slot] = {}  # open slots, read lock-free by other threads
+        # Values holding a read_write lease's change that was dropped (by id, weakly): no
+        # handle that got one before the change hands it out (see holds_dropped_change).
+        self.dropped_values: weakref.WeakValueDictionary[int, torch.Tensor] = (
+            weakref.WeakValueDictionary()
+        )
         self.lock = threading.Lock()  # slot fields, hit counters and touches of other threads
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
@@ -239,6 +245,7 @@ class Actor:
                 # direct write that stands may still be under way, the version unchanged):
                 # no new hit or lease takes it, and the actor's next request drops it.
                 slot.dropped = True
+                self.dropped_values[id(slot.value)] = slot.value
                 slot.open = False
                 if self.published.get(slot.key) is slot:
                     del self.published[slot.key]
@@ -481,6 +488,11 @@ class Actor:
         ):
             return entry.write
         return None
+
+    def holds_dropped_change(self, value: torch.Tensor) -> bool:
+        """Whether ``value`` (a value this pool loaded) holds a ``read_write`` lease's change
+        that was dropped: it is no value of the tensor (any thread)."""
+        return self.dropped_values.get(id(value)) is value
 
     @staticmethod
     def _dropped_change(entry: Entry) -> bool:

@@ -146,9 +146,12 @@ class TensorPrefetch(Uncopyable):
         """Whether the load has ended (successfully or not)."""
         return self._future.done()
 
-    def _outdated(self) -> bool:
-        """Whether a write the pool did not make came after the prefetch."""
-        return self._source._version_for(self._pool._actor) is not self._version
+    def _outdated(self, value: torch.Tensor) -> bool:
+        """Whether a write the pool did not make came after the prefetch, or ``value`` holds
+        a ``read_write`` lease's change that was dropped since (a later write stands)."""
+        actor = self._pool._actor
+        written = self._source._version_for(actor) is not self._version
+        return written or actor.holds_dropped_change(value)
 
     def wait(self) -> torch.Tensor:
         """Block until the value is loaded and return it.
@@ -164,7 +167,7 @@ class TensorPrefetch(Uncopyable):
                 "use `await handle` in async code"
             )
         value = self._pool._runtime.wait(self._future)
-        if self._outdated():
+        if self._outdated(value):
             return self._pool.resolve(self._source, self._device)  # type: ignore[arg-type]
         return hand_over(value)
 
@@ -176,7 +179,7 @@ class TensorPrefetch(Uncopyable):
             value = self._future.result()
         else:
             value = await self._pool._runtime.await_foreign(self._future)
-        if self._outdated():
+        if self._outdated(value):
             return await self._pool.aresolve(self._source, self._device)  # type: ignore[arg-type]
         return hand_over(value)
 
@@ -238,9 +241,12 @@ class TensorResidencyLease(Holder, Uncopyable):
 
     def _outdated(self) -> bool:
         """Whether the value granted is older than the tensor's latest write (a lease begun
-        before that write): the holder keeps it, but entering reads the latest."""
+        before that write), or holds a ``read_write`` lease's change that was dropped since:
+        the holder keeps it, but entering reads the latest."""
         slot = self.slot
-        return slot is not None and slot.version is not self._source._version_for(self._pool._actor)
+        return slot is not None and (
+            slot.dropped or slot.version is not self._source._version_for(self._pool._actor)
+        )
 
     def _acquire(self) -> Acquire:
         return Acquire(self._pool._actor, self._source, self._device, self)
