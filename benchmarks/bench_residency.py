@@ -51,15 +51,16 @@ lazily) adds to the pool's, with no code of this project in the loop.
 tensors of 4 KiB, budget of 200) through this pool and through upstream torch-to-nnef
 0.24.12's, side by side in the same run: ``_churn_job.py`` runs in a fresh process with this
 project's Python, then with a scratch virtual environment where upstream's wheel is installed
-(``$T2N_UPSTREAM_WHEEL``, default ``/tmp/upstream/torch_to_nnef-0.24.12-py3-none-any.whl``;
-kept in the temporary directory for later runs, torch shared with this environment), in
-alternation, three rounds; medians kept. Each tensor is written by its own library
-(``from_original_tensor``). Target: >= 3x upstream's operations per second, sync ``resolve``
-and sync ``acquire``. Without the wheel, or when installing it fails (no network), and with
-``--quick``, the figures say "not measured". For context, each round also times the hand-offs
-alone that a miss of the sync face takes (:func:`handoff_floor`: to the loop thread, to an I/O
-worker, back to the loop, back to the caller; no work): on a machine where waking a thread is
-slow, they set how close any pool built this way can come to a single-threaded one.
+(``$T2N_UPSTREAM_WHEEL``, default ``/tmp/upstream/torch_to_nnef-0.24.12-py3-none-any.whl``,
+downloaded from the package index when missing; kept in the temporary directory for later runs,
+torch shared with this environment), in alternation, three rounds; medians kept. Each tensor is
+written by its own library (``from_original_tensor``). Target: >= 3x upstream's operations per
+second, sync ``resolve`` and sync ``acquire``. Without the wheel, or when installing it fails
+(no network), and with ``--quick``, the figures say "not measured". For context, each round
+also times the hand-offs alone that a miss of the sync face takes (:func:`handoff_floor`: to
+the loop thread, to an I/O worker, back to the loop, back to the caller; no work): on a machine
+where waking a thread is slow, they set how close any pool built this way can come to a
+single-threaded one.
 
 Run: ``python benchmarks/bench_residency.py --part {latency,churn,bulk,upstream} [--quick]
 [--output PATH] [--repeat N]``.
@@ -69,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import gc
 import hashlib
 import json
@@ -814,6 +816,8 @@ def upstream_python() -> tuple[Path | None, str]:
     are not read).
     """
     if not UPSTREAM_WHEEL.is_file():
+        _download_upstream_wheel()
+    if not UPSTREAM_WHEEL.is_file():
         return None, f"upstream's wheel is not at {UPSTREAM_WHEEL} (set T2N_UPSTREAM_WHEEL)"
     tag = hashlib.sha256(sys.prefix.encode()).hexdigest()[:12]
     scratch = Path(tempfile.gettempdir()) / f"t2n-bench-upstream-{UPSTREAM_VERSION}-{tag}"
@@ -860,6 +864,16 @@ def upstream_python() -> tuple[Path | None, str]:
     except (OSError, subprocess.SubprocessError) as error:
         return None, f"no scratch environment for upstream: {error}"
     return python, ""
+
+
+def _download_upstream_wheel() -> None:
+    """Fetch upstream's wheel from the package index into :data:`UPSTREAM_WHEEL`'s folder
+    (its dependencies are resolved when it is installed); nothing where the index cannot be
+    reached."""
+    command = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:"]
+    command += ["-d", str(UPSTREAM_WHEEL.parent), f"torch_to_nnef=={UPSTREAM_VERSION}"]
+    with contextlib.suppress(OSError, subprocess.SubprocessError):
+        subprocess.run(command, capture_output=True, timeout=300)
 
 
 def _upstream_environment() -> dict[str, str]:
