@@ -353,6 +353,56 @@ def test_loads_of_two_pools_never_wait_for_each_others_queued_write_backs(
     assert [float(on_disk(t)[0]) for t in (t0, t1, t2)] == [2.0, 1.0, 1.0]
 
 
+def test_loads_of_two_pools_never_wait_for_write_backs_a_direct_write_superseded(
+    tmp_path: Path,
+) -> None:
+    """As above, but a direct write replaced each announced value before the other pool's
+    worker loads it: no unsaved change is left to read, and the write-back that was
+    announced (queued behind this pool's own waiting load) would write nothing. The loads
+    read the file, the latest write, and everything ends. (In a forked child, killed if
+    the two workers deadlock.)"""
+
+    def race() -> str:
+        w, x, y = (_tensor(tmp_path, n) for n in "wxy")
+        a, b = TensorResidencyPool(max_workers=1), TensorResidencyPool(max_workers=1)
+        for pool, t in ((a, w), (a, x), (b, y)):  # unsaved changes of each pool
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+        with paused_in_new_threads(
+            OffloadedTensor._write_encoded.__code__,
+            on="call",
+            caller=OffloadedTensor._rewrite.__code__,
+        ) as point:
+            point.armed.set()
+            direct = _in_thread(lambda: w.mul_(2.0))  # holds w's write lock, paused
+            assert point.paused.wait(10)
+            flush_w = _in_thread(lambda: a.flush(w))  # a's worker waits for that lock
+            time.sleep(0.2)
+            loaded_y = a.prefetch(y)  # queued on a's worker
+            time.sleep(0.1)
+            flush_x = _in_thread(lambda: a.flush(x))  # announced, queued behind the load
+            time.sleep(0.2)
+            x.add_(1.0)  # replaces a's unsaved change of x
+            loaded_x = b.prefetch(x)  # b's worker loads x at once
+            time.sleep(0.2)
+            flush_y = _in_thread(lambda: b.flush(y))  # announced, queued behind that load
+            time.sleep(0.2)
+            y.add_(1.0)  # replaces b's unsaved change of y
+            point.go()
+            for thread in [direct, flush_w, flush_x, flush_y]:
+                thread.join(10)
+                if thread.is_alive():
+                    return "the workers of the two pools deadlocked"
+        loaded = [float(loaded_x.wait()[0]), float(loaded_y.wait()[0])]
+        check_invariants(a)
+        check_invariants(b)
+        a.close()
+        b.close()
+        return repr((loaded, [float(on_disk(t)[0]) for t in (w, x, y)]))
+
+    assert in_forked_child(race, seconds=60) == repr(([2.0, 2.0], [2.0, 2.0, 2.0]))
+
+
 def test_a_change_made_on_a_value_older_than_another_pools_change_is_dropped(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

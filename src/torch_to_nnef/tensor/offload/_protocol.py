@@ -37,8 +37,10 @@ class PoolSource:
       object replaced by every write that ``owner`` did not make (a direct write, another
       pool's change; compared by identity): a value ``owner`` read at an older one is stale.
     - ``_reload_unmanaged(device, out)``: read the payload (into ``out`` host buffers when
-      given) and bring it to ``device``; blocking, run on the pool's I/O workers. It waits for
-      announced write-backs first, so every read sees the latest written value.
+      given) and bring it to ``device``; blocking, run on the pool's I/O workers. It reads the
+      latest write: a pool's unsaved change (a copy), else the file, without waiting for
+      announced write-backs (one writes only the unsaved change, and may be queued behind the
+      load of another pool's worker that reads it).
     - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
       the same :attr:`storage_key` may reuse, or ``None``.
     - ``_note_unsaved(owner, value, version)``: a pool changed the value it read at
@@ -48,11 +50,11 @@ class PoolSource:
     - ``_shelter_unsaved(owner, value)``: a ``read_write`` lease is entered on ``value``;
       when it is the tensor's unsaved latest write, reads outside the pool keep seeing it
       as it was (a copy) while the lease changes it.
-    - ``_announce_write()``: a write-back was chosen; reads of the tensor from now on wait
-      until it ends, by ``_write_back(value, owner)`` (write ``value`` unless a later write
-      superseded it, blocking, on a worker; returns its version as ``owner`` sees it, or
-      ``None``; the announcement ends whatever happens) or by ``_end_write()`` when it never
-      started.
+    - ``_announce_write()``: a write-back was chosen; copies (``copy.deepcopy``) of the
+      tensor from now on wait until it ends, by ``_write_back(value, owner)`` (write
+      ``value`` unless a later write superseded it, blocking, on a worker; returns its
+      version as ``owner`` sees it, or ``None``; the announcement ends whatever happens) or
+      by ``_end_write()`` when it never started.
     - ``_reads_rows_on_demand(device)``: whether an embedding lookup in the tensor, its value
       wanted on ``device``, reads only the rows it gathers, without a load (a module stream
       then leaves the table out of what it reads ahead).

@@ -1178,11 +1178,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         target = self.device if device is None else _canonical_device(device)
         # A pool's unsaved change is the latest write whether its write-back is announced or
         # not: a copy of it is read without waiting for that write-back, which may be queued
-        # behind the very load (of another pool's worker) that reads it here.
+        # behind the very load (of another pool's worker) that reads it here. Without one,
+        # the file is the latest write: an announced write-back writes nothing but the unsaved
+        # change (it was committed, in the step that ended it, or a later write replaced it),
+        # so none is waited for either (it too may be queued behind a load of another pool).
         unsaved = self._unsaved_copy(target)
-        if unsaved is None:
-            self._wait_announced_writes()
-            unsaved = self._unsaved_copy(target)
         if unsaved is not None:
             return unsaved
         attempt = 0
@@ -1278,7 +1278,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 self._unsaved = (owner, unsaved[1], copy)
 
     def _announce_write(self) -> None:
-        """A pool chose to write this tensor's value back: reads wait for it from now on."""
+        """A pool chose to write this tensor's value back: copies of the
+        tensor (copy.deepcopy) wait for it from now on."""
         with self._pending:
             self._pending_writes += 1
 
@@ -1319,7 +1320,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             self._write_encoded(self._check_update(value, True, True), None, keep=unsaved[1])
 
     def _end_write(self) -> None:
-        """End an announced write-back: reads waiting for it go on."""
+        """End an announced write-back: copies waiting for it go on."""
         with self._pending:
             self._pending_writes -= 1
             self._pending.notify_all()

@@ -899,7 +899,7 @@ class Actor:
                     return None
                 slot.writing = True
         source = entry.source
-        source._announce_write()  # reads of the tensor wait for this write from now on
+        source._announce_write()  # copies of the tensor wait for this write from now on
         try:
             job = self._job(
                 "write", source._write_back, (value, self), partial(self._on_written, entry)
