@@ -1267,6 +1267,25 @@ def test_a_prefetch_handle_awaited_after_another_pools_change_returns_it(tmp_pat
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
 
 
+def test_a_prefetch_handle_waited_after_its_pool_changed_a_value_read_again_returns_it(
+    tmp_path: Path,
+) -> None:
+    """The prefetched value was evicted, and the pool's change was made on the value it read
+    again: waiting returns that change, the latest write, not the value prefetched."""
+    t = _tensor(tmp_path)
+    with TensorResidencyPool(0) as pool:
+        handle = pool.prefetch(t)
+        deadline = time.monotonic() + 10
+        while not handle.done() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        pool.evict(t)
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+        assert torch.equal(handle.wait(), torch.ones(NUMEL))
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.ones(NUMEL))
+
+
 def test_a_prefetch_handle_keeps_its_own_pools_change(tmp_path: Path) -> None:
     t = _tensor(tmp_path)
     with TensorResidencyPool() as pool:

@@ -99,6 +99,10 @@ def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
     )
 
 
+_ANYONE = object()
+"""An owner that never writes: ``source._version_for(_ANYONE)`` is the latest write of all."""
+
+
 class TensorPrefetch(Uncopyable):
     """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
 
@@ -106,8 +110,9 @@ class TensorPrefetch(Uncopyable):
     pool's loop thread); ``await handle`` does the same in async code; ``handle.done()`` tells
     without blocking. A failed load raises :class:`T2NErrorStorage` from both. A handle on a
     value that was resident already is done at once. The value returned is the tensor's
-    latest: when a write came after the prefetch (a direct write, another pool's change), the
-    handle serves it through the pool as :meth:`TensorResidencyPool.resolve` would.
+    latest: when a write came after the prefetch (a direct write, another pool's change, a
+    change of this pool's own), the handle serves it through the pool, as a new prefetch
+    would (counting no request).
 
     Handles are not constructed directly: :meth:`TensorResidencyPool.prefetch` and
     :meth:`TensorResidencyPool.pin` return them.
@@ -129,8 +134,10 @@ class TensorPrefetch(Uncopyable):
         self._source = source
         self._device = device
         self._future = future
-        # The latest write this pool did not make, as of the prefetch: its value includes it.
-        self._version = source._version_for(pool._actor)
+        # The latest write of anyone (this pool included), as of the prefetch: a later one
+        # may be missing from the value loaded (this pool's own change made on a value read
+        # again after this one was evicted).
+        self._version = source._version_for(_ANYONE)
 
     @classmethod
     def _ready(
@@ -147,10 +154,11 @@ class TensorPrefetch(Uncopyable):
         return self._future.done()
 
     def _outdated(self, value: torch.Tensor) -> bool:
-        """Whether a write the pool did not make came after the prefetch, or ``value`` holds
-        a ``read_write`` lease's change that was dropped since (a later write stands)."""
+        """Whether a write came after the prefetch (the pool then serves the latest value,
+        which may be ``value`` itself), or ``value`` holds a ``read_write`` lease's change
+        that was dropped since (a later write stands)."""
         actor = self._pool._actor
-        written = self._source._version_for(actor) is not self._version
+        written = self._source._version_for(_ANYONE) is not self._version
         return written or actor.holds_dropped_change(value)
 
     def wait(self) -> torch.Tensor:
@@ -167,8 +175,8 @@ class TensorPrefetch(Uncopyable):
                 "use `await handle` in async code"
             )
         value = self._pool._runtime.wait(self._future)
-        if self._outdated(value):
-            return self._pool.resolve(self._source, self._device)  # type: ignore[arg-type]
+        if self._outdated(value):  # served again as a prefetch: no request is counted
+            return self._pool.prefetch(self._source, self._device).wait()  # type: ignore[arg-type]
         return hand_over(value)
 
     def __await__(self) -> Generator[Any, None, torch.Tensor]:
@@ -180,7 +188,7 @@ class TensorPrefetch(Uncopyable):
         else:
             value = await self._pool._runtime.await_foreign(self._future)
         if self._outdated(value):
-            return await self._pool.aresolve(self._source, self._device)  # type: ignore[arg-type]
+            return await self._pool.prefetch(self._source, self._device)  # type: ignore[arg-type]
         return hand_over(value)
 
     def __repr__(self) -> str:
