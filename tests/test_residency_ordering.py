@@ -133,6 +133,26 @@ def _in_thread(run: Callable[[], object]) -> threading.Thread:
     return thread
 
 
+@contextlib.contextmanager
+def _direct_write_paused(tensor: OffloadedTensor) -> Iterator[threading.Thread]:
+    """``tensor.mul_(2.0)`` outside any scope, in a thread paused as it writes its file (it
+    holds the tensor's write lock, its value derived from the write before); the write lands
+    as the block ends. Yields that thread, joined then."""
+    with paused_in_new_threads(
+        OffloadedTensor._write_encoded.__code__,
+        on="call",
+        caller=OffloadedTensor._rewrite.__code__,
+    ) as point:
+        point.armed.set()
+        thread = _in_thread(lambda: tensor.mul_(2.0))
+        assert point.paused.wait(10)
+        try:
+            yield thread
+        finally:
+            point.go()
+            thread.join(10)
+
+
 def test_in_place_ops_outside_a_scope_in_two_threads_keep_both_writes(tmp_path: Path) -> None:
     """An in-place op outside any scope reads the value, changes it and writes it: a write
     of another thread landing in between is kept, as on a plain tensor (the op runs again
@@ -213,14 +233,7 @@ def test_a_change_dropped_while_an_in_place_op_writes_is_never_served(
     t = OffloadedTensor.from_original_tensor(torch.full((NUMEL,), 3.0), "t", offload_dir=tmp_path)
     with TensorResidencyPool() as pool:
         pool.resolve(t)  # resident: the lease is a hit on the value before the op
-        with paused_in_new_threads(
-            OffloadedTensor._write_encoded.__code__,
-            on="call",
-            caller=OffloadedTensor._rewrite.__code__,
-        ) as point:
-            point.armed.set()
-            multiplier = _in_thread(lambda: t.mul_(2.0))  # pauses as it writes 6
-            assert point.paused.wait(10)
+        with _direct_write_paused(t) as multiplier:  # paused as it writes 6
             with pool.acquire(t, mode="read_write") as value:
                 value.add_(1.0)
             assert "the lease's change is dropped" in caplog.text
@@ -229,8 +242,6 @@ def test_a_change_dropped_while_an_in_place_op_writes_is_never_served(
                 assert float(value[0]) == 3.0
             with pool.acquire(t, mode="read_write") as value:
                 assert float(value[0]) == 3.0
-            point.go()
-            multiplier.join(10)
         assert not multiplier.is_alive()
         assert torch.equal(pool.resolve(t), torch.full((NUMEL,), 6.0))
         check_invariants(pool)
@@ -248,20 +259,11 @@ def test_a_prefetch_handle_never_returns_a_change_dropped_after_its_load(
     with TensorResidencyPool() as pool:
         handle = pool.prefetch(t)
         assert float(handle.wait()[0]) == 3.0
-        with paused_in_new_threads(
-            OffloadedTensor._write_encoded.__code__,
-            on="call",
-            caller=OffloadedTensor._rewrite.__code__,
-        ) as point:
-            point.armed.set()
-            multiplier = _in_thread(lambda: t.mul_(2.0))  # pauses as it writes 6
-            assert point.paused.wait(10)
+        with _direct_write_paused(t) as multiplier:  # paused as it writes 6
             with pool.acquire(t, mode="read_write") as value:
                 value.add_(1.0)
             assert "the lease's change is dropped" in caplog.text
             assert float(handle.wait()[0]) == 3.0
-            point.go()
-            multiplier.join(10)
         assert not multiplier.is_alive()
         assert float(handle.wait()[0]) == 6.0
         check_invariants(pool)
@@ -326,14 +328,7 @@ def test_loads_of_two_pools_never_wait_for_each_others_queued_write_backs(
         for pool, t in ((b, t0), (b, t1), (a, t2)):  # unsaved changes of each pool
             with pool.acquire(t, mode="read_write") as value:
                 value.add_(1.0)
-        with paused_in_new_threads(
-            OffloadedTensor._write_encoded.__code__,
-            on="call",
-            caller=OffloadedTensor._rewrite.__code__,
-        ) as point:
-            point.armed.set()
-            direct = _in_thread(lambda: t0.mul_(2.0))  # holds t0's write lock, paused
-            assert point.paused.wait(10)
+        with _direct_write_paused(t0) as direct:  # holds t0's write lock
             # Both workers wait behind that write: b's write-back of t0, a's load of t0.
             flush_t0 = _in_thread(lambda: b.flush(t0))
             time.sleep(0.2)
@@ -342,10 +337,9 @@ def test_loads_of_two_pools_never_wait_for_each_others_queued_write_backs(
             loaded_t1, loaded_t2 = a.prefetch(t1), b.prefetch(t2)  # queued on each worker
             flushes = [_in_thread(lambda: a.flush(t2)), _in_thread(lambda: b.flush(t1))]
             time.sleep(0.2)  # each flush announced its write-back, queued behind a load
-            point.go()
-            for thread in [direct, flush_t0, *flushes]:
-                thread.join(10)
-                assert not thread.is_alive(), "the workers of the two pools deadlocked"
+        for thread in [direct, flush_t0, *flushes]:
+            thread.join(10)
+            assert not thread.is_alive(), "the workers of the two pools deadlocked"
         assert float(loaded_t0.wait()[0]) == 2.0
         assert float(loaded_t1.wait()[0]) == float(loaded_t2.wait()[0]) == 1.0
         check_invariants(a)
@@ -368,14 +362,7 @@ def test_loads_of_two_pools_never_wait_for_write_backs_a_direct_write_superseded
         for pool, t in ((a, w), (a, x), (b, y)):  # unsaved changes of each pool
             with pool.acquire(t, mode="read_write") as value:
                 value.add_(1.0)
-        with paused_in_new_threads(
-            OffloadedTensor._write_encoded.__code__,
-            on="call",
-            caller=OffloadedTensor._rewrite.__code__,
-        ) as point:
-            point.armed.set()
-            direct = _in_thread(lambda: w.mul_(2.0))  # holds w's write lock, paused
-            assert point.paused.wait(10)
+        with _direct_write_paused(w) as direct:  # holds w's write lock
             flush_w = _in_thread(lambda: a.flush(w))  # a's worker waits for that lock
             time.sleep(0.2)
             loaded_y = a.prefetch(y)  # queued on a's worker
@@ -388,11 +375,10 @@ def test_loads_of_two_pools_never_wait_for_write_backs_a_direct_write_superseded
             flush_y = _in_thread(lambda: b.flush(y))  # announced, queued behind that load
             time.sleep(0.2)
             y.add_(1.0)  # replaces b's unsaved change of y
-            point.go()
-            for thread in [direct, flush_w, flush_x, flush_y]:
-                thread.join(10)
-                if thread.is_alive():
-                    return "the workers of the two pools deadlocked"
+        for thread in [direct, flush_w, flush_x, flush_y]:
+            thread.join(10)
+            if thread.is_alive():
+                return "the workers of the two pools deadlocked"
         loaded = [float(loaded_x.wait()[0]), float(loaded_y.wait()[0])]
         check_invariants(a)
         check_invariants(b)
