@@ -109,8 +109,19 @@ def test_read_ahead_options(tmp_path: Path) -> None:
     with TensorResidencyPool(max_cached_bytes=1000, read_ahead="auto") as pool:
         assert pool.read_ahead is not None
     assert TensorResidencyPool(max_cached_bytes=1000).read_ahead is None
-    with pytest.raises(T2NErrorMisuse, match="read_ahead must be None, 'auto' or a number"):
+    # A window is a size as the budget is: bytes, or a str with a unit.
+    with (
+        TensorResidencyPool(read_ahead="64MiB") as pool,
+        TensorResidencyPool(read_ahead=500) as exact,
+    ):
+        assert pool.read_ahead is not None and exact.read_ahead is not None
+        assert pool.read_ahead.window_bytes == 64 << 20 and exact.read_ahead.window_bytes == 500
+    with pytest.raises(T2NErrorMisuse, match="a size cannot be negative"):
         TensorResidencyPool(read_ahead=-1)
+    with pytest.raises(T2NErrorMisuse, match="cannot read 'AUTO' as a size"):
+        TensorResidencyPool(read_ahead="AUTO")
+    with pytest.raises(T2NErrorMisuse, match="read_ahead must be None, 'auto' or a size"):
+        TensorResidencyPool(read_ahead=1.5)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(120)

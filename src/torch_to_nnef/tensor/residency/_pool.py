@@ -86,8 +86,9 @@ class TensorResidencyPool(Uncopyable):
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).
         read_ahead: inside :meth:`scope`, learn the order in which forwards touch offloaded
-            tensors and read ahead along it (see ``residency/_trace.py``): the window in
-            bytes, ``"auto"`` (half the budget; 256 MiB without one), or ``None`` (off).
+            tensors and read ahead along it (see ``residency/_trace.py``): the window, a
+            size as ``max_cached_bytes`` is (``"64MiB"``), ``"auto"`` (half the budget; 256
+            MiB without one), or ``None`` (off).
 
     Raises:
         T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, or a strategy
@@ -113,7 +114,7 @@ class TensorResidencyPool(Uncopyable):
         strategy: ResidencyStrategy = ResidencyStrategy.LRU,
         *,
         use_uvloop: bool | None = None,
-        read_ahead: int | Literal["auto"] | None = None,
+        read_ahead: int | str | None = None,
     ) -> None:
         if max_cached_bytes is not None:
             max_cached_bytes = parse_bytes(max_cached_bytes)
@@ -825,11 +826,12 @@ def _read_ahead(pool: TensorResidencyPool, window: int | str | None) -> ReadAhea
     if window == "auto":
         budget = pool.max_cached_bytes
         return ReadAhead(pool, 256 << 20 if budget is None else budget // 2)
-    if not isinstance(window, int) or isinstance(window, bool) or window < 0:
+    if isinstance(window, bool) or not isinstance(window, (int, str)):
         raise T2NErrorMisuse(
-            f"read_ahead must be None, 'auto' or a number of bytes >= 0, got {window!r}"
+            "read_ahead must be None, 'auto' or a size (bytes, or a str such as '64MiB'), "
+            f"got {window!r}"
         )
-    return ReadAhead(pool, window)
+    return ReadAhead(pool, parse_bytes(window))  # (a size as the budget's, checked alike)
 
 
 def _mib(nbytes: int) -> str:

@@ -144,6 +144,11 @@ class ReadAhead:
         self._read_ahead = 0
         self._on_demand = 0
 
+    @property
+    def window_bytes(self) -> int:
+        """The bytes read ahead of the tensor touched, at most."""
+        return self._trace.window_bytes
+
     def stats(self) -> ReadAheadStats:
         """The counters so far."""
         return ReadAheadStats(self._read_ahead, self._on_demand, self._trace.relearned)
