@@ -419,9 +419,7 @@ class Actor:
         of the tensor."""
         if entry.value is None:
             return False
-        written = entry.version is not entry.source._version_for(self) or self._dropped_change(
-            entry
-        )
+        written = self._outdated(entry)
         if not written and not self._changed_outside_leases(entry):
             return False
         if entry.write is not None:
@@ -483,9 +481,7 @@ class Actor:
     def _superseded_write(self, entry: Entry) -> Job | None:
         """The write-back to wait for before ``entry``'s value, written over since it was
         read, can be dropped: a request waits for it rather than take the older value."""
-        if entry.write is not None and (
-            entry.version is not entry.source._version_for(self) or self._dropped_change(entry)
-        ):
+        if entry.write is not None and self._outdated(entry):
             return entry.write
         return None
 
@@ -494,10 +490,12 @@ class Actor:
         that was dropped: it is no value of the tensor (any thread)."""
         return self.dropped_values.get(id(value)) is value
 
-    @staticmethod
-    def _dropped_change(entry: Entry) -> bool:
-        """Whether ``entry``'s value holds a ``read_write`` lease's change that was dropped
-        (see :meth:`release`): it is no value of the tensor, whatever its version says."""
+    def _outdated(self, entry: Entry) -> bool:
+        """Whether ``entry``'s value is no longer the tensor's latest write: someone else
+        wrote the tensor since it was read, or it holds a ``read_write`` lease's change that
+        was dropped (see :meth:`release`), whatever its version says."""
+        if entry.version is not entry.source._version_for(self):
+            return True
         slot = entry.slot
         return slot is not None and slot.dropped
 
