@@ -1584,11 +1584,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     continue
                 raise
             with self._write_lock:
-                with self._pending_lock:
-                    if self._latest[0] is not version:
-                        continue
-                    self._deriving = version
-                try:
+                try:  # whatever interrupts it, no mark of a write under way is left behind
+                    with self._pending_lock:
+                        if self._latest[0] is not version:
+                            continue
+                        self._deriving = version
                     self._write_encoded(encoded, None, None)
                 finally:
                     self._deriving = None
