@@ -9,6 +9,7 @@ import logging
 import re
 import subprocess
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,7 @@ from torch_to_nnef.tensor.residency import (
     PoolStats,
     ResidencyStrategy,
     TensorResidencyPool,
+    _runtime,
     active_tensor_residency,
 )
 from torch_to_nnef.tensor.residency._runtime import Runtime
@@ -1152,6 +1154,42 @@ def test_a_pool_whose_serving_loop_closed_inside_its_block_closes(
     _assert_ended(set(threading.enumerate()) - before)  # its workers stopped
     pool.close()  # again: nothing to do
     task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+
+
+@pytest.mark.timeout(60)
+def test_a_close_from_another_thread_ends_well_when_the_loops_thread_closed_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Another thread's close() waits for the stopped loop; the loop's own thread closes the
+    pool meanwhile (the caller's close of a stranded pool): the waiting close has nothing
+    left to do and returns, the pool closed, instead of reporting the stopped loop."""
+    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.5)
+    pool, t, loop, task = _stranded(tmp_path)
+    outcome: list[BaseException | None] = []
+
+    def close() -> None:
+        try:
+            pool.close()
+            outcome.append(None)
+        except BaseException as error:
+            outcome.append(error)
+
+    thread = threading.Thread(target=close)
+    thread.start()
+    try:
+        time.sleep(0.2)
+        assert thread.is_alive()  # waiting for the stopped loop
+        pool.close()  # on the loop's thread: closes it here
+        thread.join(10)
+        assert not thread.is_alive()
+        assert outcome == [None]
+        assert pool.closed
+        assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
+    finally:
+        thread.join(10)
+        task.cancel()
+        loop.run_until_complete(asyncio.gather(task, return_exceptions=True))
+        loop.close()
 
 
 def _assert_ended(threads: set[threading.Thread]) -> None:

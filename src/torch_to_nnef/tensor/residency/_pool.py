@@ -559,7 +559,13 @@ class TensorResidencyPool(Uncopyable):
         if self._runtime.stranded_here():  # its loop of the caller's is gone: close it here
             self._runtime.close_stranded(self._close_request())
         else:
-            self._call_blocking(self._close_request())
+            try:
+                self._call_blocking(self._close_request())
+            except T2NErrorMisuse:
+                # The loop stopped while this close waited for it; its own thread may have
+                # closed the pool meanwhile (a stranded pool's close): then nothing is left.
+                if not self._actor.closed:
+                    raise
         if not self._actor.closed:  # nothing was loaded: nothing to write
             self._actor.begin_close()
             self._actor.finish_close()
