@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 from pathlib import Path
 
 import pytest
@@ -261,3 +262,27 @@ def test_named_model_can_be_traced() -> None:
         apply_name_to_tensor_in_module(model)
         traced = torch.jit.trace(model, (ids,))
         torch.testing.assert_close(traced(ids), expected)
+
+
+def test_a_saved_named_tensor_loads_once_declared_safe(tmp_path: Path) -> None:
+    """As the module documents: torch.load's default (weights_only=True) refuses the class of
+    a saved NamedTensor until it is declared safe; plain tensors saved instead load as they
+    are."""
+    model = nn.Linear(3, 2)
+    apply_name_to_tensor_in_module(model)
+    state = model.state_dict()
+    path = tmp_path / "named.pt"
+    torch.save(state, path)
+    with pytest.raises(pickle.UnpicklingError, match="NamedTensor"):
+        torch.load(path)
+    with torch.serialization.safe_globals([NamedTensor]):
+        loaded = torch.load(path)
+    assert type(loaded["weight"]) is NamedTensor
+    assert loaded["weight"].nnef_name == "weight"
+    assert torch.equal(loaded["weight"], model.weight)
+
+    plain = tmp_path / "plain.pt"
+    torch.save({k: v.as_subclass(torch.Tensor) for k, v in state.items()}, plain)
+    loaded = torch.load(plain)
+    assert type(loaded["bias"]) is torch.Tensor
+    assert torch.equal(loaded["bias"], model.bias)

@@ -4,6 +4,12 @@ A :class:`NamedTensor` is an ordinary tensor (same storage, same values) with an
 ``nnef_name`` attribute. :func:`apply_name_to_tensor_in_module` gives every parameter and
 buffer of a model the name of its PyTorch path, so that code looking at a tensor in the middle
 of a forward pass can tell which weight it is.
+
+A saved ``NamedTensor`` (``torch.save(model.state_dict(), path)`` after naming) pickles as its
+class: ``torch.load``, whose default is ``weights_only=True``, refuses its class until it is
+declared safe, as for any tensor subclass. Declare it once before loading
+(``torch.serialization.add_safe_globals([NamedTensor])``), or save plain tensors
+(``{k: v.as_subclass(torch.Tensor) for k, v in state.items()}``).
 """
 
 from __future__ import annotations
