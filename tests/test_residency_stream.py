@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import copy
 import gc
+import logging
 import os
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
 
@@ -292,6 +294,129 @@ def test_a_change_in_place_during_a_streamed_forward_is_written_back(tmp_path: P
         probe(torch.randn(2, WIDTH))
     assert torch.equal(weight.reload(), before + 1 + 1)  # on disk once the pool closed
     assert probe.weight is weight
+
+
+def _forward_paused_while(
+    probe: Probe, x: torch.Tensor, meanwhile: Callable[[Callable[[], None]], None]
+) -> torch.Tensor:
+    """Run ``probe(x)`` in a thread, and ``meanwhile(finish)`` while it is inside the module
+    (its weight bound, before it computes); ``finish()`` lets the forward end and waits for
+    it (done after ``meanwhile`` otherwise). Return its output."""
+    results: list[torch.Tensor] = []
+    go_on = threading.Event()
+    probe.entered, probe.go_on = threading.Event(), go_on
+    forward = threading.Thread(target=lambda: results.append(probe(x)))
+
+    def finish() -> None:
+        go_on.set()
+        forward.join(10)
+
+    forward.start()
+    try:
+        assert probe.entered.wait(10)
+        meanwhile(finish)
+    finally:
+        finish()
+    assert not forward.is_alive() and results
+    probe.entered = probe.go_on = None
+    return results[0]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("then", ["flush", "update_values"])
+def test_a_change_of_another_read_write_lease_during_a_streamed_forward_is_not_the_forwards(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, then: str
+) -> None:
+    """While a streamed forward that never writes its weight is inside its module, a
+    ``read_write`` lease of the same pool changes that weight (the value the forward holds):
+    the change is the lease's, kept and written once, and the forward computes with it. The
+    forward keeps nothing of its own: no second write-back after a flush wrote the lease's
+    change, and no warning that its change was dropped when a later write stands."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    new = torch.randn(WIDTH, WIDTH)
+    x = torch.randn(2, WIDTH)
+    with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
+        with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
+
+            def change(finish: Callable[[], None]) -> None:
+                with pool.acquire(weight, mode="read_write") as value:
+                    value.add_(1.0)
+                if then == "flush":
+                    pool.flush(weight)
+                else:
+                    weight.update_values(new)
+
+            out = _forward_paused_while(probe, x, change)
+            assert torch.equal(out, x @ (before + 1).t())
+            pool.flush()
+            assert pool.stats().write_backs == (then == "flush"), "written again"
+            assert "leased: 0," in repr(pool)
+        assert "streamed forward" not in caplog.text
+    assert probe.weight is weight
+    assert torch.equal(weight.reload(), new if then == "update_values" else before + 1)
+
+
+@pytest.mark.timeout(30)
+def test_a_streamed_forward_ending_under_a_read_write_lease_of_its_pool_keeps_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A ``read_write`` lease of the pool, entered on the weight a streamed forward holds,
+    changes it, then a write of the tensor comes, and the forward (which never writes its
+    weight) ends while the lease is still held: the change under way is the lease's alone,
+    dropped with the lease's warning as it ends; none says the forward's was."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    new = torch.randn(WIDTH, WIDTH)
+    x = torch.randn(2, WIDTH)
+    with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
+        with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
+
+            def change(finish: Callable[[], None]) -> None:
+                with pool.acquire(weight, mode="read_write") as value:
+                    value.add_(1.0)
+                    weight.update_values(new)
+                    finish()
+
+            out = _forward_paused_while(probe, x, change)
+            assert torch.equal(out, x @ (before + 1).t())
+            assert "leased: 0," in repr(pool)
+        assert "the lease's change is dropped" in caplog.text
+        assert "streamed forward" not in caplog.text
+    assert probe.weight is weight
+    assert torch.equal(weight.reload(), new)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("then", ["nothing", "update_values"])
+def test_a_streamed_forwards_change_after_another_leases_is_its_own(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, then: str
+) -> None:
+    """A ``read_write`` lease of the pool changes the weight a streamed forward holds, then
+    the forward changes it in place too: both changes are kept, the forward's on top of the
+    lease's; with a write between them, the forward's change is dropped with a warning
+    (made on an older value) and the later write stands."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    new = torch.randn(WIDTH, WIDTH)
+    x = torch.randn(2, WIDTH)
+    probe.add_in_place = 1.0
+    with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
+        with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
+
+            def change(finish: Callable[[], None]) -> None:
+                with pool.acquire(weight, mode="read_write") as value:
+                    value.add_(1.0)
+                if then == "update_values":
+                    weight.update_values(new)
+
+            out = _forward_paused_while(probe, x, change)
+            assert torch.allclose(out, x @ (before + 2).t(), atol=1e-4)
+            assert "leased: 0," in repr(pool)
+        dropped = "the forward's change is dropped, the later write stands" in caplog.text
+        assert dropped == (then == "update_values")
+    assert probe.weight is weight
+    assert torch.allclose(weight.reload(), new if then == "update_values" else before + 2)
 
 
 def test_a_forward_after_a_write_reads_the_new_value_while_another_runs_on_the_old(

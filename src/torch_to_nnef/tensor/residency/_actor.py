@@ -196,6 +196,24 @@ class Actor:
                 holder.entered = True
                 slot.changing += 1
 
+    def changed_under_read_lease(self, slot: Slot, version: int | None) -> bool:
+        """Whether the holder of a read lease on ``slot`` (a streamed forward, which got the
+        value when its torch version counter read ``version``) changed the value in place
+        since: a change of its own, which it keeps as a ``read_write`` lease would (any
+        thread, the lease still held). ``version`` ``None``: changed where the counter does
+        not see it (a batch norm's running statistics), so taken as changed.
+
+        The ``read_write`` leases of the pool share that value: what the counter moved by
+        under them is theirs, never the holder's. Up to ``seen``, recorded as each ended
+        (a change the holder made before is in the value their end noted); all of it while
+        one is entered, as the last of them to end notes the value as it is then, with
+        whatever the holder changed before that."""
+        with self.lock:
+            if slot.changing:
+                return False
+            current = slot.value._version
+            return version is None or current != max(version, slot.seen)
+
     def release(self, holder: Holder, changed: bool) -> bool:
         """End ``holder``'s lease, if it holds one (any thread; idempotent). Return whether
         the actor must hear of it now: this was the last lease of a value it counts as in

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
     from torch_to_nnef.tensor.residency._handles import TensorResidencyLease
     from torch_to_nnef.tensor.residency._pool import TDevice, TensorResidencyPool
+    from torch_to_nnef.tensor.residency._state import Slot
 
 __all__ = ["ModuleStream", "stream_modules"]
 
@@ -67,8 +68,9 @@ _Place = tuple[dict[str, Any], str, "OffloadedTensor"]
 ``_parameters`` or ``_buffers`` of the module or of one of its submodules."""
 
 
-_Watched = tuple["OffloadedTensor", torch.Tensor, int]
-"""A value bound for a forward, with its version then (``Tensor._version``)."""
+_Watched = tuple["OffloadedTensor", "Slot", int | None]
+"""A value bound for a forward (the slot of the lease that holds it: ``slot.value``), with
+its version then (``Tensor._version``; ``None``: taken as changed, see ``_bind``)."""
 
 
 _BatchNorm = torch.nn.modules.batchnorm._BatchNorm
@@ -354,7 +356,7 @@ class ModuleStream(Uncopyable):
             entry = _Held(None, [], [])
             stack = held.setdefault(index, [])
             stack.append(entry)
-            values: dict[int, torch.Tensor] = {}
+            slots: dict[int, Slot] = {}
             closed: T2NErrorMisuse | None = None
             mine: list[list[TensorResidencyLease]] = []  # what this forward began
             try:
@@ -373,15 +375,16 @@ class ModuleStream(Uncopyable):
                 # The begun leases stay in ``begun`` until all are entered: whatever stops
                 # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
                 for lease in begun.get(index, ()):
-                    value = lease.__enter__()
+                    lease.__enter__()
                     entry.leases.append(lease)
-                    values[id(lease._source)] = value
+                    if lease.slot is not None:  # (else a close ended it: nothing is bound)
+                        slots[id(lease._source)] = lease.slot
                 begun.pop(index, None)
                 # Its ops run on the values themselves where the tensors would serve the same
                 # (a trace records the tensors, not their values).
                 same = scope is None or (scope[0] is pool and scope[1] == self.device)
                 if same and not _is_tracing():
-                    entry.watched = self._bind(index, values)
+                    entry.watched = self._bind(index, slots)
                 with self._lock:  # a close from now on finds what this forward holds
                     if not self._handles:
                         closed = self._closed_under_forward()
@@ -462,10 +465,11 @@ class ModuleStream(Uncopyable):
             handle.remove()
 
     # -- values bound in place of their tensors ------------------------------------------------
-    def _bind(self, index: int, values: dict[int, torch.Tensor]) -> list[_Watched]:
-        """Put the plain values that module ``index``'s leases hold where the module holds
-        their tensors, so that its ops run on plain tensors rather than through the tensors'
-        dispatch. Return the values the forward may change in place, with their versions.
+    def _bind(self, index: int, slots: dict[int, Slot]) -> list[_Watched]:
+        """Put the plain values that module ``index``'s leases hold (their ``slots``, by
+        tensor) where the module holds their tensors, so that its ops run on plain tensors
+        rather than through the tensors' dispatch. Return the values the forward may change
+        in place, with their versions.
 
         A place another forward bound to a different value (a write came between their reads)
         gets its tensor back: both forwards read through the tensor, which serves the latest
@@ -477,9 +481,11 @@ class ModuleStream(Uncopyable):
                 return []
             for place in self._places[index]:
                 table, name, tensor = place
-                value = values.get(id(tensor))
+                slot = slots.get(id(tensor))
+                value = None if slot is None else slot.value
                 if type(value) is not torch.Tensor or value.is_inference():
                     continue  # an opaque value: the tensor serves its ops
+                assert slot is not None
                 key = (id(table), name)
                 current = table.get(name)
                 # Each change is recorded before it is made and forgotten after it is undone:
@@ -496,7 +502,7 @@ class ModuleStream(Uncopyable):
                 # unseen by torch's version counter: taken as changed.
                 norm = self._running_stats.get(id(tensor))
                 changed = norm is not None and norm.training and norm.track_running_stats
-                watched[id(tensor)] = (tensor, value, -1 if changed else value._version)
+                watched[id(tensor)] = (tensor, slot, None if changed else value._version)
         return list(watched.values())
 
     def _unbind(self, index: int) -> None:
@@ -515,13 +521,16 @@ class ModuleStream(Uncopyable):
 
     def _keep_changes(self, watched: list[_Watched]) -> None:
         """Keep what the forward changed in place in the values bound for it, as a
-        ``read_write`` lease keeps its change: the value becomes dirty, and is written back."""
-        for tensor, value, version in watched:
-            if value._version == version:
+        ``read_write`` lease keeps its change: the value becomes dirty, and is written back.
+        A change that a ``read_write`` lease of the pool made meanwhile on the same value is
+        that lease's, never the forward's (see ``Actor.changed_under_read_lease``)."""
+        actor = self.pool._actor
+        for tensor, slot, version in watched:
+            if not actor.changed_under_read_lease(slot, version):
                 continue
             lease = self.pool.acquire(tensor, self.device, mode="read_write")
             current = lease.__enter__()
-            kept = current is value
+            kept = current is slot.value
             if not kept:
                 LOGGER.warning(
                     "%r was written while a streamed forward changed its older value in "
@@ -646,7 +655,8 @@ def stream_modules(
     hold the plain values its leases hold instead, and get their tensors back when it returns:
     its operations run on plain tensors, without an offloaded tensor's dispatch on each
     (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
-    lease keeps it, seen by the value's version counter: a change through ``.data``
+    lease keeps it, seen by the value's version counter (what a ``read_write`` lease of the
+    pool changes in that value meanwhile is that lease's): a change through ``.data``
     (``self.weight.data.mul_(2)``), whose alias counts its own versions, is not seen, and is
     lost when the value is evicted; change the parameter itself under ``torch.no_grad()``
     (or run that model in ``pool.scope()`` alone, which keeps it). Opaque values
