@@ -217,6 +217,51 @@ def test_device_maps(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> No
         t2n_load_checkpoint_and_dispatch(case.path, case.skeleton(), "t2n_offload_disk", None)  # type: ignore[arg-type]
 
 
+def test_a_map_placing_tied_weights_apart_is_refused_before_anything_is_bound(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """Tied weights are one tensor: a map placing their names apart by modules of their own
+    is refused naming both and the fix; the same placement spelled twice is not, and a name
+    only the catch-all "" places follows the one placed by its own module, whichever name
+    comes first."""
+    tied = saved[("qwen2", True)]
+    for device_map in (
+        {"model.embed_tokens": "cpu", "lm_head": "disk", "": "disk"},
+        {"lm_head": "cpu", "model": "disk", "": "disk"},
+    ):
+        model = tied.skeleton()
+        with pytest.raises(T2NErrorMisuse) as caught:
+            t2n_load_checkpoint_and_dispatch(model, tied.path, device_map, tmp_path)
+        message = str(caught.value)
+        assert "tied weights '" in message and "but tied weights are one tensor" in message
+        assert "'model.embed_tokens.weight' on '" in message
+        assert "'lm_head.weight' on '" in message
+        assert "'disk'" in message and "'cpu'" in message
+        assert all(t.is_meta for t in model.parameters())  # nothing was bound
+
+    for device_map, offloaded in (
+        ({"model.embed_tokens": "disk", "lm_head": "disk", "": "cpu"}, True),
+        ({"model.embed_tokens": "disk", "lm_head": "disk_cpu", "": "cpu"}, True),  # one place
+        ({"model.embed_tokens": torch.device("cpu"), "lm_head": "cpu", "": "disk"}, False),
+        ({"model.embed_tokens": "cpu", "": "disk"}, False),  # the head follows its embedding
+        ({"lm_head": "cpu", "": "disk"}, False),  # the embedding follows its head
+        ({"model.embed_tokens": "disk", "": "cpu"}, True),
+    ):
+        model = tied.skeleton()
+        t2n_load_checkpoint_and_dispatch(model, tied.path, device_map, tmp_path)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        assert isinstance(model.lm_head.weight, OffloadedTensor) is offloaded, device_map
+        assert torch.equal(generate_in_pool(model, budget=64 << 10), tied.tokens)
+
+    # Untied, the embedding and the head go where the map says.
+    untied = saved[("qwen2", False)]
+    model = untied.skeleton()
+    device_map = {"model.embed_tokens": "cpu", "lm_head": "disk", "": "disk"}
+    t2n_load_checkpoint_and_dispatch(model, untied.path, device_map, tmp_path)
+    assert not isinstance(model.model.embed_tokens.weight, OffloadedTensor)
+    assert isinstance(model.lm_head.weight, OffloadedTensor)
+
+
 def test_strict_refuses_what_the_model_lacks(
     saved: dict[tuple[str, bool], Saved], tmp_path: Path
 ) -> None:

@@ -282,24 +282,35 @@ def load_state_dict(
     return result
 
 
-def _device_for(name: str, device_map: DeviceMap) -> DeviceLike | None:
-    """The device of the longest module name of ``device_map`` that ``name`` is inside;
+def _placed(name: str, device_map: DeviceMap) -> tuple[str, DeviceLike] | None:
+    """The longest module name of ``device_map`` that ``name`` is inside, and its device;
     ``None`` when there is none."""
     module = name
     while True:
         if module in device_map:
-            return device_map[module]
+            return module, device_map[module]
         if not module:
             return None
         module = module.rpartition(".")[0]
 
 
+def _device_for(name: str, device_map: DeviceMap) -> DeviceLike | None:
+    """The device of the longest module name of ``device_map`` that ``name`` is inside;
+    ``None`` when there is none."""
+    placed = _placed(name, device_map)
+    return None if placed is None else placed[1]
+
+
 def _binding_device(names: tuple[str, ...], device_map: DeviceMap) -> DeviceLike | None:
-    """Where a tensor goes: the device of the first of its names (tied weights have several)
-    that ``device_map`` covers."""
-    return next(
-        (d for d in (_device_for(name, device_map) for name in names) if d is not None), None
-    )
+    """Where a tensor goes. Tied weights have several names: one placed by a module of its
+    own wins over one the map's catch-all ``""`` places (the embedding placed on ``"cpu"``
+    keeps its tied head there, whatever ``""`` says); :func:`_check_tied_together` refuses
+    names placed apart by modules of their own."""
+    placements = [p for p in (_placed(name, device_map) for name in names) if p is not None]
+    explicit = next((device for module, device in placements if module), None)
+    if explicit is not None:
+        return explicit
+    return placements[0][1] if placements else None
 
 
 def _check_covered(plan: BindingPlan, device_map: DeviceMap) -> None:
@@ -312,6 +323,39 @@ def _check_covered(plan: BindingPlan, device_map: DeviceMap) -> None:
             'add their modules to it ("" names the whole model: {"": "disk"} offloads '
             "what no other entry places)"
         )
+
+
+def _check_tied_together(plan: BindingPlan, device_map: DeviceMap) -> None:
+    """Refuse a map that places the names of one tied tensor apart by modules of their own:
+    a tied tensor is one value, bound in one place. (A name only the catch-all ``""``
+    places follows the others: see :func:`_binding_device`.)
+
+    Raises:
+        T2NErrorMisuse: two names of a tied tensor are placed on different devices (or one
+            offloaded, the other not), naming both, their devices and the fix.
+    """
+    for binding in plan.bindings:
+        placed = [(name, _placed(name, device_map)) for name in binding.names]
+        explicit = [(name, p[1]) for name, p in placed if p is not None and p[0]]
+        if len(explicit) < 2:
+            continue
+        (first, first_device), *others = explicit
+        for name, device in others:
+            if _placement(device) != _placement(first_device):
+                raise T2NErrorMisuse(
+                    f"the device map places the tied weights {first!r} on {first_device!r} "
+                    f"and {name!r} on {device!r}, but tied weights are one tensor, bound in "
+                    f"one place; put their modules on the same device (e.g. "
+                    f"{name.rpartition('.')[0]!r}: {first_device!r}), or untie them before "
+                    "loading if the checkpoint holds both"
+                )
+
+
+def _placement(device: DeviceLike) -> tuple[bool, torch.device]:
+    """What a device of a map means (offloaded or not, the device values load on), so that
+    two spellings of one placement (``"disk"`` and ``"disk_cpu"``, ``0`` and ``"cuda:0"``)
+    compare equal."""
+    return _is_disk(device), storage.resolve_device(maybe_extract_target_device(device))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -428,7 +472,8 @@ def t2n_load_checkpoint_and_dispatch(
 
     Raises:
         T2NErrorMisuse: the arguments are swapped or of the wrong type, or the device map is
-            an unknown string, does not cover a tensor, or names a device that is none, not
+            an unknown string, does not cover a tensor, places names of a tied tensor on
+            different devices by modules of their own, or names a device that is none, not
             usable here, or the meta device (checked before any tensor is bound).
         T2NErrorNotImplemented: weight converters or a quantizer were given.
         T2NErrorCheckpoint: the checkpoint does not fit the model (see
@@ -459,6 +504,8 @@ def t2n_load_checkpoint_and_dispatch(
         cast_to_model=True,
     )
     _check_covered(plan, placement)
+    if isinstance(device_map, Mapping):  # accelerate's map ("t2n_auto") keeps ties together
+        _check_tied_together(plan, placement)
     _bind(plan, placement, offload_dir)
     if plan.unexpected:
         LOGGER.warning(
