@@ -403,6 +403,42 @@ def test_from_pretrained_inside_the_context_takes_the_class_config_and_its_optio
     assert "model.tie_weights()" not in message
 
 
+def test_the_context_accepts_the_loading_options_it_applies_itself(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """use_safetensors=True and weights_only=True say what the context does: accepted, as are
+    weights_only=True for torch.load; use_safetensors=True refuses a pickle checkpoint, as
+    from_pretrained does."""
+    case = saved[("qwen2", True)]
+    offload_dir = tmp_path / "offload"
+    with ctx_maybe_load_from_disk_as_offloaded(offload_dir):
+        for options in (
+            {"use_safetensors": True, "weights_only": True},
+            {"use_safetensors": None},
+        ):
+            model = transformers.AutoModelForCausalLM.from_pretrained(case.path, **options)
+            assert offloaded_share(model)[0] == offloaded_share(model)[1]
+            assert not model.model.embed_tokens.weight.owns_payload  # read in place
+            assert torch.equal(generate_in_pool(model, budget=64 << 10), case.tokens)
+        with pytest.raises(T2NErrorNotImplemented, match=r"got weights_only='yes'\. Leave"):
+            transformers.AutoModelForCausalLM.from_pretrained(case.path, weights_only="yes")
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    torch.save(case.dense.state_dict(), pickled / "pytorch_model.bin")
+    case.config.save_pretrained(pickled)
+    with ctx_maybe_load_from_disk_as_offloaded(offload_dir):
+        with pytest.raises(T2NErrorCheckpoint) as caught:
+            transformers.AutoModelForCausalLM.from_pretrained(pickled, use_safetensors=True)
+        model = transformers.AutoModelForCausalLM.from_pretrained(pickled, weights_only=True)
+        tensor = torch.load(pickled / "pytorch_model.bin", weights_only=True)
+    message = str(caught.value)
+    assert "is a pickle checkpoint ('pytorch_model.bin'), not safetensors" in message
+    assert "leave use_safetensors unset" in message
+    assert torch.equal(generate_in_pool(model, budget=64 << 10), case.tokens)
+    assert all(isinstance(value, OffloadedTensor) for value in tensor.values())
+
+
 def test_torch_load_inside_the_context_offloads_what_it_reads(tmp_path: Path) -> None:
     """As upstream's: a tensor, or a dict's tensors, come back offloaded (read with
     weights_only=True); files of the offload directory and weights_only=False calls are

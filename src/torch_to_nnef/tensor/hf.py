@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorNotImplemented
+from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse, T2NErrorNotImplemented
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import (
     PICKLE_NAME,
@@ -579,8 +579,10 @@ def ctx_maybe_load_from_disk_as_offloaded(
       parameters are offloaded tensors reading the checkpoint in place. ``config`` (an
       object or a path), ``dtype`` (or ``torch_dtype``; the checkpoint's by default),
       ``attn_implementation``, ``strict`` and options that are configuration attributes are
-      honoured, and the modules transformers keeps in float32 stay so; other options of
-      ``from_pretrained`` (quantization, device maps, remote code) are refused unless off.
+      honoured, and the modules transformers keeps in float32 stay so; so are
+      ``use_safetensors=True`` (a pickle checkpoint is then refused) and ``weights_only=True``,
+      which the context does itself; other options of ``from_pretrained`` (quantization, device
+      maps, remote code) are refused unless off.
     - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
       in place, loaded on ``device`` (and so does peft's loading of adapters).
     - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
@@ -683,6 +685,10 @@ _HONOURED = {
     "_from_auto",  # transformers' own, from AutoModel*.from_pretrained
     "_from_pipeline",
 }
+# Options of from_pretrained that the context's own reading fixes: accepted with the value it
+# reads by (safetensors entries read in place, a pickle checkpoint read with
+# torch.load(weights_only=True)), or off; refused with any other value.
+_AGREEING = {"use_safetensors": True, "weights_only": True}
 
 
 def _from_pretrained_offloaded(
@@ -704,17 +710,26 @@ def _from_pretrained_offloaded(
         )
     config = _pretrained_config(cls, directory, kwargs.get("config")) if not args else None
     others = {key: value for key, value in kwargs.items() if key not in _HONOURED}
-    overrides = {key: value for key, value in others.items() if hasattr(config, key)}
-    refused = sorted(key for key, value in others.items() if key not in overrides and value)
+    overrides = {
+        key: value for key, value in others.items() if key not in _AGREEING and hasattr(config, key)
+    }
+    refused = sorted(
+        key if key not in _AGREEING else f"{key}={value!r}"
+        for key, value in others.items()
+        if key not in overrides and value and not (key in _AGREEING and value == _AGREEING[key])
+    )
     if args or refused:
         raise T2NErrorNotImplemented(
             f"from_pretrained inside ctx_maybe_load_from_disk_as_offloaded takes config=, "
-            f"dtype=, attn_implementation=, strict= and configuration attributes only; got "
+            f"dtype=, attn_implementation=, strict=, use_safetensors=True, weights_only=True "
+            f"and configuration attributes only; got "
             f"{', '.join(refused) or 'positional arguments'}. Leave the context to use the others"
         )
     for key, value in overrides.items():
         setattr(config, key, value)
     assert config is not None  # (positional arguments were refused)
+    if kwargs.get("use_safetensors"):
+        _check_safetensors(directory)
     config.name_or_path = str(name)  # as from_pretrained records it (the model copies it)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     # "auto" (and nothing): the checkpoint's own, so that its tensors are read in place.
@@ -737,6 +752,23 @@ def _from_pretrained_offloaded(
         model.generation_config = transformers.GenerationConfig.from_pretrained(directory)
     model.eval()
     return model
+
+
+def _check_safetensors(directory: Path) -> None:
+    """Refuse a checkpoint directory whose checkpoint is a pickle one, as ``from_pretrained``
+    refuses it under ``use_safetensors=True``.
+
+    Raises:
+        T2NErrorCheckpoint: ``directory``'s checkpoint is a pickle checkpoint.
+    """
+    found = open_checkpoint(directory, allow_pickle=True)
+    if found.loaded:
+        raise T2NErrorCheckpoint(
+            f"from_pretrained(use_safetensors=True) inside ctx_maybe_load_from_disk_as_offloaded: "
+            f"the checkpoint of '{directory}' is a pickle checkpoint ('{found.source.name}'), not "
+            "safetensors; convert it to safetensors, or leave use_safetensors unset to read it "
+            "with torch.load(weights_only=True)"
+        )
 
 
 def _pretrained_config(cls: type[Any], directory: Path, given: Any) -> Any:
