@@ -401,7 +401,11 @@ def test_swapped_arguments_are_named(tmp_path: Path) -> None:
         load_offloaded_checkpoint(tmp_path, meta_model())  # type: ignore[arg-type]
     with pytest.raises(T2NErrorMisuse, match=r"binds an nn.Module, got str"):
         load_offloaded_checkpoint("model", tmp_path)  # type: ignore[type-var]
-    with pytest.raises(T2NErrorMisuse, match=r"checkpoint as a path"):
+    with pytest.raises(
+        T2NErrorMisuse,
+        match=r"load_offloaded_checkpoint\(\): checkpoint must be the path of a checkpoint "
+        r"file, index or directory \(a str or os.PathLike\), got int",
+    ):
         load_offloaded_checkpoint(meta_model(), 3)  # type: ignore[arg-type]
 
 

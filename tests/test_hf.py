@@ -723,9 +723,18 @@ def test_the_auto_map_is_computed_on_the_tied_model(
 
 def test_the_file_readers_refuse_what_is_no_path() -> None:
     for given in (None, 3, 1.5):
-        with pytest.raises(T2NErrorMisuse, match="takes the checkpoint file as a path"):
+        received = type(given).__name__
+        with pytest.raises(
+            T2NErrorMisuse,
+            match=rf"safe_load_file\(\): filename must be the checkpoint file's path \(a str "
+            rf"or os.PathLike\), got {received}",
+        ):
             safe_load_file(given)  # type: ignore[arg-type]
-        with pytest.raises(T2NErrorMisuse, match="takes the checkpoint file as a path"):
+        with pytest.raises(
+            T2NErrorMisuse,
+            match=rf"load_state_dict\(\): checkpoint_file must be the checkpoint file's path "
+            rf"\(a str or os.PathLike\), got {received}",
+        ):
             load_state_dict(given)  # type: ignore[arg-type]
 
 

@@ -28,6 +28,7 @@ from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.sizing import parse_bytes
+from torch_to_nnef.tensor.storage._paths import path_argument
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
@@ -344,11 +345,12 @@ def check_arguments(function: str, model: object, checkpoint: object, dtype: obj
             f"{function}() binds an nn.Module, got {type(model).__name__}; call "
             f"{function}(model, checkpoint, ...)"
         )
-    if not isinstance(checkpoint, (str, os.PathLike)):
-        raise T2NErrorMisuse(
-            f"{function}() takes the checkpoint as a path (file, index or directory), got "
-            f"{type(checkpoint).__name__}"
-        )
+    path_argument(
+        checkpoint,
+        "checkpoint",
+        "the path of a checkpoint file, index or directory",
+        function=function,
+    )
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise T2NErrorMisuse(
             f"dtype must be a torch.dtype or None, got {dtype!r}; e.g. dtype=torch.bfloat16"

@@ -46,6 +46,7 @@ from torch_to_nnef.tensor.checkpoint import (
     plan_binding,
 )
 from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.storage._paths import path_argument
 from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
@@ -152,16 +153,6 @@ def _checked_map(device_map: DeviceMap) -> DeviceMap:
     return device_map
 
 
-def _file(function: str, path: object) -> Path:
-    """``path`` as a path, or :class:`T2NErrorMisuse` naming what was given instead."""
-    if not isinstance(path, str | os.PathLike):
-        raise T2NErrorMisuse(
-            f"{function}() takes the checkpoint file as a path (a str or os.PathLike), "
-            f"got {type(path).__name__}"
-        )
-    return Path(path)
-
-
 def _dtype(dtype: str | torch.dtype) -> torch.dtype:
     """``dtype``, or the torch dtype a name such as ``"float16"`` names.
 
@@ -223,7 +214,9 @@ def safe_load_file(
         T2NErrorMisuse: ``filename`` is no path, or ``device`` is none, not usable here, or
             the meta device.
     """
-    layout = storage.read_layout(_file("safe_load_file", filename))
+    layout = storage.read_layout(
+        path_argument(filename, "filename", "the checkpoint file's path", function="safe_load_file")
+    )
     target = maybe_extract_target_device(_checked(device))
     if apply_offload and _is_disk(device):
         return {
@@ -259,7 +252,15 @@ def load_state_dict(
             not usable here, or the meta device.
     """
     device_map = _checked_map(device_map or {"": "cpu"})
-    found = open_checkpoint(_file("load_state_dict", checkpoint_file), allow_pickle=True)
+    found = open_checkpoint(
+        path_argument(
+            checkpoint_file,
+            "checkpoint_file",
+            "the checkpoint file's path",
+            function="load_state_dict",
+        ),
+        allow_pickle=True,
+    )
     result: dict[str, torch.Tensor] = {}
     for key in found:
         device = _device_for(key, device_map) or "cpu"

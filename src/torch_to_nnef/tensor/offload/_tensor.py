@@ -43,6 +43,7 @@ from torch_to_nnef.tensor.opaque import (
     _writes_first_argument,
     opaque_to_final_tensor,
 )
+from torch_to_nnef.tensor.storage._paths import path_argument
 
 __all__ = ["OffloadedTensor"]
 
@@ -182,12 +183,7 @@ def _private_dir() -> _PrivateDir:
 
 def _directory(offload_dir: PathLike) -> Path:
     """``offload_dir`` as a path; a value of another type is refused by name."""
-    if not isinstance(offload_dir, str | os.PathLike):
-        raise T2NErrorMisuse(
-            f"offload_dir must be a directory's path (a str or os.PathLike) or None, got "
-            f"{type(offload_dir).__name__}"
-        )
-    return Path(offload_dir)
+    return path_argument(offload_dir, "offload_dir", "a directory's path", optional=True)
 
 
 def _resolve_dir(offload_dir: PathLike | None) -> tuple[Path, _PrivateDir | None]:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
+from torch_to_nnef.tensor.storage._paths import path_argument
 
 __all__ = ["Q40Layout", "label_path", "q40_dat_bytes", "write_dat_file"]
 
@@ -189,18 +190,14 @@ def label_path(dirpath: str | os.PathLike[str], label: str) -> Path:
         T2NErrorMisuse: ``label`` is not a str, is empty or absolute, or has empty, ``.`` or
             ``..`` components, backslashes or NUL characters (it must stay inside ``dirpath``).
     """
-    if not isinstance(dirpath, str | os.PathLike):
-        raise T2NErrorMisuse(
-            f"dirpath must be the model folder's path (a str or os.PathLike), got "
-            f"{type(dirpath).__name__}"
-        )
+    directory = path_argument(dirpath, "dirpath", "the model folder's path")
     parts = label.split("/") if isinstance(label, str) else [""]
     if any(part in ("", ".", "..") or "\\" in part or "\0" in part for part in parts):
         raise T2NErrorMisuse(
             f"variable label {label!r} is not a relative path inside the model folder; "
             "use names like 'encoder/layer0.weight'"
         )
-    return Path(dirpath, *parts[:-1], parts[-1] + ".dat")
+    return directory.joinpath(*parts[:-1], parts[-1] + ".dat")
 
 
 _NAME_MAX = 255

@@ -36,6 +36,31 @@ PRIVATE_DIR_PREFIX = "t2n_offload_"
 _PRIVATE_DIR_NAME = re.compile(r"t2n_offload_([0-9]{1,10})_[a-z0-9_]+")
 
 
+def path_argument(
+    value: object, argument: str, meaning: str, *, function: str = "", optional: bool = False
+) -> Path:
+    """``value``, an argument that names a file or a directory, as a path.
+
+    Args:
+        value: what the caller passed.
+        argument: the argument's name, as the caller wrote it.
+        meaning: what the path must lead to (``"a directory's path"``).
+        function: the function the argument belongs to, named first; ``""``: none named.
+        optional: ``None`` is accepted by the caller too (said in the message; the caller
+            handles it before this check).
+
+    Raises:
+        T2NErrorMisuse: ``value`` is not a ``str`` or an ``os.PathLike``; the message names
+            the argument, what it must be and the type received.
+    """
+    if not isinstance(value, str | os.PathLike):
+        raise T2NErrorMisuse(
+            f"{f'{function}(): ' if function else ''}{argument} must be {meaning} (a str or "
+            f"os.PathLike){' or None' if optional else ''}, got {type(value).__name__}"
+        )
+    return Path(value)
+
+
 def sanitize_name(name: str) -> str:
     """Turn a tensor name into a safe file-name stem (see the module documentation)."""
     if not isinstance(name, str):
