@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import gc
 import itertools
 import sys
 import threading
+import tracemalloc
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import CodeType, FrameType
 from typing import Any
@@ -18,7 +21,7 @@ from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, offload_module
-from torch_to_nnef.tensor.residency import TensorResidencyLease
+from torch_to_nnef.tensor.residency import TensorResidencyLease, _trace
 from torch_to_nnef.tensor.residency._trace import AccessTrace, ReadAhead
 
 WIDTH, LAYERS = 64, 8
@@ -52,6 +55,34 @@ def test_a_changed_order_is_relearned() -> None:
         trace.touched(key, 1)
     assert trace.relearned >= 2
     assert trace.touched(3, 1)[:2] == [2, 1]
+
+
+@pytest.mark.timeout(60)
+def test_a_reused_key_inherits_nothing_from_the_forgotten_one() -> None:
+    """A tensor dies (its key is forgotten) while it is another thread's last access, and a
+    new tensor reuses its key (ids are reused): the other thread's next access is no
+    successor of the new tensor (it was, and the new tensor read ahead what followed the
+    dead one)."""
+    trace = AccessTrace(window_bytes=100)
+    with ThreadPoolExecutor(1) as other:  # one thread throughout: its last access stays
+        for key in [1, 2, 3]:
+            other.submit(trace.touched, key, 1).result(10)
+        trace.forget(3)  # the tensor of key 3 died; a new one gets its id
+        trace.touched(3, 1)
+        trace.touched(4, 1)
+        other.submit(trace.touched, 9, 1).result(10)
+    assert trace.touched(3, 1) == [4]
+    assert trace.relearned == 0
+    assert len(trace) == 5  # 1, 2, 3, 4, 9
+
+
+def test_a_forgotten_key_ends_the_window_of_those_before_it() -> None:
+    trace = AccessTrace(window_bytes=100)
+    for key in [1, 2, 3, 4, 1]:
+        trace.touched(key, 1)
+    trace.forget(3)
+    assert trace.touched(1, 1) == [2]
+    assert len(trace) == 3
 
 
 def model_and_input(tmp_path: Path) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor]:
@@ -319,3 +350,94 @@ def test_evict_lets_go_of_what_the_read_ahead_holds(tmp_path: Path) -> None:
             assert not pool.is_resident(first)
 
     asyncio.run(evict_async())
+
+
+def learned(pool: TensorResidencyPool) -> int:
+    """How many tensors the read-ahead's learned order holds (and its table of tensors)."""
+    assert pool.read_ahead is not None
+    tensors = pool.read_ahead.stats().tensors
+    assert len(pool.read_ahead._sources) == tensors
+    return tensors
+
+
+@pytest.mark.timeout(60)
+def test_the_learned_order_drops_the_tensors_of_a_dropped_model(tmp_path: Path) -> None:
+    """Two models run through one pool; one is dropped: at the next forward, the learned
+    order holds the other's tensors only (it kept every tensor it ever saw), and the read
+    ahead along it still serves the forwards."""
+    dense, model, x = model_and_input(tmp_path)
+    other = offload_module(copy.deepcopy(dense), tmp_path / "other")
+    with torch.no_grad():
+        expected = dense(x)
+    with TensorResidencyPool(max_cached_bytes=0, read_ahead=2 * LAYER_BYTES) as pool:
+        with pool.scope(), torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(model(x), expected)
+                assert torch.equal(other(x), expected)
+        assert learned(pool) == 2 * 2 * LAYERS
+        del model
+        gc.collect()
+        with pool.scope(), torch.no_grad():
+            for _ in range(2):
+                assert torch.equal(other(x), expected)
+            before = counts(pool)
+            assert torch.equal(other(x), expected)
+        assert counts(pool)[1] == before[1]  # no load on demand: the order is relearned
+        assert learned(pool) == 2 * LAYERS
+
+
+@pytest.mark.timeout(120)
+def test_a_pool_serving_model_after_model_does_not_grow(tmp_path: Path) -> None:
+    """A long-lived pool runs 50 models in turn, each twice then dropped: the read-ahead
+    holds the living model's tensors only, and its memory does not grow (every cycle added
+    its tensors to the learned order for good)."""
+    dense, _, x = model_and_input(tmp_path)
+    with torch.no_grad():
+        expected = dense(x)
+    tracemalloc.start()
+    try:
+        with TensorResidencyPool(max_cached_bytes=0, read_ahead=2 * LAYER_BYTES) as pool:
+            for cycle in range(50):
+                model = offload_module(copy.deepcopy(dense), tmp_path / str(cycle))
+                with pool.scope(), torch.no_grad():
+                    for _ in range(2):
+                        assert torch.equal(model(x), expected)
+                del model
+                gc.collect()
+                assert learned(pool) <= 2 * 2 * LAYERS, cycle  # the last model's, at most
+                if cycle == 9:
+                    first = _trace_bytes()
+            grown = _trace_bytes() - first
+    finally:
+        tracemalloc.stop()
+    assert grown < 4096, grown
+
+
+def _trace_bytes() -> int:
+    """The bytes allocated by ``residency/_trace.py`` that are alive now."""
+    snapshot = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, _trace.__file__)]
+    )
+    return sum(stat.size for stat in snapshot.statistics("filename"))
+
+
+@pytest.mark.timeout(60)
+def test_tensors_that_die_while_the_read_ahead_holds_its_locks(tmp_path: Path) -> None:
+    """The tensors of a model die in a garbage collection that runs while the thread holds
+    the read-ahead's and the trace's locks (as one may, inside them): their callbacks take
+    no lock (they would wait for ever), and the next access drops them."""
+    dense, model, x = model_and_input(tmp_path)
+    other = offload_module(copy.deepcopy(dense), tmp_path / "other")
+    with TensorResidencyPool(max_cached_bytes=0, read_ahead=2 * LAYER_BYTES) as pool:
+        read_ahead = pool.read_ahead
+        assert read_ahead is not None
+        with pool.scope(), torch.no_grad():
+            model(x)
+            other(x)
+        assert learned(pool) == 2 * 2 * LAYERS
+        with read_ahead._lock, read_ahead._trace._lock:
+            del model
+            gc.collect()
+        with pool.scope(), torch.no_grad():
+            assert torch.equal(other(x), dense(x))
+        assert learned(pool) == 2 * LAYERS

@@ -99,7 +99,8 @@ class TensorResidencyPool(Uncopyable):
         max_workers: the bound on concurrent disk jobs given at creation.
         strategy: the retention strategy given at creation.
         read_ahead: the trace-driven read-ahead (its ``stats()`` count the accesses read
-            ahead and those loaded on demand), or ``None``.
+            ahead and those loaded on demand, and the tensors its learned order holds), or
+            ``None``.
     """
 
     _why_not_copied = (

@@ -8,6 +8,14 @@ one pass, and a change of order (prefill then decode, another model in the same 
 learned the first time it happens. From the tensor just touched, the tensors to read ahead are
 its successors, in order, as long as their bytes fit in the window.
 
+The learned order holds only tensors that exist: :class:`ReadAhead` watches each tensor it
+records through a weak reference whose callback queues it when it dies (``deque.append``: no
+lock, no Python code, so it is safe in a garbage collection that runs while a lock here is
+held, in a forked child and at exit), and drops the queued ones from its tables and the trace
+at its next access. A long-lived pool that serves model after model holds what the living
+ones need, and a new tensor that reuses a dead one's ``id`` learns its own successors: it
+inherits none of the dead one's, even from a thread whose last access was the dead one.
+
 :class:`ReadAhead` acts on it for a pool: it begins leases on the tensors of the window that
 are not resident (their loads start at once, in order) and holds them until they are touched,
 or until they leave the window; a held value is never evicted, so nothing the window needs
@@ -17,6 +25,7 @@ found their value read ahead from those that had to load it on demand.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
 from dataclasses import dataclass
@@ -34,10 +43,27 @@ if TYPE_CHECKING:
 __all__ = ["AccessTrace", "ReadAhead", "ReadAheadStats"]
 
 
+class _Step:
+    """A tensor of the learned order: its key, its size and the tensor touched right after
+    it the last time. A forgotten one is marked gone: a thread whose last access it was, or a
+    tensor whose successor it was, learns nothing through it."""
+
+    __slots__ = ("gone", "key", "nbytes", "successor")
+
+    def __init__(self, key: int, nbytes: int) -> None:
+        self.key = key
+        self.nbytes = nbytes
+        self.successor: _Step | None = None
+        self.gone = False
+
+
 class AccessTrace:
     """The learned access order of tensors (by key) and the read-ahead window over it.
 
-    Pure: no pool, no I/O. Thread-safe; each thread has its own "previous access".
+    Pure: no pool, no I/O. Thread-safe; each thread has its own "previous access". Its
+    memory is that of the keys it holds (``len(trace)``): its user forgets the keys of the
+    tensors that no longer exist (:meth:`forget`), and a key touched again afterwards starts
+    afresh, whatever a thread touched before it was forgotten.
 
     Args:
         window_bytes: how many bytes the read-ahead may cover beyond the tensor touched.
@@ -50,43 +76,59 @@ class AccessTrace:
     def __init__(self, window_bytes: int) -> None:
         self.window_bytes = window_bytes
         self.relearned = 0
-        self._successor: dict[int, int] = {}
-        self._sizes: dict[int, int] = {}
+        self._steps: dict[int, _Step] = {}
         self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         self._local = threading.local()
 
+    def __len__(self) -> int:
+        """How many keys the learned order holds."""
+        return len(self._steps)
+
     def touched(self, key: int, nbytes: int) -> list[int]:
         """Record that this thread touched ``key``; return the keys to read ahead, in order."""
-        previous = getattr(self._local, "previous", None)
-        self._local.previous = key
+        previous: _Step | None = getattr(self._local, "previous", None)
         with self._lock:
-            self._sizes[key] = nbytes
-            if previous is not None and previous != key:
-                known = self._successor.get(previous)
-                if known is not None and known != key:
-                    self.relearned += 1
-                self._successor[previous] = key
-            return self._ahead(key)
+            step = self._steps.get(key)
+            if step is None:
+                step = self._steps[key] = _Step(key, nbytes)
+            else:
+                step.nbytes = nbytes
+            self._local.previous = step
+            if previous is not None and previous is not step and not previous.gone:
+                known = previous.successor
+                if known is not step:
+                    if known is not None and not known.gone:
+                        self.relearned += 1
+                    previous.successor = step
+            return self._ahead(step)
 
     def forget(self, key: int) -> None:
-        """Drop ``key`` (a tensor that no longer exists) from the learned order."""
-        with self._lock:
-            self._sizes.pop(key, None)
-            self._successor.pop(key, None)
-            for before in [b for b, after in self._successor.items() if after == key]:
-                del self._successor[before]
+        """Drop ``key`` (a tensor that no longer exists) from the learned order.
 
-    def _ahead(self, key: int) -> list[int]:
+        Constant time: the tensors whose successor it was, and the threads whose last
+        access it was, find it gone and learn nothing through it.
+        """
+        with self._lock:
+            step = self._steps.pop(key, None)
+            if step is not None:
+                step.gone = True
+                step.successor = None  # a gone step keeps nothing else alive
+
+    def _ahead(self, step: _Step) -> list[int]:
         planned: list[int] = []
         room = self.window_bytes
-        current = self._successor.get(key)
-        while current is not None and current != key and current not in planned:
-            size = self._sizes.get(current, 0)
-            if size > room:
+        current = step.successor
+        while (
+            current is not None
+            and not current.gone
+            and current is not step
+            and current.key not in planned
+        ):
+            if current.nbytes > room:
                 break
-            room -= size
-            planned.append(current)
-            current = self._successor.get(current)
+            room -= current.nbytes
+            planned.append(current.key)
+            current = current.successor
         return planned
 
 
@@ -100,11 +142,14 @@ class ReadAheadStats:
         on_demand: accesses whose value was neither resident nor read ahead: loaded when
             needed, the caller waiting.
         relearned: successors of the learned order that changed.
+        tensors: the tensors the learned order holds: those the scoped forwards touched
+            that still exist (a dead tensor's are dropped at the next scoped access).
     """
 
     read_ahead: int
     on_demand: int
     relearned: int
+    tensors: int
 
 
 class _Window:
@@ -132,7 +177,11 @@ class ReadAhead:
     def __init__(self, pool: TensorResidencyPool, window_bytes: int) -> None:
         self._pool = weakref.ref(pool)
         self._trace = AccessTrace(window_bytes)
-        self._sources: weakref.WeakValueDictionary[int, PoolSource] = weakref.WeakValueDictionary()
+        # The tensors recorded, by id. A weak reference's callback appends it to ``_dead``
+        # when its tensor dies (deque.append: atomic, no lock, no Python code); the next
+        # access drops it from here and from the trace, under the lock (``_forget_dead``).
+        self._sources: dict[int, weakref.KeyedRef[int, PoolSource]] = {}
+        self._dead: collections.deque[weakref.KeyedRef[int, PoolSource]] = collections.deque()
         self._held: dict[int, TensorResidencyLease] = {}
         # Leases out of the windows that a thread is dropping (or holding while it resolves),
         # with that thread: whatever interrupts it, its next access or the pool's close drops
@@ -151,7 +200,32 @@ class ReadAhead:
 
     def stats(self) -> ReadAheadStats:
         """The counters so far."""
-        return ReadAheadStats(self._read_ahead, self._on_demand, self._trace.relearned)
+        with self._lock:
+            if self._dead:
+                self._forget_dead()
+            tensors = len(self._trace)
+        return ReadAheadStats(self._read_ahead, self._on_demand, self._trace.relearned, tensors)
+
+    def _source(self, key: int) -> PoolSource | None:
+        """The living tensor recorded as ``key``, if any."""
+        ref = self._sources.get(key)
+        return None if ref is None else ref()
+
+    def _forget_dead(self) -> None:
+        """Drop the tensors that died from the tables and the trace (under the lock).
+
+        A reference is dropped only while it is still the one recorded for its key (a new
+        tensor reusing the id replaced it, and what the trace learned since is the new
+        one's); it leaves the queue last, so that an interrupt anywhere leaves it to the
+        next call.
+        """
+        dead = self._dead
+        while dead:
+            ref = dead[0]
+            if self._sources.get(ref.key) is ref:
+                self._trace.forget(ref.key)
+                del self._sources[ref.key]
+            dead.popleft()
 
     def _window(self) -> _Window:
         window: _Window | None = getattr(self._local, "window", None)
@@ -187,9 +261,12 @@ class ReadAhead:
         with self._lock:
             # What an interrupt left this thread dropping: it is no longer used.
             left = [lease for lease, owner in self._leaving.items() if owner == thread]
-            if self._sources.get(key) is not source:
+            if self._dead:
+                self._forget_dead()
+            ref = self._sources.get(key)
+            if ref is None or ref() is not source:
                 self._trace.forget(key)  # a new tensor reusing a dead one's id
-                self._sources[key] = source
+                self._sources[key] = weakref.KeyedRef(source, self._dead.append, key)
             # The other threads' windows (none, usually: iterating them costs a few µs).
             others = [w for w in self._windows if w is not window] if len(self._windows) > 1 else []
             was_read_ahead = key in self._held
@@ -210,7 +287,7 @@ class ReadAhead:
             wanted = window.keys.union(*(other.keys for other in others))
             dropped = [self._leave(k, thread) for k in list(self._held) if k not in wanted]
             for k in planned:
-                ahead = self._sources.get(k)
+                ahead = self._source(k)
                 if k not in self._held and ahead is not None:
                     begin.append(ahead)
         for lease in dropped:  # left every window: the order changed
@@ -241,7 +318,7 @@ class ReadAhead:
         pool's user holds no lease on it to release); it is read ahead again when needed."""
         with self._lock:
             lease = self._held.get(id(source))
-            if lease is None or self._sources.get(id(source)) is not source:
+            if lease is None or self._source(id(source)) is not source:
                 return
             lease = self._leave(id(source), threading.get_ident())
         self.let_go(lease)
