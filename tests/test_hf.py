@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+import re
 import sys
 from pathlib import Path
 
@@ -228,6 +229,7 @@ def test_a_map_placing_tied_weights_apart_is_refused_before_anything_is_bound(
     for device_map in (
         {"model.embed_tokens": "cpu", "lm_head": "disk", "": "disk"},
         {"lm_head": "cpu", "model": "disk", "": "disk"},
+        {"model": "cpu", "lm_head.weight": "disk"},
     ):
         model = tied.skeleton()
         with pytest.raises(T2NErrorMisuse) as caught:
@@ -238,6 +240,13 @@ def test_a_map_placing_tied_weights_apart_is_refused_before_anything_is_bound(
         assert "'lm_head.weight' on '" in message
         assert "'disk'" in message and "'cpu'" in message
         assert all(t.is_meta for t in model.parameters())  # nothing was bound
+        # The fix it names is the entry of the map that placed the second name, changed.
+        fix = re.search(r"e\.g\. '([^']+)': '([^']+)'", message)
+        assert fix is not None, message
+        repaired = {**device_map, fix[1]: fix[2]}
+        model = tied.skeleton()
+        t2n_load_checkpoint_and_dispatch(model, tied.path, repaired, tmp_path)
+        assert model.lm_head.weight is model.model.embed_tokens.weight
 
     for device_map, offloaded in (
         ({"model.embed_tokens": "disk", "lm_head": "disk", "": "cpu"}, True),
@@ -246,6 +255,8 @@ def test_a_map_placing_tied_weights_apart_is_refused_before_anything_is_bound(
         ({"model.embed_tokens": "cpu", "": "disk"}, False),  # the head follows its embedding
         ({"lm_head": "cpu", "": "disk"}, False),  # the embedding follows its head
         ({"model.embed_tokens": "disk", "": "cpu"}, True),
+        ({"model": "cpu", "lm_head": "cpu:0"}, False),  # one CPU, two spellings
+        ({"model": torch.device("cpu", 0), "lm_head": "cpu", "": "disk"}, False),
     ):
         model = tied.skeleton()
         t2n_load_checkpoint_and_dispatch(model, tied.path, device_map, tmp_path)

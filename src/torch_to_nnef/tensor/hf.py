@@ -337,26 +337,29 @@ def _check_tied_together(plan: BindingPlan, device_map: DeviceMap) -> None:
     """
     for binding in plan.bindings:
         placed = [(name, _placed(name, device_map)) for name in binding.names]
-        explicit = [(name, p[1]) for name, p in placed if p is not None and p[0]]
+        explicit = [(name, *p) for name, p in placed if p is not None and p[0]]
         if len(explicit) < 2:
             continue
-        (first, first_device), *others = explicit
-        for name, device in others:
+        (first, _, first_device), *others = explicit
+        for name, module, device in others:
             if _placement(device) != _placement(first_device):
                 raise T2NErrorMisuse(
                     f"the device map places the tied weights {first!r} on {first_device!r} "
                     f"and {name!r} on {device!r}, but tied weights are one tensor, bound in "
-                    f"one place; put their modules on the same device (e.g. "
-                    f"{name.rpartition('.')[0]!r}: {first_device!r}), or untie them before "
-                    "loading if the checkpoint holds both"
+                    f"one place; put them on the same device (e.g. {module!r}: "
+                    f"{first_device!r}), or untie them before loading if the checkpoint holds "
+                    "both"
                 )
 
 
 def _placement(device: DeviceLike) -> tuple[bool, torch.device]:
     """What a device of a map means (offloaded or not, the device values load on), so that
-    two spellings of one placement (``"disk"`` and ``"disk_cpu"``, ``0`` and ``"cuda:0"``)
-    compare equal."""
-    return _is_disk(device), storage.resolve_device(maybe_extract_target_device(device))
+    two spellings of one placement (``"disk"`` and ``"disk_cpu"``, ``0`` and ``"cuda:0"``,
+    ``"cpu"`` and ``"cpu:0"``) compare equal."""
+    target = storage.resolve_device(maybe_extract_target_device(device))
+    if target.type == "cpu":
+        target = torch.device("cpu")  # one CPU, whatever index a spelling gives it
+    return _is_disk(device), target
 
 
 # ---------------------------------------------------------------------------------------------
