@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import line_of, paused_in_new_threads
 from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, settle
 
@@ -1053,3 +1053,53 @@ def test_an_interrupt_at_any_call_of_close_then_a_retry_stops_everything(tmp_pat
         if not was_interrupted:
             assert n > 10  # the injection reached the pool's code
             return
+
+
+def _loop_thread_code() -> Any:
+    """The code of the private loop thread's function (``run``, inside ``_start_private``)."""
+    (code,) = [
+        c
+        for c in _runtime.Runtime._start_private.__code__.co_consts
+        if getattr(c, "co_name", None) == "run"
+    ]
+    return code
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("use_uvloop", [False, True])
+def test_two_closes_stopping_the_private_loop_at_once_end_its_thread_cleanly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, use_uvloop: bool
+) -> None:
+    """Two threads close a pool at once: each asks its private loop to stop, the second
+    after the loop stopped for the first and while its thread runs what was posted before
+    (at interpreter exit, a daemon's pool closing while the exit work closes it). That stop
+    ends that run early: the thread runs the rest and still stops its workers and closes its
+    loop (it died with "Event loop stopped before Future completed", leaving them running)."""
+    errors: list[BaseException | None] = []
+    monkeypatch.setattr(threading, "excepthook", lambda hook: errors.append(hook.exc_value))
+    t = _tensor(tmp_path, "t", 1.0)
+    before = set(threading.enumerate())
+    line = line_of(_runtime.Runtime._start_private, "workers = self._detach()")
+    with paused_in_new_threads(_loop_thread_code(), on="line", line=line) as point:
+        pool = TensorResidencyPool(use_uvloop=use_uvloop)
+        pool.resolve(t)  # starts the loop thread (and its workers)
+        point.armed.set()
+        first = threading.Thread(target=pool.close)
+        first.start()
+        assert point.paused.wait(10)  # run_forever returned: the first stop ran
+        loop = pool._runtime.loop
+        assert loop is not None
+        second = threading.Thread(target=pool.close)  # the pool is closed: it stops the loop
+        second.start()
+        time.sleep(0.5)  # it posts its stop, then waits for the loop thread
+        assert second.is_alive()
+        point.go()
+        first.join(30)
+        second.join(30)
+    assert not first.is_alive() and not second.is_alive()
+    assert errors == []
+    started = set(threading.enumerate()) - before
+    for thread in started:
+        thread.join(10)
+    assert not [thread.name for thread in started if thread.is_alive()]
+    assert loop.is_closed()

@@ -202,6 +202,22 @@ def uvloop_wanted(use_uvloop: bool | None) -> bool:
     return True
 
 
+def _run_posted(loop: asyncio.AbstractEventLoop) -> None:
+    """Run the callbacks posted to the stopped private ``loop`` before its detach, to the end.
+
+    A stop posted after the one that ended its ``run_forever`` (two threads closing the pool
+    at once each stop it) ends a run early, before what follows it ran: run again until a run
+    completes. Detached, the loop receives no more stops, so this ends.
+    """
+    while True:
+        try:
+            loop.run_until_complete(asyncio.sleep(0))
+            return
+        except RuntimeError:  # "Event loop stopped before Future completed"
+            if loop.is_closed() or loop.is_running():
+                raise
+
+
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
     if use_uvloop:
         import uvloop
@@ -569,7 +585,7 @@ class Runtime:
                 workers = self._detach()
                 # Requests posted before the detach are in the ready queue: run them (they
                 # find the pool closed and say so) rather than leave their callers waiting.
-                loop.run_until_complete(asyncio.sleep(0))
+                _run_posted(loop)
                 if workers is not None:
                     workers.shutdown()
                 self._complete_unposted()
