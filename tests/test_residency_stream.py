@@ -322,6 +322,15 @@ def _forward_paused_while(
     return results[0]
 
 
+def _probe_values_and_input(
+    tmp_path: Path,
+) -> tuple[Probe, OffloadedTensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A probe module with an offloaded weight, the weight's value, another value for it,
+    and an input."""
+    probe, weight = offloaded_probe(tmp_path)
+    return probe, weight, weight.reload(), torch.randn(WIDTH, WIDTH), torch.randn(2, WIDTH)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("then", ["flush", "update_values"])
 def test_a_change_of_another_read_write_lease_during_a_streamed_forward_is_not_the_forwards(
@@ -332,10 +341,7 @@ def test_a_change_of_another_read_write_lease_during_a_streamed_forward_is_not_t
     the change is the lease's, kept and written once, and the forward computes with it. The
     forward keeps nothing of its own: no second write-back after a flush wrote the lease's
     change, and no warning that its change was dropped when a later write stands."""
-    probe, weight = offloaded_probe(tmp_path)
-    before = weight.reload()
-    new = torch.randn(WIDTH, WIDTH)
-    x = torch.randn(2, WIDTH)
+    probe, weight, before, new, x = _probe_values_and_input(tmp_path)
     with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
         with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
 
@@ -365,10 +371,7 @@ def test_a_streamed_forward_ending_under_a_read_write_lease_of_its_pool_keeps_no
     changes it, then a write of the tensor comes, and the forward (which never writes its
     weight) ends while the lease is still held: the change under way is the lease's alone,
     dropped with the lease's warning as it ends; none says the forward's was."""
-    probe, weight = offloaded_probe(tmp_path)
-    before = weight.reload()
-    new = torch.randn(WIDTH, WIDTH)
-    x = torch.randn(2, WIDTH)
+    probe, weight, before, new, x = _probe_values_and_input(tmp_path)
     with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
         with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
 
@@ -396,10 +399,7 @@ def test_a_streamed_forwards_change_after_another_leases_is_its_own(
     the forward changes it in place too: both changes are kept, the forward's on top of the
     lease's; with a write between them, the forward's change is dropped with a warning
     (made on an older value) and the later write stands."""
-    probe, weight = offloaded_probe(tmp_path)
-    before = weight.reload()
-    new = torch.randn(WIDTH, WIDTH)
-    x = torch.randn(2, WIDTH)
+    probe, weight, before, new, x = _probe_values_and_input(tmp_path)
     probe.add_in_place = 1.0
     with caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"):
         with TensorResidencyPool() as pool, stream_modules(pool, [probe], depth=0):
