@@ -1157,24 +1157,28 @@ def test_a_pool_whose_serving_loop_closed_inside_its_block_closes(
 
 
 @pytest.mark.timeout(60)
-def test_a_close_from_another_thread_ends_well_when_the_loops_thread_closed_the_pool(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("request_", ["close", "resolve"])
+def test_a_request_from_another_thread_ends_at_once_when_the_loops_thread_closed_the_pool(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request_: str
 ) -> None:
-    """Another thread's close() waits for the stopped loop; the loop's own thread closes the
-    pool meanwhile (the caller's close of a stranded pool): the waiting close has nothing
-    left to do and returns, the pool closed, instead of reporting the stopped loop."""
-    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 0.5)
+    """Another thread's request waits for the stopped loop; the loop's own thread closes the
+    pool meanwhile (the caller's close of a stranded pool). The wait ends at once, without
+    waiting out the patience for a stopped loop (made far longer than the join here): a
+    close has nothing left to do and returns, the pool closed; a read is refused, the pool
+    being closed."""
+    monkeypatch.setattr(_runtime, "STOPPED_LOOP_PATIENCE", 60.0)
     pool, t, loop, task = _stranded(tmp_path)
+    other = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "other", offload_dir=tmp_path)
     outcome: list[BaseException | None] = []
 
-    def close() -> None:
+    def run() -> None:
         try:
-            pool.close()
+            pool.close() if request_ == "close" else pool.resolve(other)
             outcome.append(None)
         except BaseException as error:
             outcome.append(error)
 
-    thread = threading.Thread(target=close)
+    thread = threading.Thread(target=run)
     thread.start()
     try:
         time.sleep(0.2)
@@ -1182,7 +1186,12 @@ def test_a_close_from_another_thread_ends_well_when_the_loops_thread_closed_the_
         pool.close()  # on the loop's thread: closes it here
         thread.join(10)
         assert not thread.is_alive()
-        assert outcome == [None]
+        if request_ == "close":
+            assert outcome == [None]
+        else:
+            (error,) = outcome
+            assert isinstance(error, T2NErrorMisuse)
+            assert "closed" in str(error)
         assert pool.closed
         assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
     finally:

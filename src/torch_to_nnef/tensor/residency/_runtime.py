@@ -381,14 +381,20 @@ class _LoopWatch:
         self.stopped_since: float | None = None
         self.beat: list[bool] | None = None  # [ran], once posted
 
-    def look(self) -> None:
+    def look(self, closed: bool) -> None:
         """Raise once the loop has neither been running nor run a beat for
-        :data:`STOPPED_LOOP_PATIENCE` seconds."""
+        :data:`STOPPED_LOOP_PATIENCE` seconds, or at once when the pool is ``closed`` (by
+        the loop's own thread, say) while its loop is stopped: nothing is left to wait for."""
         beat = self.beat
         if self.loop.is_running() or (beat is not None and beat[0]):
             self.stopped_since = None
             self.beat = None
             return
+        if closed:
+            raise T2NErrorMisuse(
+                "the TensorResidencyPool was closed while this request waited for the stopped "
+                "event loop serving it: the request is abandoned; create a new pool"
+            )
         if beat is None:
             beat = self.beat = [False]
             with contextlib.suppress(RuntimeError):  # a closed loop runs nothing
@@ -829,9 +835,10 @@ class Runtime:
     def wait(self, done: Reply) -> Any:
         """Block until ``done`` is settled and return its result (a thread other than the
         loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
-        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds, and at once in a forked
-        child (the threads that would settle ``done`` are its parent's): the request would
-        wait forever. The caller abandons what the request holds, in order after it."""
+        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds (at once when the pool is
+        closed meanwhile), and at once in a forked child (the threads that would settle
+        ``done`` are its parent's): the request would wait forever. The caller abandons what
+        the request holds, in order after it."""
         if done.done():
             return done.result()
         self._check_process()
@@ -842,7 +849,7 @@ class Runtime:
         while True:
             with contextlib.suppress(TimeoutError):
                 return done.result(timeout=_WATCH_INTERVAL)
-            watch.look()
+            watch.look(self.actor.closed)
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had
@@ -907,7 +914,7 @@ class Runtime:
                 await asyncio.wait((wrapped,), timeout=_WATCH_INTERVAL)
                 if wrapped.done():
                     return wrapped.result()
-                watch.look()
+                watch.look(self.actor.closed)
         except BaseException:
             # Cancelled, it takes its callback off ``done``; settled, its error (if any) was
             # never retrieved. A coroutine closed after its loop leaves nothing to run there.
