@@ -448,12 +448,14 @@ def test_a_reload_outside_the_pool_sees_its_dirty_value(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("numel", [NUMEL, BIG], ids=["small", "mapped copy"])
 def test_flush_writes_the_change_made_before_a_read_write_lease_still_held(
-    tmp_path: Path,
+    tmp_path: Path, numel: int
 ) -> None:
     """The change of an ended lease is whole: flush writes it, while another thread's lease
-    changes the value; that change is written once its lease ends."""
-    t = _tensor(tmp_path)
+    changes the value; that change is written once its lease ends. (A large value's copy,
+    which reads outside the pool see meanwhile, is made in memory mapped for it.)"""
+    t = _tensor(tmp_path, numel=numel)
     changing, go_on = threading.Event(), threading.Event()
 
     def change() -> None:
@@ -470,14 +472,14 @@ def test_flush_writes_the_change_made_before_a_read_write_lease_still_held(
         try:
             assert changing.wait(30)
             pool.flush()
-            assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
+            assert torch.equal(on_disk(t), torch.full((numel,), 4.0))
             pool.flush(t)  # nothing more to write; the lease's change stays its own
-            assert torch.equal(t.reload(), torch.full((NUMEL,), 4.0))
+            assert torch.equal(t.reload(), torch.full((numel,), 4.0))
         finally:
             go_on.set()
             thread.join(30)
         pool.flush()
-        assert torch.equal(on_disk(t), torch.full((NUMEL,), -1.0))
+        assert torch.equal(on_disk(t), torch.full((numel,), -1.0))
         check_invariants(pool)
 
 

@@ -382,6 +382,26 @@ def test_to_device_cpu_returns_the_host_tensor() -> None:
     assert storage.to_device(host, torch.device("cpu")) is host
 
 
+@pytest.mark.parametrize(
+    "value",
+    [
+        torch.arange(12.0).reshape(3, 4),  # small: torch's memory
+        torch.arange(1 << 16, dtype=torch.float64),  # 512 KiB: a mapping of its own
+        torch.arange(1 << 16, dtype=torch.float32).reshape(256, 256).t(),  # not contiguous
+        torch.complex(torch.ones(4), torch.ones(4)).conj(),  # a pending conjugate bit
+    ],
+    ids=["small", "large", "transposed", "conjugate"],
+)
+def test_copy_to_the_cpu_is_an_equal_tensor_that_never_aliases(value: torch.Tensor) -> None:
+    copy = storage.copy_to(value, torch.device("cpu"))
+    assert copy.dtype == value.dtype and copy.shape == value.shape
+    assert torch.equal(copy.resolve_conj(), value.resolve_conj())
+    assert copy.untyped_storage().data_ptr() != value.untyped_storage().data_ptr()
+    expected = value.resolve_conj().clone()
+    copy.zero_()
+    assert torch.equal(value.resolve_conj(), expected)  # the original is untouched
+
+
 def test_to_device_other_devices_copy() -> None:
     moved = storage.to_device(torch.randn(2, 3), "meta")
     assert moved.device.type == "meta" and tuple(moved.shape) == (2, 3)
@@ -697,6 +717,7 @@ def test_public_api_is_exactly_exported() -> None:
             "set_mapped_reads",
             "MAPPED_MIN_BYTES",
             "allocate",
+            "copy_to",
             "open_regular_file",
             "resolve_device",
             "to_device",

@@ -83,9 +83,9 @@ def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     changed a CUDA value under a ``read_write`` lease are waited for first."""
     storage.wait_for_writes(value)
     if not isinstance(value, SupportsOffloadState):
-        return value.to(device, copy=True)
+        return storage.copy_to(value, device)
     tensors, metadata = storage.encode_opaque(value)
-    copies = {name: tensor.to(device, copy=True) for name, tensor in tensors.items()}
+    copies = {name: storage.copy_to(tensor, device) for name, tensor in tensors.items()}
     return storage.decode_opaque(copies, metadata, device)
 
 

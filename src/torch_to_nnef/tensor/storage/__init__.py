@@ -7,9 +7,9 @@ little-endian data) with the data section aligned to :data:`DATA_ALIGNMENT` byte
 - :func:`read_layout` validates a file's header against its size before anything is allocated.
 - :func:`read_payload` / :func:`aread_payload` read entries straight into tensor buffers
   (fresh ones, or the caller's with ``out=``); :func:`allocate` makes such buffers, pinned for
-  CUDA targets; :func:`to_device` copies a host buffer to a device on a dedicated stream;
-  :func:`read_to_device` reads a file straight to a CUDA device through a bounded ring of
-  pinned chunks (:func:`pinned_bytes`).
+  CUDA targets, and :func:`copy_to` copies a tensor into a fresh one; :func:`to_device`
+  copies a host buffer to a device on a dedicated stream; :func:`read_to_device` reads a file
+  straight to a CUDA device through a bounded ring of pinned chunks (:func:`pinned_bytes`).
 - :func:`map_payload` maps entries as CPU tensors without a copy (page cache pages, private
   copy on write); :func:`advise_payload` starts the kernel's readahead of entries;
   :func:`load_payload` maps entries of :data:`MAPPED_MIN_BYTES` or more and reads smaller
@@ -39,6 +39,7 @@ from __future__ import annotations
 from torch_to_nnef.tensor.storage._aio import aread_payload as aread_payload
 from torch_to_nnef.tensor.storage._aio import awrite_payload as awrite_payload
 from torch_to_nnef.tensor.storage._buffers import allocate as allocate
+from torch_to_nnef.tensor.storage._buffers import copy_to as copy_to
 from torch_to_nnef.tensor.storage._descriptors import forget as forget_file
 from torch_to_nnef.tensor.storage._device import handoff as handoff
 from torch_to_nnef.tensor.storage._device import record_writes as record_writes
@@ -92,6 +93,7 @@ __all__ = [
     "set_mapped_reads",
     "MAPPED_MIN_BYTES",
     "allocate",
+    "copy_to",
     "open_regular_file",
     # devices
     "resolve_device",

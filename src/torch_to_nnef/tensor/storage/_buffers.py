@@ -39,7 +39,7 @@ from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._device import pin_host_memory
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout, dtype_code
 
-__all__ = ["allocate"]
+__all__ = ["allocate", "copy_to"]
 
 STAGING_BYTES = 16 * 1024 * 1024
 """Size of the staging buffer through which non-contiguous tensors are written."""
@@ -101,6 +101,28 @@ def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = Fals
     buffer = torch.frombuffer(region, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
     advise_huge_pages(buffer)
     return buffer
+
+
+def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A copy of ``tensor`` on ``device``, never an alias of it.
+
+    A contiguous CPU tensor copied to the CPU lands in a buffer of :func:`empty_buffer`'s:
+    a large one maps memory of its own, advised to use huge pages, which a copy fills several
+    times faster than torch's fresh memory where each page faults in on its own.
+    """
+    if (
+        device.type != "cpu"
+        or tensor.device.type != "cpu"
+        or tensor.layout != torch.strided
+        or not tensor.is_contiguous()
+        or tensor.requires_grad
+        or tensor.is_conj()
+        or tensor.is_neg()
+    ):
+        return tensor.to(device, copy=True)
+    copy = empty_buffer(tuple(tensor.shape), tensor.dtype)
+    copy.copy_(tensor)
+    return copy
 
 
 def map_anonymous(nbytes: int) -> mmap.mmap | None:
