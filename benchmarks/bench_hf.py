@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _hf_job as job
-from _report import Row, publish, summary_row
+from _report import Row, freeze_survivors, publish, summary_row
 
 MB = 1e6
 MIB = 1 << 20
@@ -108,6 +108,7 @@ def measure(
             print(f"  round {round_ + 1}: {mode}{' (cold)' if cold else ''}", flush=True)
             count = max(2, tokens // 2) if cold else tokens  # cold: disk-bound, steadier
             if quick:  # in this process: a fresh interpreter per mode costs more than the runs
+                freeze_survivors()  # with the modules the previous runs imported
                 result = job.run_mode(mode, path, budget=budget, tokens=count, cold=cold)
             else:
                 result = job.run_in_subprocess(

@@ -80,7 +80,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table, write_results
-from _report import gc_paused, print_summary, summary_row
+from _report import freeze_survivors, gc_paused, print_summary, summary_row
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -631,6 +631,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started = time.perf_counter()
     torch.set_num_threads(1)
     if arguments.quick:
+        freeze_survivors()
         workloads = [Workload(8, 256), Workload(6, 512)]
     else:
         workloads = [Workload(16, 2048), Workload(6, 4096)]

@@ -97,7 +97,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from _common import format_table, write_results
-from _report import gc_paused, per_call_us, print_summary, summary_row
+from _report import freeze_survivors, gc_paused, per_call_us, print_summary, summary_row
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -1072,6 +1072,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "bulk": ("bulk_prefetch", bulk),
         "upstream": ("churn_upstream", upstream),
     }[arguments.part]
+    if arguments.quick:
+        freeze_survivors()
     with tempfile.TemporaryDirectory(prefix=f"t2n-bench-{name}-") as directory:
         document = part(arguments, Path(directory))
     document["config"]["quick"] = arguments.quick
