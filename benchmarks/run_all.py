@@ -1,12 +1,14 @@
 """Run every benchmark of the project and write a Markdown summary of their figures.
 
-Each benchmark script runs in its own subprocess, in sequence, and writes
+Each benchmark script runs in its own subprocess, in sequence (with ``--quick``, two at a
+time, as their figures mean nothing; ``--jobs`` sets how many), and writes
 ``<results-dir>/<name>.json``; the overlap benchmark also draws ``timeline.png`` there. Then
 ``<results-dir>/summary.md`` gathers one table per benchmark (each headline figure with the
 reference it is compared to, measured in the same run, its target, and met/missed), the
 benchmark's detail table, and the machine the figures come from. The summary is printed too.
 
-Run: ``python benchmarks/run_all.py [--quick] [--results-dir DIR] [--only NAME ...]``
+Run: ``python benchmarks/run_all.py [--quick] [--results-dir DIR] [--only NAME ...]
+[--jobs N]``
 (``make bench``). ``--quick`` runs every benchmark at tiny sizes, to check that they work;
 its figures mean nothing. Exits 1 when a benchmark fails or times out (a missed target is
 reported, not an error).
@@ -24,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -143,6 +146,12 @@ BENCHMARKS = (
 )
 
 
+LONGEST_QUICK = ("memory", "hf")
+"""The benchmarks whose ``--quick`` runs take longest (five processes importing torch; the
+imports of transformers): when several run at once, these start first, so that none is left
+running alone at the end."""
+
+
 def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes (smoke test)")
@@ -159,7 +168,19 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
         choices=[b.name for b in BENCHMARKS],
         help="run only these benchmarks",
     )
-    return parser.parse_args(argv)
+    parser.add_argument(
+        "--jobs",
+        type=int,
+        default=None,
+        help="benchmarks run at once (default: 2 with --quick, else 1, as timings need the "
+        "machine to themselves)",
+    )
+    arguments = parser.parse_args(argv)
+    if arguments.jobs is None:
+        arguments.jobs = 2 if arguments.quick else 1
+    if arguments.jobs < 1:
+        parser.error("--jobs must be at least 1")
+    return arguments
 
 
 # ---------------------------------------------------------------------------------------------
@@ -182,12 +203,13 @@ def load_average() -> float | None:
         return None
 
 
-def parallel_speedup() -> float:
+def parallel_speedup(products: int = 1500) -> float:
     """Throughput of two threads of compute-bound matmuls over one thread's.
 
     About 2 on an idle machine with two free cores; about 1 when the benchmarks effectively
     get one core (other processes running, or two hyper-threads of one core), in which case
-    no pipeline can overlap reads with compute.
+    no pipeline can overlap reads with compute. Each thread computes ``products`` products
+    of 256 x 256 matrices.
     """
     import torch
 
@@ -195,7 +217,7 @@ def parallel_speedup() -> float:
     a, b = torch.randn(256, 256), torch.randn(256, 256)
 
     def work() -> None:
-        for _ in range(1500):
+        for _ in range(products):
             torch.mm(a, b)
 
     work()
@@ -211,7 +233,11 @@ def parallel_speedup() -> float:
     return 2 * one / (time.perf_counter() - start)
 
 
-def run_benchmark(benchmark: Benchmark, results_dir: Path, quick: bool) -> Outcome:
+def run_benchmark(
+    benchmark: Benchmark, results_dir: Path, quick: bool, capture: bool = False
+) -> Outcome:
+    """Run one benchmark script; with ``capture``, its output is printed once it ended (for
+    benchmarks running at once, whose lines would otherwise interleave)."""
     output = results_dir / f"{benchmark.name}.json"
     output.unlink(missing_ok=True)
     command = [sys.executable, str(HERE / benchmark.script), *benchmark.arguments]
@@ -220,15 +246,31 @@ def run_benchmark(benchmark: Benchmark, results_dir: Path, quick: bool) -> Outco
         command += ["--chart", str(results_dir / "timeline.png")]
     if quick:
         command.append("--quick")
-    print(f"\n=== {benchmark.name}: {benchmark.title}", flush=True)
+    heading = f"\n=== {benchmark.name}: {benchmark.title}"
+    if not capture:
+        print(heading, flush=True)
     started = time.perf_counter()
+    output_text: str | bytes | None = None
     try:
-        done = subprocess.run(command, timeout=benchmark.timeout_s, check=False)
-    except subprocess.TimeoutExpired:
+        done = subprocess.run(
+            command,
+            timeout=benchmark.timeout_s,
+            check=False,
+            stdout=subprocess.PIPE if capture else None,
+            stderr=subprocess.STDOUT if capture else None,
+            text=True,
+        )
+    except subprocess.TimeoutExpired as error:
         status = f"timed out after {benchmark.timeout_s} s"
+        output_text = error.output
     else:
         status = "ok" if done.returncode == 0 else f"failed (exit code {done.returncode})"
+        output_text = done.stdout
     seconds = time.perf_counter() - started
+    if capture:
+        if isinstance(output_text, bytes):
+            output_text = output_text.decode(errors="replace")
+        print(heading + "\n" + (output_text or ""), end="", flush=True)
     document = None
     if status == "ok":
         try:
@@ -453,13 +495,22 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_description()
     load = load_average()
     machine["load_average"] = "unknown" if load is None else f"{load:.2f}"
-    machine["parallel_speedup"] = f"{parallel_speedup():.2f}x"
+    machine["parallel_speedup"] = f"{parallel_speedup(300 if arguments.quick else 1500):.2f}x"
     print(
         f"machine: {machine['cpus']} CPUs, load average {machine['load_average']}, "
         f"2 threads run {machine['parallel_speedup']} as fast as 1",
         flush=True,
     )
-    outcomes = [run_benchmark(b, results_dir, arguments.quick) for b in chosen]
+    if arguments.jobs == 1:
+        outcomes = [run_benchmark(b, results_dir, arguments.quick) for b in chosen]
+    else:
+        first = sorted(chosen, key=lambda b: b.name not in LONGEST_QUICK)
+        with ThreadPoolExecutor(arguments.jobs) as executor:
+            futures = {
+                b.name: executor.submit(run_benchmark, b, results_dir, arguments.quick, True)
+                for b in first
+            }
+            outcomes = [futures[b.name].result() for b in chosen]
     text = summary_markdown(outcomes, arguments.quick, time.perf_counter() - started, machine)
     summary = results_dir / "summary.md"
     summary.write_text(text)
