@@ -387,6 +387,7 @@ def test_the_learned_order_drops_the_tensors_of_a_dropped_model(tmp_path: Path) 
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.usefixtures("young_collections")  # a collection per cycle
 def test_a_pool_serving_model_after_model_does_not_grow(tmp_path: Path) -> None:
     """A long-lived pool runs 50 models in turn, each twice then dropped: the read-ahead
     holds the living model's tensors only, and its memory does not grow (every cycle added
