@@ -85,9 +85,11 @@ def test_a_forgotten_key_ends_the_window_of_those_before_it() -> None:
     assert len(trace) == 3
 
 
-def model_and_input(tmp_path: Path) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor]:
+def model_and_input(
+    tmp_path: Path, layers: int = LAYERS
+) -> tuple[nn.Sequential, nn.Sequential, torch.Tensor]:
     torch.manual_seed(0)
-    dense = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+    dense = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(layers)))
     dense = dense.eval().requires_grad_(False)
     return dense, offload_module(copy.deepcopy(dense), tmp_path), torch.randn(2, WIDTH)
 
@@ -262,8 +264,9 @@ def test_ctrl_c_at_any_call_of_the_read_ahead_leaves_no_lease(tmp_path: Path) ->
     """A KeyboardInterrupt lands, in turn, on each call the read-ahead's bookkeeping makes
     or right after it returns (where a Ctrl-C's handler runs: a lease popped from its table
     and not recorded yet as leaving was lost, leased for ever, and the close refused): the
-    next forward is right and the pool closes, holding nothing."""
-    dense, model, x = model_and_input(tmp_path)
+    next forward is right and the pool closes, holding nothing. Four layers: the window
+    (two layers) reads ahead within the forward and across its wrap to the next one."""
+    dense, model, x = model_and_input(tmp_path, layers=4)
     with torch.no_grad():
         expected = dense(x)
     codes = {
