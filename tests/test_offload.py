@@ -243,6 +243,30 @@ def test_update_values_can_change_shape_and_dtype(offloaded: OffloadedTensor) ->
     assert torch.equal(offloaded.reload(), new)
 
 
+@pytest.mark.parametrize("layout", [torch.strided, torch.jagged], ids=["strided", "jagged"])
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors is in prototype stage")
+def test_a_nested_value_is_refused_as_misuse_and_the_payload_stays(
+    offloaded: OffloadedTensor, tmp_path: Path, layout: torch.layout
+) -> None:
+    nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)], layout=layout)
+    before = offloaded.reload()
+    writes: list[Callable[[], object]] = [
+        lambda: offloaded.update_values(nested),
+        lambda: offloaded.update_values(nested, strict_shape=False, strict_dtype=False),
+        lambda: offloaded.set_(nested),
+        lambda: setattr(offloaded, "data", nested),
+        lambda: OffloadedTensor.from_original_tensor(nested, "nested", tmp_path),
+    ]
+    for write in writes:
+        with pytest.raises(T2NErrorMisuse, match="nested tensor"):
+            write()
+    assert offloaded.shape == before.shape
+    assert torch.equal(offloaded.reload(), before)
+    with pytest.raises(T2NErrorMisuse, match="nested tensor"):
+        storage.write_payload(tmp_path / "p.safetensors", {"n": nested})
+    assert not (tmp_path / "p.safetensors").exists()
+
+
 def test_update_values_from_another_offloaded_tensor(
     offloaded: OffloadedTensor, tmp_path: Path
 ) -> None:

@@ -296,8 +296,20 @@ class _Encoded:
     dtype: torch.dtype
 
 
-def _encode(value: torch.Tensor) -> _Encoded:
+def _refuse_nested(value: torch.Tensor, name: str) -> None:
+    """A nested tensor has no single shape: no payload file stores one (refused before its
+    shape is read, which torch refuses from deep inside)."""
+    if isinstance(value, torch.Tensor) and value.is_nested:
+        raise T2NErrorMisuse(
+            f"{name!r} cannot take a nested tensor (layout {value.layout}): an offloaded "
+            "tensor holds one dense value; store each of its parts (value.unbind()) as a "
+            "tensor of its own, or pad it into one with value.to_padded_tensor(0.0)"
+        )
+
+
+def _encode(value: torch.Tensor, name: str = "an OffloadedTensor") -> _Encoded:
     """Describe ``value`` as payload tensors (an opaque value by its offload state)."""
+    _refuse_nested(value, name)
     shape, dtype = tuple(value.shape), value.dtype
     if isinstance(value, SupportsOffloadState):
         tensors, metadata = storage.encode_opaque(value)
@@ -661,7 +673,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             )
         if isinstance(elem, OffloadedTensor):
             elem = elem.reload(_CPU)
-        encoded = _encode(elem)
+        encoded = _encode(elem, name)
         _check_value_type(encoded.value_type, offloaded_tensor_type, name)
         directory, private = _resolve_dir(offload_dir)
         sid = storage_id or _new_storage_id()
@@ -1396,6 +1408,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             raise T2NErrorMisuse(
                 f"update_values of {self._name!r} needs a torch.Tensor, got {type(values).__name__}"
             )
+        _refuse_nested(values, self._name)
         if strict_shape and tuple(values.shape) != tuple(self.shape):
             raise T2NErrorValueMismatch(
                 f"update_values of {self._name!r}: new shape {tuple(values.shape)} differs from "

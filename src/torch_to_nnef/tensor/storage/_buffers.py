@@ -289,6 +289,11 @@ def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torc
             raise T2NErrorMisuse(
                 f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
             )
+        if tensor.is_nested:
+            raise T2NErrorMisuse(
+                f"tensor {name!r} is a nested tensor (layout {tensor.layout}): store each of "
+                "its parts (tensor.unbind()) as a tensor of its own"
+            )
         if tensor.layout != torch.strided:
             raise T2NErrorMisuse(
                 f"tensor {name!r} has layout {tensor.layout}; convert it with .to_dense() first"
