@@ -418,6 +418,21 @@ async def test_one_tensor_cannot_be_resident_on_two_devices(tmp_path: Path, face
 
 @faces
 @pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_cpu_with_an_index_is_the_one_cpu_device(tmp_path: Path, face_name: str) -> None:
+    first, second = make_tensors(tmp_path, 2)
+    second.to("cpu:0")  # a target named with an index
+    assert second.target_device == torch.device("cpu")
+    async with open_pool(face_name) as face:
+        await face.resolve(first)
+        for device in ("cpu:0", torch.device("cpu", 0), "cpu"):
+            assert torch.equal(await face.resolve(first, device), torch.zeros(NUMEL))
+        assert torch.equal(await face.resolve(second, "cpu"), torch.ones(NUMEL))
+        assert face.pool.stats().loads == 2  # one value each, served again on "cpu:0"
+
+
+@faces
+@pytest.mark.asyncio
 async def test_load_errors_reach_every_waiter_and_leave_no_entry(
     tmp_path: Path, face_name: str
 ) -> None:

@@ -406,18 +406,14 @@ def _is_meta(device: DeviceLike) -> bool:
 
 
 def _canonical_device(device: DeviceLike) -> torch.device:
-    """``device`` as a ``torch.device``; ``cuda`` gets the current index when CUDA is up."""
-    try:
-        target = torch.device(device)
-    except (TypeError, RuntimeError) as exc:
-        raise T2NErrorMisuse(f"{device!r} is not a device: {exc}") from exc
+    """``device`` as :func:`storage.resolve_device` resolves it, which the meta device is not
+    (a value there could not be loaded)."""
+    target = storage.resolve_device(device)
     if target.type == "meta":
         raise T2NErrorMisuse(
             "an OffloadedTensor cannot target the meta device: its value must be loadable; "
             "use a real device such as 'cpu' or 'cuda:0'"
         )
-    if target.type == "cuda" and target.index is None and torch.cuda.is_available():
-        target = torch.device("cuda", torch.cuda.current_device())
     return target
 
 

@@ -97,6 +97,7 @@ class CudaRuntime:
 
 
 RUNTIME = CudaRuntime()
+_CPU = torch.device("cpu")
 
 _STREAMS: dict[int, Any] = {}
 _STREAMS_LOCK = fork_safe_lock()
@@ -106,7 +107,8 @@ _STREAMS_LOCK = fork_safe_lock()
 # Devices and streams
 # ---------------------------------------------------------------------------------------------
 def resolve_device(device: torch.device | str | int) -> torch.device:
-    """``device`` as a ``torch.device``; ``"cuda"`` becomes ``cuda:<current device>``.
+    """``device`` as a ``torch.device``; ``"cuda"`` becomes ``cuda:<current device>``, and
+    ``"cpu:0"`` is ``"cpu"`` (the one CPU device, as every CPU tensor reports it).
 
     The current device is the calling thread's: call this where the user called (the public
     method), and pass the resolved device to worker threads.
@@ -120,6 +122,8 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
         raise T2NErrorMisuse(f"{device!r} is not a device: {exc}") from exc
     if target.type == "cuda" and target.index is None and RUNTIME.is_available():
         target = torch.device("cuda", RUNTIME.current_device())
+    elif target.type == "cpu" and target.index is not None:
+        target = _CPU
     return target
 
 
