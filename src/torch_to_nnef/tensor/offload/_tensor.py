@@ -43,6 +43,7 @@ from torch_to_nnef.tensor.opaque import (
     _writes_first_argument,
     opaque_to_final_tensor,
 )
+from torch_to_nnef.tensor.storage._buffers import refuse_nested
 from torch_to_nnef.tensor.storage._paths import path_argument
 
 __all__ = ["OffloadedTensor"]
@@ -296,20 +297,11 @@ class _Encoded:
     dtype: torch.dtype
 
 
-def _refuse_nested(value: torch.Tensor, name: str) -> None:
-    """A nested tensor has no single shape: no payload file stores one (refused before its
-    shape is read, which torch refuses from deep inside)."""
-    if isinstance(value, torch.Tensor) and value.is_nested:
-        raise T2NErrorMisuse(
-            f"{name!r} cannot take a nested tensor (layout {value.layout}): an offloaded "
-            "tensor holds one dense value; store each of its parts (value.unbind()) as a "
-            "tensor of its own, or pad it into one with value.to_padded_tensor(0.0)"
-        )
-
-
-def _encode(value: torch.Tensor, name: str = "an OffloadedTensor") -> _Encoded:
-    """Describe ``value`` as payload tensors (an opaque value by its offload state)."""
-    _refuse_nested(value, name)
+def _encode(value: torch.Tensor, what: str = "the value") -> _Encoded:
+    """Describe ``value`` as payload tensors (an opaque value by its offload state); ``what``
+    names it in errors."""
+    if isinstance(value, torch.Tensor):
+        refuse_nested(value, what)
     shape, dtype = tuple(value.shape), value.dtype
     if isinstance(value, SupportsOffloadState):
         tensors, metadata = storage.encode_opaque(value)
@@ -669,7 +661,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             )
         if isinstance(elem, OffloadedTensor):
             elem = elem.reload(_CPU)
-        encoded = _encode(elem, name)
+        encoded = _encode(elem, f"the value of {name!r}")
         _check_value_type(encoded.value_type, offloaded_tensor_type, name)
         directory, private = _resolve_dir(offload_dir)
         sid = storage_id or _new_storage_id()
@@ -1404,7 +1396,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             raise T2NErrorMisuse(
                 f"update_values of {self._name!r} needs a torch.Tensor, got {type(values).__name__}"
             )
-        _refuse_nested(values, self._name)
+        refuse_nested(values, f"the value of {self._name!r}")
         if strict_shape and tuple(values.shape) != tuple(self.shape):
             raise T2NErrorValueMismatch(
                 f"update_values of {self._name!r}: new shape {tuple(values.shape)} differs from "

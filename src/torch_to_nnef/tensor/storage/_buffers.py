@@ -103,6 +103,17 @@ def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = Fals
     return buffer
 
 
+def refuse_nested(tensor: torch.Tensor, what: str) -> None:
+    """Refuse a nested tensor, which no payload stores: it has no single shape (checked before
+    its shape is read, which torch refuses from deep inside). ``what`` names it."""
+    if tensor.is_nested:
+        raise T2NErrorMisuse(
+            f"{what} cannot be a nested tensor (layout {tensor.layout}): a payload holds dense "
+            "values; store each of its parts (value.unbind()) as a tensor of its own, or pad "
+            "it into one with value.to_padded_tensor(0.0)"
+        )
+
+
 def copy_to(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of ``tensor`` on ``device``, never an alias of it.
 
@@ -289,11 +300,7 @@ def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torc
             raise T2NErrorMisuse(
                 f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
             )
-        if tensor.is_nested:
-            raise T2NErrorMisuse(
-                f"tensor {name!r} is a nested tensor (layout {tensor.layout}): store each of "
-                "its parts (tensor.unbind()) as a tensor of its own"
-            )
+        refuse_nested(tensor, f"tensor {name!r}")
         if tensor.layout != torch.strided:
             raise T2NErrorMisuse(
                 f"tensor {name!r} has layout {tensor.layout}; convert it with .to_dense() first"
