@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 PY := $(VENV)/bin/python
+# Test processes (pytest-xdist); 0 runs the tests in this one.
+PYTEST_WORKERS ?= 2
 STAMP := $(VENV)/.installed
 
 .PHONY: install test lint typecheck pytest demo bench stress docs docs-serve api-snapshot clean
@@ -24,7 +26,7 @@ typecheck: install
 	$(VENV)/bin/mypy
 
 pytest: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS) --dist loadgroup
 
 test: lint typecheck docs pytest
 

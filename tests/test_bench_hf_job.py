@@ -15,6 +15,11 @@ import pytest
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
 
+# The tests of this module share a module fixture: with workers (pytest-xdist), they run
+# on one, which builds it once.
+pytestmark = pytest.mark.xdist_group("test_bench_hf_job")
+
+
 @pytest.fixture(scope="module")
 def modules() -> Iterator[tuple[object, object]]:
     sys.path.insert(0, str(BENCHMARKS))

@@ -34,6 +34,11 @@ BENCHMARKS = (
 )
 
 
+# The tests of this module share a module fixture: with workers (pytest-xdist), they run
+# on one, which builds it once.
+pytestmark = pytest.mark.xdist_group("test_benchmarks_smoke")
+
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("bench-results")

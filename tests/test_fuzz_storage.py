@@ -125,6 +125,11 @@ TALLY = Tally()
 _COUNTER = itertools.count()
 
 
+# The tests of this module share a module fixture: with workers (pytest-xdist), they run
+# on one, which builds it once.
+pytestmark = pytest.mark.xdist_group("test_fuzz_storage")
+
+
 @pytest.fixture(scope="module")
 def fuzz_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     yield tmp_path_factory.mktemp("fuzz")

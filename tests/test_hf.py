@@ -94,6 +94,11 @@ def generate_in_pool(model: nn.Module, budget: int) -> torch.Tensor:
         return generate(model)
 
 
+# The tests of this module share a module fixture: with workers (pytest-xdist), they run
+# on one, which builds it once.
+pytestmark = pytest.mark.xdist_group("test_hf")
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Saved]:
     directory = tmp_path_factory.mktemp("hf")

@@ -104,6 +104,11 @@ def child(checkpoint: str, mapped: bool, distinct: bool) -> None:
     print(json.dumps({"growth": peak - before, "left": _resident() - before, "loads": loads}))
 
 
+# The tests of this module share a module fixture: with workers (pytest-xdist), they run
+# on one, which builds it once.
+pytestmark = pytest.mark.xdist_group("test_memory_bound")
+
+
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, Path]:
     """A checkpoint per layout (one shape or distinct shapes), by ``distinct``."""
