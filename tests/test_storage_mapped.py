@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from forking import in_forked_child
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
@@ -86,6 +87,44 @@ def test_a_mapping_whose_unmap_an_interrupt_lost_is_unmapped_by_a_later_sweep(
     for _ in range(_mapped.SWEEP_EVERY):
         storage.map_payload(layout, names=["b"])  # each gone at once
     assert mapped_regions(layout.path) == 0
+
+
+@pytest.mark.skipif(
+    _kernel.KERNEL is None or not Path("/proc/self/maps").exists() or not hasattr(os, "fork"),
+    reason="needs the kernel's calls, /proc and os.fork",
+)
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_in_the_sweep_of_a_new_mapping_unmaps_it_once(
+    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
+) -> None:
+    """A Ctrl-C landing in the sweep that a new mapping runs (one in SWEEP_EVERY) fails the
+    map, which unmaps it: its view, kept by the traceback, unmaps nothing when it dies, since
+    its address, free again, holds a later mapping by then. (In a forked child: an unmap of
+    the wrong range would break the process.)"""
+    layout, tensors = payload
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code.co_name == "sweep":
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    def child() -> str:
+        sys.settrace(trace)
+        try:
+            for _ in range(_mapped.SWEEP_EVERY):
+                storage.map_payload(layout, names=["b"])  # each gone at once
+            return "no sweep ran"
+        except KeyboardInterrupt as interrupted:
+            failed = interrupted  # its traceback keeps the failed map's view
+        finally:
+            sys.settrace(None)
+        unmapped = mapped_regions(layout.path) == 0
+        later = storage.map_payload(layout, names=["b"])  # at the address freed, as a rule
+        del failed
+        gc.collect()  # the failed map's view dies
+        return repr([unmapped, mapped_regions(layout.path), torch.equal(later["b"], tensors["b"])])
+
+    assert in_forked_child(child) == "[True, 1, True]"
 
 
 def test_a_checkpoint_written_by_safetensors_maps_at_unaligned_offsets(tmp_path: Path) -> None:

@@ -242,16 +242,24 @@ class Mappings:
     by Python, and the unmap with it. Every :data:`SWEEP_EVERY` mappings made, those whose
     view is gone and that are still mapped are unmapped. Each mapping has a number of its
     own, never reused, so that only one of its callback and a sweep unmaps it: whichever takes
-    it out of the table (an address is reused by later mappings; a number is not).
+    it out of the table (an address is reused by later mappings; a number is not). A mapping
+    whose view is dropped before it is handed out (a map that fails, a ``KeyboardInterrupt``
+    in the sweep its registration runs included) is unmapped through :meth:`discard`, which
+    takes its entry out first, so that its view's callback does not unmap the address again.
     """
 
     def __init__(self) -> None:
         self._table: dict[int, tuple[weakref.ref[memoryview], int, int]] = {}
         self._numbers = itertools.count()
 
-    def add(self, kernel: _kernel.Kernel, view: memoryview, base: int, span: int) -> None:
+    def number(self) -> int:
+        """The number of a new mapping, to :meth:`add` it or :meth:`discard` it."""
+        return next(self._numbers)
+
+    def add(
+        self, kernel: _kernel.Kernel, number: int, view: memoryview, base: int, span: int
+    ) -> None:
         """Unmap ``span`` bytes at ``base`` once ``view`` is gone."""
-        number = next(self._numbers)
         callback = functools.partial(self._gone, kernel, number)
         self._table[number] = (weakref.ref(view, callback), base, span)
         if number % SWEEP_EVERY == SWEEP_EVERY - 1:
@@ -261,6 +269,12 @@ class Mappings:
         entry = self._table.pop(number, None)
         if entry is not None:
             kernel.munmap(entry[1], entry[2])
+
+    def discard(self, kernel: _kernel.Kernel, number: int, base: int, span: int) -> None:
+        """Unmap the mapping ``number`` now, its view being dropped, whether :meth:`add`
+        registered it or not."""
+        self._table.pop(number, None)
+        kernel.munmap(base, span)
 
     def sweep(self, kernel: _kernel.Kernel) -> None:
         """Unmap the mappings whose view is gone (their callback was lost)."""
@@ -325,6 +339,7 @@ def _map(
         mapping = mmap.mmap(fd, length, flags=mmap.MAP_PRIVATE, prot=_PROT, offset=start)
         _advise_without_kernel(mapping, faulting)
         return mapping, 0
+    number = MAPPINGS.number()  # taken before mapping: nothing to undo if interrupted
     huge = kernel.huge_page
     large = huge != 0 and length >= huge
     if not large and hasattr(os, "posix_fadvise") and not on_demand:
@@ -342,9 +357,9 @@ def _map(
             raise
     try:
         region = kernel.view(base, span)
-        MAPPINGS.add(kernel, region, base, span)
+        MAPPINGS.add(kernel, number, region, base, span)
     except BaseException:
-        kernel.munmap(base, span)
+        MAPPINGS.discard(kernel, number, base, span)
         raise
     if on_demand:
         kernel.madvise(address, length, _kernel.MADV_RANDOM)
