@@ -516,6 +516,57 @@ def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiter
     assert pool.closed
 
 
+def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
+    tmp_path: Path,
+) -> None:
+    """A thread's request finds the pool served by the loop of `async with pool`, whose exit
+    then fails (another thread holds a lease) and stops serving before the request reaches
+    it: the pool stays open, usable from threads, and the request is served from a private
+    loop instead of failing with "not running; it may be closed"."""
+    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
+    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+    leased, release = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def hold() -> None:
+        with pool.acquire(ts[0]):
+            leased.set()
+            release.wait(30)
+
+    def request() -> None:
+        try:
+            outcome.append(pool.resolve(ts[1]).clone())
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    holder, requester = threading.Thread(target=hold), threading.Thread(target=request)
+
+    async def serve() -> None:
+        async with pool:
+            holder.start()
+            while not leased.is_set():
+                await asyncio.sleep(0.01)
+            point.armed.set()
+            requester.start()  # found the loop serving: paused before it sends the request
+            while not point.paused.is_set():
+                await asyncio.sleep(0.01)
+
+    with (
+        paused_in_new_threads(_runtime.Runtime.ensure_running.__code__) as point,
+        pytest.raises(T2NErrorMisuse, match="cannot close"),
+    ):
+        asyncio.run(serve())
+    point.go()
+    requester.join(10)
+    release.set()
+    holder.join(10)
+    assert not requester.is_alive() and not holder.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], torch.Tensor), outcome
+    assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
+    pool.close()
+    assert pool.closed
+
+
 def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_evict(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:

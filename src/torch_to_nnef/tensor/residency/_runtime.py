@@ -636,6 +636,20 @@ class Runtime:
             except RuntimeError as error:  # loop closed underneath us
                 raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped") from error
 
+    def _post_request(self, callback: Callable[..., Any], *args: Any) -> None:
+        """:meth:`post` a request (a thread other than the loop's, after
+        :meth:`ensure_running`). The loop of the caller's that served the pool may have
+        stopped serving it since, its ``async with`` exit having failed: the pool stays open,
+        and the request goes to the private loop that starts then."""
+        while True:
+            try:
+                self.post(callback, *args)
+                return
+            except T2NErrorMisuse:
+                if self.loop is not None or os.getpid() != self._pid or self.actor.closed:
+                    raise
+            self.ensure_running()
+
     def notify(self, callback: Callable[..., Any], *args: Any) -> None:
         """Tell the actor something without waiting (any thread); reads of the pool's state
         from other threads see it (:meth:`catch_up`)."""
@@ -822,7 +836,7 @@ class Runtime:
         started = time.perf_counter()
         reply = Reply()
         try:
-            self.post(self.drive, operation, reply)  # start(), knowing the thread
+            self._post_request(self.drive, operation, reply)  # start(), knowing the thread
             result = self.wait(reply)
             self.count_stall(operation, started)
         except BaseException:
@@ -865,7 +879,7 @@ class Runtime:
         if self.on_loop_thread():
             self.drive(operation, done, inline=not self._loop_runs())
         else:
-            self.post(self.drive, operation, done)
+            self._post_request(self.drive, operation, done)
         return done
 
     async def acall(self, operation: Operation) -> Any:
