@@ -10,6 +10,7 @@ signal handler (Ctrl-C). Worker threads are paused at a chosen point with
 from __future__ import annotations
 
 import asyncio
+import gc
 import itertools
 import logging
 import random
@@ -565,6 +566,74 @@ def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
     assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
     pool.close()
     assert pool.closed
+
+
+def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does_not_block_it(
+    tmp_path: Path,
+) -> None:
+    """A task left pending inside `async with pool` by a closed loop, whose coroutine is
+    closed (as a garbage collection does, on whatever thread it runs) on the worker writing
+    the pool's change back for a close from another thread: the coroutine's exit leaves the
+    pool to that close instead of waiting for it, which waits for the worker."""
+    from torch_to_nnef.tensor.storage import _io
+
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+    write = _io.write_payload.__code__
+    armed = threading.Event()
+    collected: list[threading.Thread] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code is write and event == "call" and armed.is_set():
+            armed.clear()
+            collected.append(threading.current_thread())
+            task.get_coro().close()  # type: ignore[union-attr]
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(5.0)
+            await asyncio.Event().wait()  # never left
+
+    threading.settrace(trace)  # the workers start in the block
+    try:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(serve())
+        loop.run_until_complete(asyncio.sleep(0.05))
+        loop.close()  # the task stays pending inside `async with pool`
+        armed.set()
+        closer = threading.Thread(target=pool.close, daemon=True)
+        closer.start()
+        closer.join(20)
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert not closer.is_alive(), "the close and the collected task's exit wait for each other"
+    assert collected and collected[0] is not closer  # the coroutine closed on the worker
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
+    task = None  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
+@pytest.mark.asyncio
+async def test_an_async_generator_closed_on_its_loop_closes_the_pool_it_served(
+    tmp_path: Path,
+) -> None:
+    """The other closing of a coroutine inside `async with pool`: an async generator's
+    `aclose()` on the loop serving the pool runs the block's exit, which closes the pool."""
+    t = _tensor(tmp_path, "t")
+
+    async def values() -> Any:
+        async with TensorResidencyPool() as pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+            yield pool
+
+    generator = values()
+    pool = await generator.__anext__()
+    await generator.aclose()
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))
 
 
 def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_evict(

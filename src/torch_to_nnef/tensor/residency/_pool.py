@@ -244,6 +244,12 @@ class TensorResidencyPool(Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is GeneratorExit and not self._runtime.in_serving_loop():
+            # The coroutine is closed without running: a garbage collection of a task its
+            # loop left pending, on whatever thread it happens (one of the pool's workers,
+            # perhaps, whose write the pool's close waits for). Nothing may wait here: the
+            # pool stays open, and close() from any thread, or interpreter exit, closes it.
+            return
         try:
             if not self._actor.closed:
                 await self.aclose()

@@ -490,7 +490,7 @@ class Runtime:
     def on_loop_thread(self) -> bool:
         return self.thread_id == threading.get_ident()
 
-    def _in_serving_loop(self) -> bool:
+    def in_serving_loop(self) -> bool:
         """Whether the calling task runs on the loop that serves the pool (not merely on its
         thread: another loop may run there while that one is stopped)."""
         try:
@@ -886,7 +886,7 @@ class Runtime:
         """The async face: run ``operation`` and await it (the pool's loop or another). A
         task of another loop on the thread of the pool's, which is stopped then, runs it
         inline, as a sync call there: no other thread can."""
-        if self.on_loop_thread() and not self._in_serving_loop():
+        if self.on_loop_thread() and not self.in_serving_loop():
             return self.call(operation)
         if self.on_loop_thread():
             assert self.loop is not None
