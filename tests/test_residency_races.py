@@ -615,6 +615,44 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
     gc.collect()
 
 
+@pytest.mark.parametrize("mode", ["read", "read_write"])
+def test_a_task_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_later(
+    tmp_path: Path, mode: str
+) -> None:
+    """A task of a stopped loop, inside `async with pool.acquire(t)`, whose coroutine is
+    closed (as a garbage collection does) on a thread inside the pool's code, holding its
+    lock: the lease's exit takes no lock; the pool's next step ends the lease, keeping a
+    read_write lease's change."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+
+        async def hold() -> None:
+            async with pool.acquire(t, mode=mode) as value:  # type: ignore[arg-type]
+                if mode == "read_write":
+                    value.fill_(3.0)
+                await asyncio.Event().wait()
+
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(hold())
+        loop.run_until_complete(asyncio.sleep(0.05))  # stopped, the task inside the lease
+        assert pool._actor.leased_count() == 1
+
+        def collect() -> None:
+            with pool._actor.lock:  # where a collection may land: amid the pool's code
+                task.get_coro().close()  # type: ignore[union-attr]
+
+        collector = threading.Thread(target=collect, daemon=True)
+        collector.start()
+        collector.join(10)
+        assert not collector.is_alive(), "the lease's exit waited for the lock its thread held"
+        assert _leased(pool) == 0
+        task = None  # asyncio logs the pending task's end here, not in a later test
+        gc.collect()
+        loop.close()
+    expected = 3.0 if mode == "read_write" else 0.0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), expected))
+
+
 @pytest.mark.asyncio
 async def test_an_async_generator_closed_on_its_loop_closes_the_pool_it_served(
     tmp_path: Path,

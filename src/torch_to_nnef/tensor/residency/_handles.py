@@ -206,7 +206,8 @@ class TensorResidencyLease(Holder, Uncopyable):
     The lease is released whatever interrupts its owner: an error, a cancellation or a
     ``KeyboardInterrupt`` while it is being entered gives it back; one landing where no code
     of the lease runs (on the way into ``__exit__``) leaves it to the lease object's
-    collection, which ends it.
+    collection, which ends it. A task inside ``async with`` whose coroutine is collected
+    without running (its loop left it pending) ends it at the pool's next step.
 
     Leases are not constructed directly: :meth:`TensorResidencyPool.acquire` returns them.
     Entering one raises what :meth:`TensorResidencyPool.resolve` raises, and
@@ -363,6 +364,11 @@ class TensorResidencyLease(Holder, Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is GeneratorExit and not self._pool._runtime.in_serving_loop():
+            # The coroutine is closed without running: a garbage collection of a task its
+            # loop left pending, on any thread, amid anything (the pool's lock held, perhaps).
+            self._drop()
+            return
         end_lease(self._pool, self, True)
 
     def __del__(self) -> None:
@@ -371,6 +377,13 @@ class TensorResidencyLease(Holder, Uncopyable):
             slot = self.slot
         except AttributeError:
             return
+        if slot is not None:
+            self._drop()
+
+    def _drop(self) -> None:
+        """End the lease at the actor's next transition, taking no lock (a finalizer's end,
+        whatever its thread holds); an entered ``read_write`` lease's change is kept."""
+        slot = self.slot
         if slot is not None:
             dropped = Holder(self.read_write)
             dropped.slot, dropped.entered, self.slot = slot, self.entered, None
