@@ -615,6 +615,50 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
     gc.collect()
 
 
+def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_its_close(
+    tmp_path: Path,
+) -> None:
+    """A generator suspended inside `with pool`, closed (as a garbage collection does) on
+    the worker writing the pool's change back for a flush: its exit leaves the pool open
+    instead of closing it there, which would wait for that worker's write."""
+    from torch_to_nnef.tensor.storage import _io
+
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+    write = _io.write_payload.__code__
+    armed = threading.Event()
+    collected: list[threading.Thread] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code is write and event == "call" and armed.is_set():
+            armed.clear()
+            collected.append(threading.current_thread())
+            generator.close()
+
+    def serve() -> Any:
+        with pool:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(8.0)
+            yield
+
+    threading.settrace(trace)  # the workers start in the block
+    try:
+        generator = serve()
+        next(generator)
+        armed.set()
+        flusher = threading.Thread(target=pool.flush, daemon=True)
+        flusher.start()
+        flusher.join(20)
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+    assert not flusher.is_alive(), "the flush and the generator's exit wait for each other"
+    assert collected and collected[0] is not flusher  # the generator closed on the worker
+    assert not pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 8.0))
+    pool.close()
+    assert pool.closed
+
+
 @pytest.mark.parametrize("mode", ["read", "read_write"])
 def test_a_task_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_later(
     tmp_path: Path, mode: str
@@ -651,6 +695,98 @@ def test_a_task_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_
         loop.close()
     expected = 3.0 if mode == "read_write" else 0.0
     assert torch.equal(on_disk(t), torch.full((NUMEL,), expected))
+
+
+@pytest.mark.parametrize("mode", ["read", "read_write"])
+def test_a_generator_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_later(
+    tmp_path: Path, mode: str
+) -> None:
+    """The sync twin: a generator suspended inside `with pool.acquire(t)`, closed (as a
+    garbage collection does) on a thread inside the pool's code, holding its lock: the
+    lease's exit waits for no lock; the pool's next step ends the lease, keeping a
+    read_write lease's change."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+
+    def hold() -> Any:
+        with pool.acquire(t, mode=mode) as value:  # type: ignore[arg-type]
+            if mode == "read_write":
+                value.fill_(4.0)
+            yield
+
+    generator = hold()
+    next(generator)
+    assert pool._actor.leased_count() == 1
+
+    def collect() -> None:
+        with pool._actor.lock:  # where a collection may land: amid the pool's code
+            generator.close()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    collector.join(10)
+    # (No close on failure: the lock stays held by the thread that waits for it.)
+    assert not collector.is_alive(), "the lease's exit waited for the lock its thread held"
+    assert _leased(pool) == 0
+    pool.close()
+    expected = 4.0 if mode == "read_write" else 0.0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), expected))
+
+
+def test_a_reshaping_lease_collected_amid_the_pools_own_code_drops_its_change(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A read_write lease ended without its exit (its generator closed under the pool's
+    lock), whose value was reshaped in place: the change is refused as an exit refuses it
+    (dropped, the value loaded again), instead of a write-back that fails at every close."""
+    t = _tensor(tmp_path, "t", 1.0)
+    pool = TensorResidencyPool()
+
+    def hold() -> Any:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(7.0)
+            value.unsqueeze_(0)
+            yield
+
+    generator = hold()
+    next(generator)
+
+    def collect() -> None:
+        with pool._actor.lock:
+            generator.close()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    collector.join(10)
+    assert not collector.is_alive()
+    with caplog.at_level(logging.WARNING, logger="torch_to_nnef"):
+        settle(pool)  # a step of the pool's: it ends the lease
+        assert torch.equal(pool.resolve(t), torch.full((NUMEL,), 1.0))
+        pool.close()
+    assert "reshaped or retyped in place" in caplog.text
+    assert t.shape == (NUMEL,)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
+    assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))
+
+
+def test_a_generator_inside_a_lease_closed_by_its_owner_ends_the_lease_at_once(
+    tmp_path: Path,
+) -> None:
+    """A generator closed by its owner, outside the pool's code, ends its lease in the
+    close itself, as a plain exit of the block does."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+
+        def hold() -> Any:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(6.0)
+                yield
+
+        generator = hold()
+        next(generator)
+        generator.close()
+        assert pool._actor.leased_count() == 0  # no step of the pool's ran since
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 6.0))
 
 
 @pytest.mark.asyncio

@@ -249,14 +249,23 @@ class Actor:
         dropped = False
         if changed:
             source = slot.entry.source
-            changed = source._note_unsaved(self, slot.value, slot.version)
-            dropped = not changed
-            if dropped:
+            if slot.reshaped():  # a lease ended without its exit, which puts the value back
+                changed, dropped = False, True
                 LOGGER.warning(
-                    "%r was written while a read_write lease held its older value: the "
-                    "lease's change is dropped, the later write stands",
+                    "%r was reshaped or retyped in place under a read_write lease that "
+                    "ended without its exit (its owner was collected): the change is "
+                    "dropped, and the pool loads the latest write again",
                     source.name,
                 )
+            else:
+                changed = source._note_unsaved(self, slot.value, slot.version)
+                dropped = not changed
+                if dropped:
+                    LOGGER.warning(
+                        "%r was written while a read_write lease held its older value: "
+                        "the lease's change is dropped, the later write stands",
+                        source.name,
+                    )
         with self.lock:
             if dropped:
                 # The value holds the dropped change, which is no write of the tensor (the

@@ -84,9 +84,9 @@ def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
     A direct write that gave the tensor itself a new shape or dtype meanwhile is no
     reshaping of the value: the lease's change is dropped as any change a later write
     supersedes."""
-    value, source = slot.value, slot.entry.source
-    if value.shape == slot.shape and value.dtype == slot.dtype:
+    if not slot.reshaped():
         return None
+    value, source = slot.value, slot.entry.source
     shape, dtype = tuple(slot.shape), slot.dtype
     became = f"{tuple(value.shape)} {value.dtype}"
     with torch.no_grad():
@@ -207,7 +207,10 @@ class TensorResidencyLease(Holder, Uncopyable):
     ``KeyboardInterrupt`` while it is being entered gives it back; one landing where no code
     of the lease runs (on the way into ``__exit__``) leaves it to the lease object's
     collection, which ends it. A task inside ``async with`` whose coroutine is collected
-    without running (its loop left it pending) ends it at the pool's next step.
+    without running (its loop left it pending) ends it at the pool's next step, as does a
+    generator suspended inside ``with`` that a collection closes amid the pool's own code. A
+    ``read_write`` change ended that way that reshaped the value is dropped, as an exit
+    refuses it.
 
     Leases are not constructed directly: :meth:`TensorResidencyPool.acquire` returns them.
     Entering one raises what :meth:`TensorResidencyPool.resolve` raises, and
@@ -346,6 +349,11 @@ class TensorResidencyLease(Holder, Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        if exc_type is GeneratorExit and self._pool._runtime.may_wait_for_itself():
+            # A generator closed inside the block by a garbage collection amid the pool's
+            # code (its lock held by this thread, perhaps): the lease ends without a wait.
+            self._drop()
+            return
         end_lease(self._pool, self, True)
 
     async def __aenter__(self) -> torch.Tensor:

@@ -52,7 +52,12 @@ from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
-from torch_to_nnef.tensor.residency._workers import Workers, exit_interrupts, join_at_exit
+from torch_to_nnef.tensor.residency._workers import (
+    Workers,
+    exit_interrupts,
+    join_at_exit,
+    on_worker_thread,
+)
 
 __all__ = ["Operation", "Runtime", "uvloop_wanted"]
 
@@ -497,6 +502,18 @@ class Runtime:
             return asyncio.get_running_loop() is self.loop
         except RuntimeError:
             return False
+
+    def may_wait_for_itself(self) -> bool:
+        """Whether a wait for the pool on the calling thread might wait for that thread: a
+        lock of the pool's is held (by this thread, perhaps, amid the pool's code), or it is
+        an I/O worker (whose job the pool may be waiting for). A finalizer runs wherever a
+        garbage collection lands: it ends what it must without waiting when this is true."""
+        return (
+            self.actor.lock.locked()
+            or self._lock.locked()
+            or self._start_lock.locked()
+            or on_worker_thread()
+        )
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:

@@ -233,6 +233,12 @@ class Slot:
         self.changed = False  # queued for the actor's next look at its leases
         self.used = False  # a hit without the actor served it (the entry's ``used``)
 
+    def reshaped(self) -> bool:
+        """Whether the value was reshaped or retyped in place since it was read (under a
+        ``read_write`` lease, which keeps the shape and dtype: such a change is refused)."""
+        value = self.value
+        return value.shape != self.shape or value.dtype != self.dtype
+
 
 @dataclass(eq=False)
 class Entry:

@@ -30,7 +30,7 @@ from torch_to_nnef._interrupts import hold_sigint, restore_sigint
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._state import Job
 
-__all__ = ["Workers"]
+__all__ = ["Workers", "on_worker_thread"]
 
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
@@ -40,6 +40,14 @@ EXIT_JOIN_TIMEOUT = 300.0
 _STOP = None
 _running: weakref.WeakSet[Workers] = weakref.WeakSet()
 _exiting = False
+
+
+_worker_thread = threading.local()
+
+
+def on_worker_thread() -> bool:
+    """Whether the calling thread is an I/O worker (of any pool)."""
+    return getattr(_worker_thread, "serving", False)
 
 
 def join_at_exit(thread: threading.Thread) -> None:
@@ -131,6 +139,7 @@ class Workers:
                 thread.start()  # under the lock: a shutdown joins started threads only
 
     def _serve(self) -> None:
+        _worker_thread.serving = True
         lock, get = self._lock, self._queue.get
         while True:
             with lock:
