@@ -615,6 +615,65 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
     gc.collect()
 
 
+@pytest.mark.parametrize("collected", [True, False], ids=["collected", "kept"])
+@pytest.mark.parametrize("where", ["serving", "foreign"])
+def test_a_task_awaiting_a_load_left_by_its_closed_loop_lets_the_pool_close(
+    tmp_path: Path, where: str, collected: bool
+) -> None:
+    """A task awaiting `pool.acquire(t)` while the value loads, on the loop serving the pool
+    or on another, left pending by its closed loop. Its coroutine closed (as a garbage
+    collection does) on a thread holding the pool's lock abandons the acquire without a
+    wait, at the pool's next step; kept, the value it is granted goes back, as no task of
+    that loop can take it. Either way, a close from another thread closes the pool."""
+    t, u = _tensor(tmp_path, "t", 1.0), _tensor(tmp_path, "u", 2.0)
+    pool = TensorResidencyPool()
+
+    async def hold() -> None:
+        async with pool.acquire(t):
+            await asyncio.Event().wait()
+
+    with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point:
+        if where == "foreign":
+            pool.__enter__()  # a private loop serves the pool
+            pool.resolve(u)
+        loop = asyncio.new_event_loop()
+        if where == "serving":
+            loop.run_until_complete(pool.__aenter__())
+            loop.run_until_complete(pool.aresolve(u))
+        point.armed.set()  # the load of t pauses until go()
+        task = loop.create_task(hold())
+        assert loop.run_until_complete(loop.run_in_executor(None, point.paused.wait, 10))
+        loop.close()  # the task stays pending, awaiting the load
+        pool.resolve(u)  # a hit, which the actor's next step takes note of under its lock
+
+        def collect() -> None:
+            with pool._actor.lock:  # where a collection may land: amid the pool's code
+                task.get_coro().close()  # type: ignore[union-attr]
+
+        collector = threading.Thread(target=collect if collected else lambda: None, daemon=True)
+        collector.start()
+        collector.join(10)
+        point.go()
+    # (No close on failure: the lock stays held by the thread that waits for it.)
+    assert not collector.is_alive(), "the abandon waited for the lock its thread held"
+
+    def close() -> None:
+        # Refused while the acquire's load is under way (as for any acquire awaited), the
+        # close closes once the load ended, whatever thread applies its end.
+        for _ in range(100):
+            with suppress(T2NErrorMisuse):
+                return pool.close()
+            time.sleep(0.05)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive() and pool.closed
+    assert _leased(pool) == 0
+    task = None  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
 def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_its_close(
     tmp_path: Path,
 ) -> None:

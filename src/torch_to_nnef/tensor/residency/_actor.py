@@ -97,10 +97,9 @@ class Actor:
         # Leased slots of values a direct write superseded: their holders keep them; new
         # requests get the new payload (see _supersede). Dropped once their leases ended.
         self.superseded: set[Slot] = set()
-        # Leases of holders collected while they held them (an interrupt landed where their
-        # owner could not end them), with whether they may have changed the value: ended by
-        # the next transition. Appended without a lock (a finalizer may run anywhere).
-        self._dropped: deque[tuple[Holder, bool]] = deque()
+        # What finalizers left for the next transition (see later): the ends of leases whose
+        # holders were collected, and abandons of requests whose coroutines were.
+        self._later: deque[Callable[[], object]] = deque()
         self._warned_outside_leases = False  # a change outside leases was logged once
 
     # ------------------------------------------------------------------------------------------
@@ -320,14 +319,19 @@ class Actor:
     def drop(self, holder: Holder, changed: bool) -> None:
         """End the lease of a holder being collected, at the next transition (any thread, at
         any moment: takes no lock)."""
-        self._dropped.append((holder, changed))
+        self.later(partial(self.release, holder, changed))
+
+    def later(self, call: Callable[[], object]) -> None:
+        """Run ``call`` at the start of the next transition (any thread, at any moment: takes
+        no lock): what a finalizer must not wait for, wherever a collection runs it."""
+        self._later.append(call)
 
     def sync(self) -> None:
         """Take note of what other threads did since the last transition (first thing of
         each): the recency of their hits, and the leases they took or ended, which hold a
         value out of the budget while they last."""
-        while self._dropped:
-            self.release(*self._dropped.popleft())
+        while self._later:
+            self._later.popleft()()
         if not (self._touches or self._changed):
             return
         with self.lock:

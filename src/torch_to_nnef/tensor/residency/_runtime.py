@@ -318,10 +318,12 @@ class Reply:
         assert self._settled
         return self._error
 
-    def wrap(self) -> asyncio.Future[Any]:
+    def wrap(self, orphaned: Callable[[], None] | None = None) -> asyncio.Future[Any]:
         """An ``asyncio.Future`` of the running loop settled as this reply is (the
         ``asyncio.wrap_future`` of a reply). Cancelling it leaves the reply alone, but for
-        the callback that would have settled it."""
+        the callback that would have settled it. ``orphaned``: called (on the settling
+        thread) when the reply settles after that loop closed: no task of it takes the
+        result."""
         loop = asyncio.get_running_loop()
         future = loop.create_future()
 
@@ -334,8 +336,11 @@ class Reply:
                 future.set_result(self._value)
 
         def settled(_: Reply) -> None:
-            with contextlib.suppress(RuntimeError):  # that loop closed: nobody awaits it
+            try:
                 loop.call_soon_threadsafe(copy)
+            except RuntimeError:  # that loop closed: nobody awaits it
+                if orphaned is not None:
+                    orphaned()
 
         def forget(_: asyncio.Future[Any]) -> None:
             if future.cancelled():
@@ -354,17 +359,32 @@ Completion = asyncio.Future[Any] | Reply
 
 
 def _set_result(done: Completion, value: Any) -> bool:
+    """Settle ``done`` with ``value``; ``False`` when no waiter will take it: cancelled by
+    its waiter meanwhile, or a future of a loop closed since (its task never runs again)."""
     try:
         done.set_result(value)
-    except _INVALID_STATE:  # cancelled by its waiter meanwhile
+    except _INVALID_STATE:
+        return False
+    except RuntimeError:
+        if not _of_closed_loop(done):
+            raise
         return False
     return True
 
 
 def _set_exception(done: Completion, error: BaseException) -> None:
     if not done.done():
-        with contextlib.suppress(*_INVALID_STATE):
+        try:
             done.set_exception(error)
+        except _INVALID_STATE:
+            pass
+        except RuntimeError:
+            if not _of_closed_loop(done):
+                raise
+
+
+def _of_closed_loop(done: Completion) -> bool:
+    return isinstance(done, asyncio.Future) and done.get_loop().is_closed()
 
 
 def _abandon(operation: Operation) -> None:
@@ -562,6 +582,7 @@ class Runtime:
         thread would, its jobs on the workers."""
         done = Reply()
         with self._start_lock:
+            self._complete_unposted()  # jobs that ended since the loop stopped serving
             self.drive(operation, done, inline=True)
         return done.result()
 
@@ -912,8 +933,8 @@ class Runtime:
             self.drive(operation, here)
             try:
                 result = await here
-            except BaseException:
-                operation.abandon()
+            except BaseException as error:
+                self._give_up(operation, error)
                 raise
             self.count_stall(operation, started)
             return result
@@ -935,7 +956,10 @@ class Runtime:
         is abandoned in order instead."""
         if not done.done():
             self._check_process()
-        wrapped = done.wrap()
+        orphaned = None
+        if operation is not None:
+            orphaned = partial(self._abandon_later, operation)
+        wrapped = done.wrap(orphaned)
         try:
             loop = self.loop
             if self.private or loop is None:
@@ -946,11 +970,27 @@ class Runtime:
                 if wrapped.done():
                     return wrapped.result()
                 watch.look(self.actor.closed)
-        except BaseException:
+        except BaseException as error:
             # Cancelled, it takes its callback off ``done``; settled, its error (if any) was
             # never retrieved. A coroutine closed after its loop leaves nothing to run there.
             if not wrapped.get_loop().is_closed() and not wrapped.cancel():
                 wrapped.add_done_callback(_consume)
             if operation is not None:
-                self.notify(operation.abandon)
+                self._give_up(operation, error)
             raise
+
+    def _give_up(self, operation: Operation, error: BaseException) -> None:
+        """Abandon ``operation``, whose awaiting coroutine left with ``error``, in order. A
+        coroutine closed off the serving loop (a collection, on any thread, amid anything:
+        the pool's lock held, perhaps) leaves it to the actor's next transition instead,
+        taking no lock."""
+        if isinstance(error, GeneratorExit) and not self.in_serving_loop():
+            self._abandon_later(operation)
+        else:
+            self.notify(operation.abandon)
+
+    def _abandon_later(self, operation: Operation) -> None:
+        """Abandon ``operation`` at the actor's next transition (any thread, at any moment:
+        takes no lock)."""
+        self.actor.later(operation.abandon)
+        self.wake()
