@@ -10,7 +10,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["InterruptAt", "interrupted"]
+__all__ = ["InterruptAt", "in_finalizer", "interrupted"]
 
 Trace = Callable[[FrameType, str, Any], Any]
 
@@ -30,12 +30,7 @@ class InterruptAt:
         self.fired = False
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Trace | None:
-        if event not in ("call", "return") or frame.f_code.co_name == "__del__":
-            return None
-        finalizers = ("weakref.py", "_weakrefset.py")
-        if frame.f_code.co_filename.endswith(finalizers) or (
-            frame.f_back is not None and frame.f_back.f_code.co_filename.endswith(finalizers)
-        ):
+        if event not in ("call", "return") or in_finalizer(frame):
             return None
         if self.within not in frame.f_code.co_filename:
             return None
@@ -47,6 +42,19 @@ class InterruptAt:
             self.fired = True
             raise KeyboardInterrupt
         return self if self.returns else None
+
+
+_FINALIZERS = ("weakref.py", "_weakrefset.py")
+
+
+def in_finalizer(frame: FrameType) -> bool:
+    """Whether ``frame`` is a finalizer's (``__del__``, a ``weakref.finalize`` or weak
+    reference callback), which a garbage collection runs amid whatever code: an interrupt
+    raised there is lost by Python (reported as unraisable), whatever the code does."""
+    if frame.f_code.co_name == "__del__" or frame.f_code.co_filename.endswith(_FINALIZERS):
+        return True
+    caller = frame.f_back
+    return caller is not None and caller.f_code.co_filename.endswith(_FINALIZERS)
 
 
 _SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

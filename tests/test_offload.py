@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from contract import OpaqueContract
 from forking import in_forked_child, in_forked_child_while_held, put_values
-from interrupts import interrupted
+from interrupts import in_finalizer, interrupted
 from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
 from torch import nn
@@ -726,12 +726,15 @@ def _sigint_at_call(n: int) -> Callable[[FrameType, str, Any], None]:
 
     Only the package's functions count: one landing inside the standard library (between
     ``logging``'s lock acquire and its ``try``, say) would leave a lock of the process held
-    for the tests after this one, whatever the package does."""
+    for the tests after this one, whatever the package does. Finalizers a collection runs
+    meanwhile (an earlier test's tensors') do not count either (see ``in_finalizer``)."""
     calls = 0
 
     def trace(frame: FrameType, event: str, arg: Any) -> None:
         nonlocal calls
         if event != "call" or "torch_to_nnef" not in frame.f_code.co_filename:
+            return
+        if in_finalizer(frame):
             return
         calls += 1
         if calls == n:
