@@ -17,8 +17,8 @@ import random
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable
-from contextlib import suppress
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -56,6 +56,55 @@ def _tensor(directory: Path, name: str, value: float = 0.0) -> OffloadedTensor:
 def _leased(pool: TensorResidencyPool) -> int:
     check_invariants(pool)  # runs after what threads told the pool without waiting
     return pool._actor.leased_count()
+
+
+def _collected_amid_the_pools_code(pool: TensorResidencyPool, close: Callable[[], Any]) -> bool:
+    """Run ``close`` (a coroutine's or generator's, as a garbage collection would) in a
+    thread holding the pool's lock, as a collection landing amid the pool's code; return
+    whether it ended. Stuck, that thread keeps the lock: the pool cannot be closed then."""
+
+    def collect() -> None:
+        with pool._actor.lock:
+            close()
+
+    collector = threading.Thread(target=collect, daemon=True)
+    collector.start()
+    collector.join(10)
+    return not collector.is_alive()
+
+
+@contextmanager
+def _closed_at_a_workers_write(
+    close: Callable[[], Any],
+) -> Iterator[Callable[[Callable[[], Any]], bool]]:
+    """Trace the threads started inside the block (the pool's workers), and give a function
+    that runs ``call`` in a thread of its own, during which the next call of
+    ``write_payload`` first runs ``close`` (as a garbage collection landing there would). It
+    returns whether that thread ended, and ``close`` ran on another thread (a worker)."""
+    from torch_to_nnef.tensor.storage import _io
+
+    write = _io.write_payload.__code__
+    armed = threading.Event()
+    collected: list[threading.Thread] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if frame.f_code is write and event == "call" and armed.is_set():
+            armed.clear()
+            collected.append(threading.current_thread())
+            close()
+
+    def run(call: Callable[[], Any]) -> bool:
+        armed.set()
+        caller = threading.Thread(target=call, daemon=True)
+        caller.start()
+        caller.join(20)
+        return not caller.is_alive() and bool(collected) and collected[0] is not caller
+
+    threading.settrace(trace)
+    try:
+        yield run
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -575,19 +624,8 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
     closed (as a garbage collection does, on whatever thread it runs) on the worker writing
     the pool's change back for a close from another thread: the coroutine's exit leaves the
     pool to that close instead of waiting for it, which waits for the worker."""
-    from torch_to_nnef.tensor.storage import _io
-
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
-    write = _io.write_payload.__code__
-    armed = threading.Event()
-    collected: list[threading.Thread] = []
-
-    def trace(frame: FrameType, event: str, arg: Any) -> None:
-        if frame.f_code is write and event == "call" and armed.is_set():
-            armed.clear()
-            collected.append(threading.current_thread())
-            task.get_coro().close()  # type: ignore[union-attr]
 
     async def serve() -> None:
         async with pool:
@@ -595,20 +633,16 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
                 value.fill_(5.0)
             await asyncio.Event().wait()  # never left
 
-    threading.settrace(trace)  # the workers start in the block
-    try:
+    def collect() -> None:
+        task.get_coro().close()  # type: ignore[union-attr]
+
+    with _closed_at_a_workers_write(collect) as closing:  # the workers start in the block
         loop = asyncio.new_event_loop()
         task = loop.create_task(serve())
         loop.run_until_complete(asyncio.sleep(0.05))
         loop.close()  # the task stays pending inside `async with pool`
-        armed.set()
-        closer = threading.Thread(target=pool.close, daemon=True)
-        closer.start()
-        closer.join(20)
-    finally:
-        threading.settrace(None)  # type: ignore[arg-type]
-    assert not closer.is_alive(), "the close and the collected task's exit wait for each other"
-    assert collected and collected[0] is not closer  # the coroutine closed on the worker
+        ended = closing(pool.close)
+    assert ended, "the close and the task's exit, collected on a worker, wait for each other"
     assert pool.closed
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
     task = None  # asyncio logs the pending task's end here, not in a later test
@@ -645,17 +679,10 @@ def test_a_task_awaiting_a_load_left_by_its_closed_loop_lets_the_pool_close(
         assert loop.run_until_complete(loop.run_in_executor(None, point.paused.wait, 10))
         loop.close()  # the task stays pending, awaiting the load
         pool.resolve(u)  # a hit, which the actor's next step takes note of under its lock
-
-        def collect() -> None:
-            with pool._actor.lock:  # where a collection may land: amid the pool's code
-                task.get_coro().close()  # type: ignore[union-attr]
-
-        collector = threading.Thread(target=collect if collected else lambda: None, daemon=True)
-        collector.start()
-        collector.join(10)
+        close = task.get_coro().close  # type: ignore[union-attr]
+        ended = not collected or _collected_amid_the_pools_code(pool, close)
         point.go()
-    # (No close on failure: the lock stays held by the thread that waits for it.)
-    assert not collector.is_alive(), "the abandon waited for the lock its thread held"
+    assert ended, "the abandon waited for the lock its thread held"  # (the pool cannot close)
 
     def close() -> None:
         # Refused while the acquire's load is under way (as for any acquire awaited), the
@@ -680,19 +707,8 @@ def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_i
     """A generator suspended inside `with pool`, closed (as a garbage collection does) on
     the worker writing the pool's change back for a flush: its exit leaves the pool open
     instead of closing it there, which would wait for that worker's write."""
-    from torch_to_nnef.tensor.storage import _io
-
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
-    write = _io.write_payload.__code__
-    armed = threading.Event()
-    collected: list[threading.Thread] = []
-
-    def trace(frame: FrameType, event: str, arg: Any) -> None:
-        if frame.f_code is write and event == "call" and armed.is_set():
-            armed.clear()
-            collected.append(threading.current_thread())
-            generator.close()
 
     def serve() -> Any:
         with pool:
@@ -700,18 +716,11 @@ def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_i
                 value.fill_(8.0)
             yield
 
-    threading.settrace(trace)  # the workers start in the block
-    try:
+    with _closed_at_a_workers_write(lambda: generator.close()) as flushing:
         generator = serve()
         next(generator)
-        armed.set()
-        flusher = threading.Thread(target=pool.flush, daemon=True)
-        flusher.start()
-        flusher.join(20)
-    finally:
-        threading.settrace(None)  # type: ignore[arg-type]
-    assert not flusher.is_alive(), "the flush and the generator's exit wait for each other"
-    assert collected and collected[0] is not flusher  # the generator closed on the worker
+        ended = flushing(pool.flush)
+    assert ended, "the flush and the generator's exit, collected on a worker, wait for each other"
     assert not pool.closed
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 8.0))
     pool.close()
@@ -740,14 +749,10 @@ def test_a_task_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_
         loop.run_until_complete(asyncio.sleep(0.05))  # stopped, the task inside the lease
         assert pool._actor.leased_count() == 1
 
-        def collect() -> None:
-            with pool._actor.lock:  # where a collection may land: amid the pool's code
-                task.get_coro().close()  # type: ignore[union-attr]
-
-        collector = threading.Thread(target=collect, daemon=True)
-        collector.start()
-        collector.join(10)
-        assert not collector.is_alive(), "the lease's exit waited for the lock its thread held"
+        assert _collected_amid_the_pools_code(
+            pool,
+            task.get_coro().close,  # type: ignore[union-attr]
+        ), "the lease's exit waited for the lock its thread held"
         assert _leased(pool) == 0
         task = None  # asyncio logs the pending task's end here, not in a later test
         gc.collect()
@@ -777,15 +782,10 @@ def test_a_generator_inside_a_lease_collected_amid_the_pools_own_code_ends_the_l
     next(generator)
     assert pool._actor.leased_count() == 1
 
-    def collect() -> None:
-        with pool._actor.lock:  # where a collection may land: amid the pool's code
-            generator.close()
-
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
-    collector.join(10)
     # (No close on failure: the lock stays held by the thread that waits for it.)
-    assert not collector.is_alive(), "the lease's exit waited for the lock its thread held"
+    assert _collected_amid_the_pools_code(pool, generator.close), (
+        "the lease's exit waited for the lock its thread held"
+    )
     assert _leased(pool) == 0
     pool.close()
     expected = 4.0 if mode == "read_write" else 0.0
@@ -810,14 +810,7 @@ def test_a_reshaping_lease_collected_amid_the_pools_own_code_drops_its_change(
     generator = hold()
     next(generator)
 
-    def collect() -> None:
-        with pool._actor.lock:
-            generator.close()
-
-    collector = threading.Thread(target=collect, daemon=True)
-    collector.start()
-    collector.join(10)
-    assert not collector.is_alive()
+    assert _collected_amid_the_pools_code(pool, generator.close)
     with caplog.at_level(logging.WARNING, logger="torch_to_nnef"):
         settle(pool)  # a step of the pool's: it ends the lease
         assert torch.equal(pool.resolve(t), torch.full((NUMEL,), 1.0))
