@@ -319,6 +319,9 @@ class Actor:
     def drop(self, holder: Holder, changed: bool) -> None:
         """End the lease of a holder being collected, at the next transition (any thread, at
         any moment: takes no lock)."""
+        slot = holder.slot
+        if changed and holder.read_write and slot is not None and slot.reshaped():
+            slot.open = False  # hits go to the actor, whose step drops the refused change
         self.later(partial(self.release, holder, changed))
 
     def later(self, call: Callable[[], object]) -> None:
