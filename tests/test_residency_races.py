@@ -840,6 +840,138 @@ def test_a_generator_inside_a_lease_closed_by_its_owner_ends_the_lease_at_once(
         assert torch.equal(t.reload(), torch.full((NUMEL,), 6.0))
 
 
+@contextmanager
+def _another_thread_holding_the_pools_lock(pool: TensorResidencyPool) -> Iterator[None]:
+    """Run the block while another thread holds the pool's lock, as a hit of that thread
+    does for a moment: it lets the lock go 0.2 s after taking it, whatever the block does."""
+    taken = threading.Event()
+
+    def hold() -> None:
+        with pool._actor.lock:
+            taken.set()
+            time.sleep(0.2)
+
+    holder = threading.Thread(target=hold, daemon=True)
+    holder.start()
+    assert taken.wait(10)
+    try:
+        yield
+    finally:
+        holder.join(10)
+
+
+def test_a_lease_closed_by_its_owner_while_another_thread_holds_the_lock_ends_at_once(
+    tmp_path: Path,
+) -> None:
+    """The lock that only the thread collecting a generator must not wait for: held by
+    another thread (a hit there), the owner's close waits for it and ends the lease in the
+    close; a read right after sees the change, and a direct write after it keeps it."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+
+        def hold() -> Any:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(6.0)
+                yield
+
+        generator = hold()
+        next(generator)
+        with _another_thread_holding_the_pools_lock(pool):
+            generator.close()
+            assert pool._actor.leased_count() == 0  # no step of the pool's ran since
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 6.0))
+        t.add_(1.0)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 7.0))
+
+
+def test_with_pool_closed_by_its_owner_while_another_thread_holds_the_lock_closes_it(
+    tmp_path: Path,
+) -> None:
+    """The same for a generator inside `with pool`: its owner's close closes the pool,
+    writing the change back."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+
+    def serve() -> Any:
+        with pool:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(9.0)
+            yield
+
+    generator = serve()
+    next(generator)
+    with _another_thread_holding_the_pools_lock(pool):
+        generator.close()
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 9.0))
+
+
+def test_an_async_generator_closed_on_another_loop_ends_its_lease_at_once(
+    tmp_path: Path,
+) -> None:
+    """The documented pattern of a pool on its own thread used from another loop: an
+    async generator inside `async with pool.acquire(t)` closed by `aclose()` on that loop
+    ends the lease in the close, as a plain exit does: a read right after sees the change,
+    and a direct write after it keeps it."""
+    t = _tensor(tmp_path, "t")
+
+    async def use(pool: TensorResidencyPool) -> float:
+        async def hold() -> Any:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(5.0)
+                yield
+
+        generator = hold()
+        await generator.__anext__()
+        await generator.aclose()
+        leased = pool._actor.leased_count()  # no step of the pool's ran since
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 5.0))
+        t.add_(1.0)
+        return leased
+
+    with TensorResidencyPool() as pool:
+        assert asyncio.run(use(pool)) == 0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
+def test_a_task_granted_a_value_before_its_loop_closed_collected_amid_the_pools_code(
+    tmp_path: Path,
+) -> None:
+    """A task of another loop awaiting `pool.acquire(t)`, granted the value while its loop
+    was stopped, then left pending by the closed loop, its coroutine closed (as a garbage
+    collection does) on a thread holding the pool's lock: the lease it never entered ends
+    without a wait, at the pool's next step, and the pool closes."""
+    t, u = _tensor(tmp_path, "t", 1.0), _tensor(tmp_path, "u", 2.0)
+    pool = TensorResidencyPool()
+    lease = pool.acquire(t)
+
+    async def hold() -> None:
+        async with lease:
+            await asyncio.Event().wait()
+
+    with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__) as point:
+        pool.__enter__()  # a private loop serves the pool
+        pool.resolve(u)
+        point.armed.set()  # the load of t pauses until go()
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(hold())
+        loop.run_until_complete(asyncio.sleep(0))  # the acquire is sent; the loop stops
+        assert point.paused.wait(10)
+        point.go()
+        for _ in range(500):
+            if lease.slot is not None:
+                break
+            time.sleep(0.01)
+        assert lease.slot is not None and not lease.entered  # granted, never entered
+    loop.close()
+    close = task.get_coro().close  # type: ignore[union-attr]
+    assert _collected_amid_the_pools_code(pool, close), "the lease's end waited for its own lock"
+    pool.close()
+    assert pool.closed and _leased(pool) == 0
+    task = None  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
 @pytest.mark.asyncio
 async def test_an_async_generator_closed_on_its_loop_closes_the_pool_it_served(
     tmp_path: Path,

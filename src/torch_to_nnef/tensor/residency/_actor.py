@@ -52,7 +52,9 @@ class Actor:
         self.dropped_values: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
-        self.lock = threading.Lock()  # slot fields, hit counters and touches of other threads
+        # Slot fields, hit counters and touches of other threads. Reentrant only so that a
+        # finalizer can tell whether its own thread holds it (see may_wait_for_itself).
+        self.lock = threading.RLock()
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
         self.in_use_bytes = 0  # resident bytes leased or awaited (outside the budget)

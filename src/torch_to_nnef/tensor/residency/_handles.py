@@ -349,9 +349,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is GeneratorExit and self._pool._runtime.may_wait_for_itself():
-            # A generator closed inside the block by a garbage collection amid the pool's
-            # code (its lock held by this thread, perhaps): the lease ends without a wait.
+        if exc is not None and self._collected_amid_the_pools_code(exc):
             self._drop()
             return
         end_lease(self._pool, self, True)
@@ -362,8 +360,11 @@ class TensorResidencyLease(Holder, Uncopyable):
             if not self._fast():
                 await self._pool._runtime.acall(self._acquire())
             return self._value()
-        except BaseException:
-            end_lease(self._pool, self, False)
+        except BaseException as error:
+            if self._collected_amid_the_pools_code(error):
+                self._drop()  # (granted before its loop closed, perhaps)
+            else:
+                end_lease(self._pool, self, False)
             raise
 
     async def __aexit__(
@@ -372,12 +373,18 @@ class TensorResidencyLease(Holder, Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is GeneratorExit and not self._pool._runtime.in_serving_loop():
-            # The coroutine is closed without running: a garbage collection of a task its
-            # loop left pending, on any thread, amid anything (the pool's lock held, perhaps).
+        if exc is not None and self._collected_amid_the_pools_code(exc):
             self._drop()
             return
         end_lease(self._pool, self, True)
+
+    def _collected_amid_the_pools_code(self, error: BaseException | None) -> bool:
+        """Whether the block was left by a garbage collection that closed its generator or
+        coroutine where the calling thread must not wait for the pool (its lock held by
+        this thread amid the pool's code, or an I/O worker's): the lease then ends without
+        a wait, at the pool's next step (:meth:`_drop`). An owner's ``close()`` or
+        ``aclose()`` elsewhere ends it at once."""
+        return isinstance(error, GeneratorExit) and self._pool._runtime.may_wait_for_itself()
 
     def __del__(self) -> None:
         # An interrupt landed where its owner could not end it (or before it was built).

@@ -437,6 +437,11 @@ class _LoopWatch:
             )
 
 
+def _held_here(lock: threading.RLock) -> bool:
+    """Whether the calling thread holds ``lock``: a reentrant lock knows its owner."""
+    return bool(lock._is_owned())  # type: ignore[attr-defined]
+
+
 def _consume(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # retrieved: nobody waits for it any more
@@ -453,8 +458,8 @@ class Runtime:
         self._use_uvloop = use_uvloop
         self._workers: Workers | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()  # the loop's publication, against posts
-        self._start_lock = threading.Lock()
+        self._lock = threading.RLock()  # the loop's publication, against posts
+        self._start_lock = threading.RLock()  # (reentrant: see may_wait_for_itself)
         self._warned_inline = False
         # Notifications sent without waiting (under _lock), and how many ran (loop thread).
         self._sent = 0
@@ -472,9 +477,9 @@ class Runtime:
         locks those threads may have held at the fork, and stop serving resident values
         without the loop, so that every request of a started pool says it was forked (see
         :meth:`_check_process`) instead of waiting for a thread that is not there."""
-        self._lock = threading.Lock()
-        self._start_lock = threading.Lock()
-        self.actor.lock = threading.Lock()
+        self._lock = threading.RLock()
+        self._start_lock = threading.RLock()
+        self.actor.lock = threading.RLock()
         if self.running:
             self.actor.published = {}
 
@@ -524,14 +529,15 @@ class Runtime:
             return False
 
     def may_wait_for_itself(self) -> bool:
-        """Whether a wait for the pool on the calling thread might wait for that thread: a
-        lock of the pool's is held (by this thread, perhaps, amid the pool's code), or it is
-        an I/O worker (whose job the pool may be waiting for). A finalizer runs wherever a
-        garbage collection lands: it ends what it must without waiting when this is true."""
+        """Whether a wait for the pool on the calling thread might wait for that thread: it
+        holds a lock of the pool's (a garbage collection landed amid the pool's code), or it
+        is an I/O worker (whose job the pool may be waiting for). A finalizer runs wherever a
+        collection lands: it ends what it must without waiting when this is true. A lock
+        another thread holds is no reason: that thread lets it go."""
         return (
-            self.actor.lock.locked()
-            or self._lock.locked()
-            or self._start_lock.locked()
+            _held_here(self.actor.lock)
+            or _held_here(self._lock)
+            or _held_here(self._start_lock)
             or on_worker_thread()
         )
 
