@@ -972,6 +972,43 @@ def test_a_task_granted_a_value_before_its_loop_closed_collected_amid_the_pools_
     gc.collect()
 
 
+def test_an_interrupt_as_a_stranded_close_ends_a_collected_lease_loses_no_change(
+    tmp_path: Path,
+) -> None:
+    """A pool stranded by its closed loop, with a task inside `async with pool.acquire(t,
+    "read_write")` collected amid the pool's code (its lease's end left to the pool's next
+    step): a Ctrl-C as the close ends that lease leaves it for the next close, which
+    writes the change back."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+
+    async def hold() -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.fill_(3.0)
+            await asyncio.Event().wait()
+
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(pool.__aenter__())
+    task = loop.create_task(hold())
+    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.close()
+    assert _collected_amid_the_pools_code(pool, task.get_coro().close)  # type: ignore[union-attr]
+    release = Actor.release.__code__
+
+    def at_release(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is release:
+            sys.settrace(None)
+            raise KeyboardInterrupt
+
+    assert interrupted(at_release, pool.close)
+    assert not pool.closed
+    pool.close()
+    assert pool.closed and _leased(pool) == 0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 3.0))
+    task = None  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
 @pytest.mark.asyncio
 async def test_an_async_generator_closed_on_its_loop_closes_the_pool_it_served(
     tmp_path: Path,

@@ -336,7 +336,14 @@ class Actor:
         each): the recency of their hits, and the leases they took or ended, which hold a
         value out of the budget while they last."""
         while self._later:
-            self._later.popleft()()
+            call = None
+            try:
+                call = self._later.popleft()
+                call()
+            except BaseException as error:
+                if call is not None and not isinstance(error, Exception):
+                    self._later.appendleft(call)  # an interrupt cut it: run again (idempotent)
+                raise
         if not (self._touches or self._changed):
             return
         with self.lock:
