@@ -13,7 +13,9 @@ import asyncio
 import gc
 import itertools
 import logging
+import os
 import random
+import signal
 import sys
 import threading
 import time
@@ -1006,6 +1008,49 @@ def test_an_interrupt_as_a_stranded_close_ends_a_collected_lease_loses_no_change
     assert pool.closed and _leased(pool) == 0
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 3.0))
     task = None  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Path) -> None:
+    """Ctrl-C (a real SIGINT) while the main thread closes a pool stranded by its closed
+    loop, its write-back under way on a worker: that thread runs the actor's transitions,
+    which no interrupt may cut in half, so the close ends (the change written, the pool
+    closed) and the KeyboardInterrupt is raised after it."""
+    from torch_to_nnef.tensor.storage import _io
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(4.0)
+            await asyncio.Event().wait()  # never left
+
+    def ctrl_c() -> None:
+        if point.paused.wait(10):
+            time.sleep(0.2)  # the closing thread waits for the write meanwhile
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.2)
+        point.go()
+
+    with paused_in_new_threads(_io.write_payload.__code__) as point:
+        loop = asyncio.new_event_loop()
+        task = loop.create_task(serve())
+        loop.run_until_complete(asyncio.sleep(0.05))  # the worker loaded t: it is traced
+        loop.close()  # the task stays pending inside `async with pool`
+        point.armed.set()
+        sender = threading.Thread(target=ctrl_c, daemon=True)
+        sender.start()
+        with pytest.raises(KeyboardInterrupt):
+            pool.close()
+        sender.join(10)
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    del task  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
 
 

@@ -49,6 +49,7 @@ from functools import partial
 from typing import Any
 
 from torch_to_nnef._forksafe import fork_safe_lock
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
@@ -585,11 +586,15 @@ class Runtime:
     def call_stranded(self, operation: Operation) -> Any:
         """Run ``operation`` to its end on the calling thread, for a stranded pool that only
         this thread drives (:meth:`stranded_here`, or the exiting thread): as the loop
-        thread would, its jobs on the workers."""
+        thread would, its jobs on the workers. The actor's transitions run here, where no
+        Ctrl-C may cut one in half: it is raised once the operation ended (a close, a
+        flush: the pool then stands as they left it)."""
         done = Reply()
-        with self._start_lock:
-            self._complete_unposted()  # jobs that ended since the loop stopped serving
-            self.drive(operation, done, inline=True)
+        with InterruptHold() as hold:
+            hold.start()
+            with self._start_lock:
+                self._complete_unposted()  # jobs that ended since the loop stopped serving
+                self.drive(operation, done, inline=True)
         return done.result()
 
     def close_stranded(self, close: Operation) -> None:
