@@ -1011,6 +1011,45 @@ def test_an_interrupt_as_a_stranded_close_ends_a_collected_lease_loses_no_change
     gc.collect()
 
 
+@pytest.mark.parametrize("resident", [True, False], ids=["granted", "loading"])
+def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
+    tmp_path: Path, resident: bool
+) -> None:
+    """The cancel of a begun lease that a stream's collected thread state makes (a
+    finalizer: amid the pool's code, its lock held by the collecting thread) changes
+    nothing under that lock and waits for nothing: the lease, granted or still loading,
+    ends at the pool's next step, and the pool closes."""
+    t = _tensor(tmp_path, "t", 1.0)
+    pool = TensorResidencyPool()
+    if resident:
+        pool.resolve(t)
+    lease = pool.acquire(t)
+    assert lease._begin()
+    slot = lease.slot
+    assert (slot is not None) == resident
+    unchanged: list[bool] = []
+
+    def cancel() -> None:  # under the lock: the section around it sees no change
+        leases = slot.leases if slot is not None else 0
+        lease._cancel()
+        unchanged.append(slot is None or slot.leases == leases)
+
+    assert _collected_amid_the_pools_code(pool, cancel), "the cancel waited for its lock"
+    assert unchanged == [True], "the cancel changed the lease counts amid the locked code"
+
+    def close() -> None:
+        for _ in range(100):  # refused while the abandoned load is under way
+            with suppress(T2NErrorMisuse):
+                return pool.close()
+            time.sleep(0.05)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(20)
+    assert not closer.is_alive() and pool.closed
+    assert _leased(pool) == 0
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
 def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Path) -> None:
     """Ctrl-C (a real SIGINT) while the main thread closes a pool stranded by its closed

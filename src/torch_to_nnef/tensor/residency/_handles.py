@@ -305,11 +305,21 @@ class TensorResidencyLease(Holder, Uncopyable):
             return  # entered: its owner ends it
         self._begun = _CANCELLED  # first: an interrupt right after leaves it to a call again
         self._used = True
+        runtime = self._pool._runtime
+        # A finalizer's cancel (a stream's thread state collected) may run amid the pool's
+        # code: it then leaves all to the pool's next step, taking no lock.
+        collected = runtime.may_wait_for_itself()
         request = self._request
         if request is not None:
-            self._pool._runtime.notify(request.abandon)  # (idempotent)
+            if collected:
+                runtime.abandon_later(request)
+            else:
+                runtime.notify(request.abandon)  # (idempotent)
             self._request = None
-        end_lease(self._pool, self, False)
+        if collected:
+            self._drop()
+        else:
+            end_lease(self._pool, self, False)
 
     def __enter__(self) -> torch.Tensor:
         begun, request = self._begun, self._request

@@ -969,7 +969,7 @@ class Runtime:
             self._check_process()
         orphaned = None
         if operation is not None:
-            orphaned = partial(self._abandon_later, operation)
+            orphaned = partial(self.abandon_later, operation)
         wrapped = done.wrap(orphaned)
         try:
             loop = self.loop
@@ -996,11 +996,11 @@ class Runtime:
         the pool's lock held, perhaps) leaves it to the actor's next transition instead,
         taking no lock."""
         if isinstance(error, GeneratorExit) and not self.in_serving_loop():
-            self._abandon_later(operation)
+            self.abandon_later(operation)
         else:
             self.notify(operation.abandon)
 
-    def _abandon_later(self, operation: Operation) -> None:
+    def abandon_later(self, operation: Operation) -> None:
         """Abandon ``operation`` at the actor's next transition (any thread, at any moment:
         takes no lock)."""
         self.actor.later(operation.abandon)
