@@ -1019,10 +1019,15 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
     finalizer: amid the pool's code, its lock held by the collecting thread) changes
     nothing under that lock and waits for nothing: the lease, granted or still loading,
     ends at the pool's next step, and the pool closes."""
-    t = _tensor(tmp_path, "t", 1.0)
+    t, u = _tensor(tmp_path, "t", 1.0), _tensor(tmp_path, "u", 2.0)
     pool = TensorResidencyPool()
+    pool.resolve(t if resident else u)  # the loop runs
+    busy = threading.Event()
+    # Loading: the loop is busy meanwhile, so that the abandon left to the next step runs
+    # first thing in the acquire's own step (which takes note of the other threads first).
+    pool._runtime.loop.call_soon_threadsafe(busy.wait, 10)  # type: ignore[union-attr]
     if resident:
-        pool.resolve(t)
+        busy.set()
     lease = pool.acquire(t)
     assert lease._begin()
     slot = lease.slot
@@ -1035,6 +1040,7 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
         unchanged.append(slot is None or slot.leases == leases)
 
     assert _collected_amid_the_pools_code(pool, cancel), "the cancel waited for its lock"
+    busy.set()
     assert unchanged == [True], "the cancel changed the lease counts amid the locked code"
 
     def close() -> None:

@@ -835,6 +835,9 @@ class Runtime:
                 _set_exception(done, error)
                 _abandon(operation)
                 return
+            if operation.abandoned:  # by a call its own step ran first (Actor.later)
+                _abandon(operation)  # again: what the step took since goes back too
+                continue
             if isinstance(result, Job):
                 operation.waited = result
                 operation.loading = operation.loading or result.kind == "load"
