@@ -19,8 +19,8 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager, suppress
+from collections.abc import Awaitable, Callable, Generator, Iterator
+from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -60,6 +60,43 @@ def _leased(pool: TensorResidencyPool) -> int:
     return pool._actor.leased_count()
 
 
+def _stranded_with_a_change(
+    pool: TensorResidencyPool, t: OffloadedTensor, value: float
+) -> asyncio.Task[None]:
+    """Serve ``pool`` on a new loop, whose task changes ``t`` to ``value`` under a
+    read_write lease and stays inside `async with pool`; close that loop with the task
+    pending. The pool is stranded, its change unwritten. Return the task."""
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as changed:
+                changed.fill_(value)
+            await asyncio.Event().wait()  # never left
+
+    loop = asyncio.new_event_loop()
+    task = loop.create_task(serve())
+    loop.run_until_complete(asyncio.sleep(0.05))  # (the load started the workers)
+    loop.close()
+    return task
+
+
+def _suspended_inside_with_pool(
+    pool: TensorResidencyPool, t: OffloadedTensor, value: float
+) -> Generator[None, None, None]:
+    """A generator suspended inside `with pool`, having changed ``t`` to ``value`` under a
+    read_write lease (ended)."""
+
+    def serve() -> Generator[None, None, None]:
+        with pool:
+            with pool.acquire(t, mode="read_write") as changed:
+                changed.fill_(value)
+            yield
+
+    generator = serve()
+    next(generator)
+    return generator
+
+
 def _collected_amid_the_pools_code(pool: TensorResidencyPool, close: Callable[[], Any]) -> bool:
     """Run ``close`` (a coroutine's or generator's, as a garbage collection would) in a
     thread holding the pool's lock, as a collection landing amid the pool's code; return
@@ -73,6 +110,22 @@ def _collected_amid_the_pools_code(pool: TensorResidencyPool, close: Callable[[]
     collector.start()
     collector.join(10)
     return not collector.is_alive()
+
+
+def _closes_once_the_loads_ended(pool: TensorResidencyPool) -> bool:
+    """Close ``pool`` from another thread, again while it refuses (an acquire awaited: a
+    load under way), for 5 s at most; return whether it closed."""
+
+    def close() -> None:
+        for _ in range(100):
+            with suppress(T2NErrorMisuse):
+                return pool.close()
+            time.sleep(0.05)
+
+    closer = threading.Thread(target=close, daemon=True)
+    closer.start()
+    closer.join(20)
+    return not closer.is_alive() and pool.closed
 
 
 @contextmanager
@@ -629,20 +682,11 @@ def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
 
-    async def serve() -> None:
-        async with pool:
-            async with pool.acquire(t, mode="read_write") as value:
-                value.fill_(5.0)
-            await asyncio.Event().wait()  # never left
-
     def collect() -> None:
         task.get_coro().close()  # type: ignore[union-attr]
 
     with _closed_at_a_workers_write(collect) as closing:  # the workers start in the block
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(serve())
-        loop.run_until_complete(asyncio.sleep(0.05))
-        loop.close()  # the task stays pending inside `async with pool`
+        task = _stranded_with_a_change(pool, t, 5.0)
         ended = closing(pool.close)
     assert ended, "the close and the task's exit, collected on a worker, wait for each other"
     assert pool.closed
@@ -686,18 +730,9 @@ def test_a_task_awaiting_a_load_left_by_its_closed_loop_lets_the_pool_close(
         point.go()
     assert ended, "the abandon waited for the lock its thread held"  # (the pool cannot close)
 
-    def close() -> None:
-        # Refused while the acquire's load is under way (as for any acquire awaited), the
-        # close closes once the load ended, whatever thread applies its end.
-        for _ in range(100):
-            with suppress(T2NErrorMisuse):
-                return pool.close()
-            time.sleep(0.05)
-
-    closer = threading.Thread(target=close, daemon=True)
-    closer.start()
-    closer.join(20)
-    assert not closer.is_alive() and pool.closed
+    # Refused while the acquire's load is under way (as for any acquire awaited), the
+    # close closes once the load ended, whatever thread applies its end.
+    assert _closes_once_the_loads_ended(pool)
     assert _leased(pool) == 0
     task = None  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
@@ -711,16 +746,8 @@ def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_i
     instead of closing it there, which would wait for that worker's write."""
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
-
-    def serve() -> Any:
-        with pool:
-            with pool.acquire(t, mode="read_write") as value:
-                value.fill_(8.0)
-            yield
-
     with _closed_at_a_workers_write(lambda: generator.close()) as flushing:
-        generator = serve()
-        next(generator)
+        generator = _suspended_inside_with_pool(pool, t, 8.0)
         ended = flushing(pool.flush)
     assert ended, "the flush and the generator's exit, collected on a worker, wait for each other"
     assert not pool.closed
@@ -822,26 +849,6 @@ def test_a_reshaping_lease_collected_amid_the_pools_own_code_drops_its_change(
     assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))
 
 
-def test_a_generator_inside_a_lease_closed_by_its_owner_ends_the_lease_at_once(
-    tmp_path: Path,
-) -> None:
-    """A generator closed by its owner, outside the pool's code, ends its lease in the
-    close itself, as a plain exit of the block does."""
-    t = _tensor(tmp_path, "t")
-    with TensorResidencyPool() as pool:
-
-        def hold() -> Any:
-            with pool.acquire(t, mode="read_write") as value:
-                value.fill_(6.0)
-                yield
-
-        generator = hold()
-        next(generator)
-        generator.close()
-        assert pool._actor.leased_count() == 0  # no step of the pool's ran since
-        assert torch.equal(t.reload(), torch.full((NUMEL,), 6.0))
-
-
 @contextmanager
 def _another_thread_holding_the_pools_lock(pool: TensorResidencyPool) -> Iterator[None]:
     """Run the block while another thread holds the pool's lock, as a hit of that thread
@@ -862,12 +869,14 @@ def _another_thread_holding_the_pools_lock(pool: TensorResidencyPool) -> Iterato
         holder.join(10)
 
 
-def test_a_lease_closed_by_its_owner_while_another_thread_holds_the_lock_ends_at_once(
-    tmp_path: Path,
+@pytest.mark.parametrize("locked", [False, True], ids=["alone", "another thread locking"])
+def test_a_generator_inside_a_lease_closed_by_its_owner_ends_the_lease_at_once(
+    tmp_path: Path, locked: bool
 ) -> None:
-    """The lock that only the thread collecting a generator must not wait for: held by
-    another thread (a hit there), the owner's close waits for it and ends the lease in the
-    close; a read right after sees the change, and a direct write after it keeps it."""
+    """A generator closed by its owner, outside the pool's code, ends its lease in the
+    close itself, as a plain exit of the block does; so it does while another thread holds
+    the pool's lock (a hit there: only a thread that holds it itself must not wait for it).
+    A read right after sees the change, and a direct write after it keeps it."""
     t = _tensor(tmp_path, "t")
     with TensorResidencyPool() as pool:
 
@@ -878,7 +887,7 @@ def test_a_lease_closed_by_its_owner_while_another_thread_holds_the_lock_ends_at
 
         generator = hold()
         next(generator)
-        with _another_thread_holding_the_pools_lock(pool):
+        with _another_thread_holding_the_pools_lock(pool) if locked else nullcontext():
             generator.close()
             assert pool._actor.leased_count() == 0  # no step of the pool's ran since
         assert torch.equal(t.reload(), torch.full((NUMEL,), 6.0))
@@ -893,15 +902,7 @@ def test_with_pool_closed_by_its_owner_while_another_thread_holds_the_lock_close
     writing the change back."""
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
-
-    def serve() -> Any:
-        with pool:
-            with pool.acquire(t, mode="read_write") as value:
-                value.fill_(9.0)
-            yield
-
-    generator = serve()
-    next(generator)
+    generator = _suspended_inside_with_pool(pool, t, 9.0)
     with _another_thread_holding_the_pools_lock(pool):
         generator.close()
     assert pool.closed
@@ -1043,16 +1044,7 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
     busy.set()
     assert unchanged == [True], "the cancel changed the lease counts amid the locked code"
 
-    def close() -> None:
-        for _ in range(100):  # refused while the abandoned load is under way
-            with suppress(T2NErrorMisuse):
-                return pool.close()
-            time.sleep(0.05)
-
-    closer = threading.Thread(target=close, daemon=True)
-    closer.start()
-    closer.join(20)
-    assert not closer.is_alive() and pool.closed
+    assert _closes_once_the_loads_ended(pool)  # (refused while the abandoned load runs)
     assert _leased(pool) == 0
 
 
@@ -1068,12 +1060,6 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
 
-    async def serve() -> None:
-        async with pool:
-            async with pool.acquire(t, mode="read_write") as value:
-                value.fill_(4.0)
-            await asyncio.Event().wait()  # never left
-
     def ctrl_c() -> None:
         if point.paused.wait(10):
             time.sleep(0.2)  # the closing thread waits for the write meanwhile
@@ -1082,10 +1068,7 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
         point.go()
 
     with paused_in_new_threads(_io.write_payload.__code__) as point:
-        loop = asyncio.new_event_loop()
-        task = loop.create_task(serve())
-        loop.run_until_complete(asyncio.sleep(0.05))  # the worker loaded t: it is traced
-        loop.close()  # the task stays pending inside `async with pool`
+        task = _stranded_with_a_change(pool, t, 4.0)  # its worker is traced
         point.armed.set()
         sender = threading.Thread(target=ctrl_c, daemon=True)
         sender.start()
