@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -999,6 +999,38 @@ def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
             outcomes = in_forked_child(child)
         assert outcomes == ",".join(["forked"] * 5)
         assert torch.equal(pool.resolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.asyncio
+async def test_a_child_forked_from_the_loop_serving_the_pool_is_told_to_create_its_own(
+    tmp_path: Path,
+) -> None:
+    """Forked inside `async with pool`, on the loop's own thread (a process started from an
+    async handler): the child's thread bears the parent's loop thread's id, but it is no
+    thread of the pool's; its requests, sync or async, hit or miss, say it was forked."""
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
+    async with TensorResidencyPool() as pool:
+        await pool.aresolve(ts[0])
+
+        def first_step(request: Coroutine[Any, Any, object]) -> None:
+            # The child runs on inside this loop's callback: a request's first step there
+            # raises, or suspends the task (for a load nobody will run).
+            try:
+                request.send(None)
+            finally:
+                request.close()
+
+        def child() -> str:
+            return _outcomes(
+                lambda: pool.resolve(ts[0]),  # resident in the parent
+                lambda: pool.resolve(ts[1]),
+                lambda: first_step(pool.aresolve(ts[1])),
+                lambda: pool.acquire(ts[0]).__enter__(),
+            )
+
+        assert in_forked_child(child, seconds=20) == ",".join(["forked"] * 4)
+        assert torch.equal(await pool.aresolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

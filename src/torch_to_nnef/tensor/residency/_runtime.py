@@ -481,6 +481,10 @@ class Runtime:
         self._lock = threading.RLock()
         self._start_lock = threading.RLock()
         self.actor.lock = threading.RLock()
+        # Forked from the loop's thread, the child's thread bears its id: it is no loop
+        # thread of the pool's for all that (it would drive the actor inline, for workers
+        # that are not there).
+        self.thread_id = None
         if self.running:
             self.actor.published = {}
 
