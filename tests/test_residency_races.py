@@ -22,7 +22,7 @@ import time
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 import pytest
@@ -126,6 +126,30 @@ def _closes_once_the_loads_ended(pool: TensorResidencyPool) -> bool:
     closer.start()
     closer.join(20)
     return not closer.is_alive() and pool.closed
+
+
+def _collected_at_a_call(code: CodeType, close: Callable[[], Any], call: Callable[[], Any]) -> bool:
+    """Run ``call`` in a thread of its own, during which the first call of ``code`` first
+    runs ``close`` (a coroutine's or generator's, as a garbage collection landing there
+    would); return whether it did, and that thread ended."""
+    closed: list[bool] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is code and not closed:
+            closed.append(True)
+            close()
+
+    def run() -> None:
+        sys.settrace(trace)
+        try:
+            call()
+        finally:
+            sys.settrace(None)
+
+    caller = threading.Thread(target=run, daemon=True)
+    caller.start()
+    caller.join(10)
+    return not caller.is_alive() and bool(closed)
 
 
 @contextmanager
@@ -1010,6 +1034,57 @@ def test_an_interrupt_as_a_stranded_close_ends_a_collected_lease_loses_no_change
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 3.0))
     task = None  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
+
+
+def test_a_lease_collected_amid_a_read_of_its_tensor_ends_at_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """A generator inside `with pool.acquire(t, "read_write")`, closed (as a garbage
+    collection does) while its thread copies the pool's unsaved change of ``t`` for a
+    ``t.reload()``, under the tensor's lock that the lease's end takes to note its change:
+    the lease ends at the pool's next step instead, keeping the change, and the read gets
+    the value before it (it began before the close)."""
+    from torch_to_nnef.tensor.offload import _tensor as tensor_module
+
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # an unsaved change: a read outside the pool copies it
+
+        def hold() -> Generator[None, None, None]:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+                yield
+
+        generator = hold()
+        next(generator)
+        read: list[torch.Tensor] = []
+        copying = tensor_module._copy_of.__code__
+        assert _collected_at_a_call(copying, generator.close, lambda: read.append(t.reload()))
+        assert torch.equal(read[0], torch.full((NUMEL,), 1.0))
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 2.0))
+        assert _leased(pool) == 0
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))
+
+
+def test_with_pool_collected_amid_a_direct_write_of_a_tensor_it_changed_stays_open(
+    tmp_path: Path,
+) -> None:
+    """A generator suspended inside `with pool`, whose pool holds a change of ``t``, closed
+    (as a garbage collection does) while its thread writes ``t`` directly (``t.add_``),
+    holding the tensor's write lock that the pool's write-back takes: the pool stays open
+    for `close()` instead of closing there, waiting for that write-back; the direct write,
+    made on the change, stands."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+    generator = _suspended_inside_with_pool(pool, t, 5.0)
+    writing = OffloadedTensor._write_encoded.__code__
+    assert _collected_at_a_call(writing, generator.close, lambda: t.add_(1.0)), (
+        "the pool's close waited for the write lock its thread held"
+    )
+    assert not pool.closed
+    pool.close()
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["granted", "loading"])

@@ -22,6 +22,7 @@ import torch
 
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
+from torch_to_nnef._owned import held_here, owned_lock
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -625,10 +626,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     force_gc_collect: bool
     _binding: _Binding
     _private: _PrivateDir | None
-    _write_lock: threading.Lock
+    _write_lock: threading.RLock
     _target_device: torch.device
     _pending: threading.Condition
-    _pending_lock: threading.Lock
+    _pending_lock: threading.RLock
     _pending_writes: int
     _deriving: object | None
     _unsaved: tuple[object, object, torch.Tensor] | None
@@ -780,10 +781,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
     def _reset_writes(self) -> None:
         """No write under way: free locks, no write-back announced."""
-        self._write_lock = threading.Lock()
+        self._write_lock = owned_lock()
         # The condition's lock, taken directly where nothing waits: its C-level context
         # manager leaves no Python frame for an interrupt (Ctrl-C) to land in while it is held.
-        self._pending_lock = threading.Lock()
+        self._pending_lock = owned_lock()
         self._pending = threading.Condition(self._pending_lock)
         self._pending_writes = 0
         # The latest write a direct read-modify-write (_rewrite) derived the value it is
@@ -1272,6 +1273,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         with self._pending_lock:
             if self._unsaved is unsaved:
                 self._unsaved = (owner, unsaved[1], copy)
+
+    def _locked_here(self) -> bool:
+        """Whether the calling thread holds this tensor's write or pending lock."""
+        return held_here(self._pending_lock) or held_here(self._write_lock)
 
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: copies of the

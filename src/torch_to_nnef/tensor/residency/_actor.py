@@ -16,7 +16,6 @@ the slot has leases.
 from __future__ import annotations
 
 import logging
-import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -25,6 +24,7 @@ from typing import Any
 
 import torch
 
+from torch_to_nnef._owned import owned_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
@@ -52,9 +52,9 @@ class Actor:
         self.dropped_values: weakref.WeakValueDictionary[int, torch.Tensor] = (
             weakref.WeakValueDictionary()
         )
-        # Slot fields, hit counters and touches of other threads. Reentrant only so that a
-        # finalizer can tell whether its own thread holds it (see may_wait_for_itself).
-        self.lock = threading.RLock()
+        # Slot fields, hit counters and touches of other threads (a finalizer asks whether
+        # its own thread holds it: see Runtime.may_wait_for_itself).
+        self.lock = owned_lock()
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
         self.in_use_bytes = 0  # resident bytes leased or awaited (outside the budget)
@@ -127,6 +127,15 @@ class Actor:
         """Count ``seconds`` a request spent blocked on a load (any thread)."""
         with self.lock:
             self._stall_seconds += seconds
+
+    def sources_locked_here(self) -> bool:
+        """Whether the calling thread is inside a critical section of a tensor the pool
+        holds a value of (a garbage collection landed there): a close would wait for
+        write-backs that need it. Any thread; the tables are copied, not locked."""
+        slots = list(self.superseded)
+        return any(e.source._locked_here() for e in list(self.entries.values())) or any(
+            slot.entry.source._locked_here() for slot in slots
+        )
 
     def leased_count(self) -> int:
         leased = sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)

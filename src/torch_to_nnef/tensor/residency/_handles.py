@@ -308,7 +308,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         runtime = self._pool._runtime
         # A finalizer's cancel (a stream's thread state collected) may run amid the pool's
         # code: it then leaves all to the pool's next step, taking no lock.
-        collected = runtime.may_wait_for_itself()
+        collected = self._amid_code_it_needs()
         request = self._request
         if request is not None:
             if collected:
@@ -390,11 +390,15 @@ class TensorResidencyLease(Holder, Uncopyable):
 
     def _collected_amid_the_pools_code(self, error: BaseException | None) -> bool:
         """Whether the block was left by a garbage collection that closed its generator or
-        coroutine where the calling thread must not wait for the pool (its lock held by
-        this thread amid the pool's code, or an I/O worker's): the lease then ends without
-        a wait, at the pool's next step (:meth:`_drop`). An owner's ``close()`` or
-        ``aclose()`` elsewhere ends it at once."""
-        return isinstance(error, GeneratorExit) and self._pool._runtime.may_wait_for_itself()
+        coroutine amid code whose locks the lease's end needs (:meth:`_amid_code_it_needs`):
+        the lease then ends without a wait, at the pool's next step (:meth:`_drop`). An
+        owner's ``close()`` or ``aclose()`` elsewhere ends it at once."""
+        return isinstance(error, GeneratorExit) and self._amid_code_it_needs()
+
+    def _amid_code_it_needs(self) -> bool:
+        """Whether the calling thread must not end the lease itself: it holds a lock of the
+        pool's or of the tensor's (amid their code), or it is an I/O worker."""
+        return self._pool._runtime.may_wait_for_itself() or self._source._locked_here()
 
     def __del__(self) -> None:
         # An interrupt landed where its owner could not end it (or before it was built).

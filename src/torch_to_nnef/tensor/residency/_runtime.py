@@ -50,6 +50,7 @@ from typing import Any
 
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
+from torch_to_nnef._owned import held_here, owned_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
@@ -438,11 +439,6 @@ class _LoopWatch:
             )
 
 
-def _held_here(lock: threading.RLock) -> bool:
-    """Whether the calling thread holds ``lock``: a reentrant lock knows its owner."""
-    return bool(lock._is_owned())  # type: ignore[attr-defined]
-
-
 def _consume(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()  # retrieved: nobody waits for it any more
@@ -459,8 +455,8 @@ class Runtime:
         self._use_uvloop = use_uvloop
         self._workers: Workers | None = None
         self._thread: threading.Thread | None = None
-        self._lock = threading.RLock()  # the loop's publication, against posts
-        self._start_lock = threading.RLock()  # (reentrant: see may_wait_for_itself)
+        self._lock = owned_lock()  # the loop's publication, against posts
+        self._start_lock = owned_lock()
         self._warned_inline = False
         # Notifications sent without waiting (under _lock), and how many ran (loop thread).
         self._sent = 0
@@ -478,9 +474,9 @@ class Runtime:
         locks those threads may have held at the fork, and stop serving resident values
         without the loop, so that every request of a started pool says it was forked (see
         :meth:`_check_process`) instead of waiting for a thread that is not there."""
-        self._lock = threading.RLock()
-        self._start_lock = threading.RLock()
-        self.actor.lock = threading.RLock()
+        self._lock = owned_lock()
+        self._start_lock = owned_lock()
+        self.actor.lock = owned_lock()
         # Forked from the loop's thread, the child's thread bears its id: it is no loop
         # thread of the pool's for all that (it would drive the actor inline, for workers
         # that are not there).
@@ -540,9 +536,9 @@ class Runtime:
         collection lands: it ends what it must without waiting when this is true. A lock
         another thread holds is no reason: that thread lets it go."""
         return (
-            _held_here(self.actor.lock)
-            or _held_here(self._lock)
-            or _held_here(self._start_lock)
+            held_here(self.actor.lock)
+            or held_here(self._lock)
+            or held_here(self._start_lock)
             or on_worker_thread()
         )
 
