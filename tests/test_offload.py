@@ -1093,6 +1093,22 @@ def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path)
     assert not path.exists()  # adopted files are owned
 
 
+def test_a_file_given_the_inode_of_a_removed_payload_can_be_adopted(tmp_path: Path) -> None:
+    """A live tensor's payload file removed from outside frees its inode, which the system
+    may give the next file at once: that file is no read of the live tensor's, and a tensor
+    adopts it."""
+    live = OffloadedTensor.from_original_tensor(torch.zeros(4), "live", tmp_path)
+    freed = os.stat(live.offload_path).st_ino
+    os.remove(live.offload_path)
+    path = storage.payload_path(tmp_path, "new", "sid0")
+    storage.write_payload(path, {"tensor": torch.ones(4)})
+    if os.stat(path).st_ino != freed:
+        pytest.skip("this file system gave the new file another inode")
+    adopted = OffloadedTensor(None, "cpu", tmp_path, "new", torch.Tensor, storage_id="sid0")
+    assert torch.equal(adopted.reload(), torch.ones(4))
+    del live
+
+
 def test_a_new_payload_never_replaces_an_existing_file(
     weight: torch.Tensor, tmp_path: Path
 ) -> None:

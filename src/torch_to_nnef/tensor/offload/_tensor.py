@@ -45,6 +45,7 @@ from torch_to_nnef.tensor.opaque import (
     opaque_to_final_tensor,
 )
 from torch_to_nnef.tensor.storage._buffers import refuse_nested
+from torch_to_nnef.tensor.storage._format import file_identity
 from torch_to_nnef.tensor.storage._paths import path_argument
 
 __all__ = ["OffloadedTensor"]
@@ -138,15 +139,15 @@ _LIVE: weakref.WeakValueDictionary[int, OffloadedTensor] = weakref.WeakValueDict
 def _refuse_if_read(path: Path, name: str) -> None:
     """Refuse to let ``name`` own the file ``path`` while a live tensor reads it (under any
     name: a link): the adopter would remove it under that tensor, or a checkpoint with it.
-    Files are compared by device and inode, as each tensor's layout recorded them when read
-    or written (no call to the system per tensor)."""
+    Files are compared by their identity (device, inode, size, modification time), as each
+    tensor's layout recorded it when read or written (no call to the system per tensor): a
+    new file given the inode of a live tensor's file removed from outside is another file."""
     try:
-        wanted = os.stat(path)
+        wanted = file_identity(os.stat(path))
     except OSError:
         return  # reading the layout says what is wrong
     for tensor in list(_LIVE.values()):
-        identity = tensor._binding.layout.identity
-        if identity is not None and identity[:2] == (wanted.st_dev, wanted.st_ino):
+        if tensor._binding.layout.identity == wanted:
             raise T2NErrorMisuse(
                 f"payload file '{path}' is read by the live OffloadedTensor "
                 f"{tensor._name!r}: {name!r} cannot adopt it (an adopted file is removed "
