@@ -1123,6 +1123,62 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
     assert _leased(pool) == 0
 
 
+@pytest.mark.parametrize("request_made", ["close", "evict"])
+def test_a_blocking_request_from_a_finalizer_amid_the_pools_code_is_refused(
+    tmp_path: Path, request_made: str
+) -> None:
+    """A finalizer (run by a garbage collection) that closes the pool or evicts a value,
+    landing while its thread grants a lease under the pool's lock: the request would wait
+    for the code it interrupts, and is refused instead of hanging; the pool goes on."""
+    t, u = _tensor(tmp_path, "t", 1.0), _tensor(tmp_path, "u", 2.0)
+    pool = TensorResidencyPool()
+    pool.resolve(t)
+    pool.resolve(u)
+    outcome: list[BaseException | None] = []
+
+    def finalizer() -> None:
+        try:
+            pool.close() if request_made == "close" else pool.evict(t)
+            outcome.append(None)
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    def change() -> None:
+        with pool.acquire(u, mode="read_write") as value:
+            value.add_(1.0)
+
+    assert _collected_at_a_call(Actor._grant.__code__, finalizer, change)
+    assert len(outcome) == 1 and "amid the pool's own code" in str(outcome[0])
+    assert pool.is_resident(t) and not pool.closed
+    pool.close()
+    assert torch.equal(on_disk(u), torch.full((NUMEL,), 3.0))
+
+
+def test_a_close_from_a_finalizer_amid_a_stranded_close_is_refused(tmp_path: Path) -> None:
+    """The same inside the close of a stranded pool, which drives the pool on the calling
+    thread: a finalizer's close landing as a write-back ends is refused; the close goes on
+    and writes the change."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+    task = _stranded_with_a_change(pool, t, 7.0)
+    outcome: list[BaseException | None] = []
+
+    def finalizer() -> None:
+        try:
+            pool.close()
+            outcome.append(None)
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    written = Actor._on_written.__code__
+    assert _collected_at_a_call(written, finalizer, pool.close)
+    assert len(outcome) == 1 and "amid the pool's own code" in str(outcome[0])
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 7.0))
+    del task  # asyncio logs the pending task's end here, not in a later test
+    gc.collect()
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
 def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Path) -> None:
     """Ctrl-C (a real SIGINT) while the main thread closes a pool stranded by its closed

@@ -535,12 +535,21 @@ class Runtime:
         is an I/O worker (whose job the pool may be waiting for). A finalizer runs wherever a
         collection lands: it ends what it must without waiting when this is true. A lock
         another thread holds is no reason: that thread lets it go."""
-        return (
-            held_here(self.actor.lock)
-            or held_here(self._lock)
-            or held_here(self._start_lock)
-            or on_worker_thread()
-        )
+        return self._amid_its_own_code() or on_worker_thread()
+
+    def _amid_its_own_code(self) -> bool:
+        """Whether the calling thread holds a lock of the pool's."""
+        return held_here(self.actor.lock) or held_here(self._lock) or held_here(self._start_lock)
+
+    def _refuse_a_wait_for_itself(self) -> None:
+        """A blocking request made amid the pool's own code on this thread (by a finalizer
+        that a garbage collection ran there) would wait for that very code: refused."""
+        if self._amid_its_own_code():
+            raise T2NErrorMisuse(
+                "a TensorResidencyPool request that may wait was made amid the pool's own "
+                "code on this thread (by a finalizer a garbage collection ran there, say): it "
+                "would wait for itself; make it outside finalizers"
+            )
 
     def _check_process(self) -> None:
         if os.getpid() != self._pid:
@@ -589,6 +598,7 @@ class Runtime:
         thread would, its jobs on the workers. The actor's transitions run here, where no
         Ctrl-C may cut one in half: it is raised once the operation ended (a close, a
         flush: the pool then stands as they left it)."""
+        self._refuse_a_wait_for_itself()
         done = Reply()
         with InterruptHold() as hold:
             hold.start()
@@ -872,6 +882,7 @@ class Runtime:
         """The sync face: run ``operation`` and block until it ends (any thread). On the
         loop's thread, it runs inline: while that loop runs (a callback of it), only what
         does not wait for a write; while it is stopped, everything."""
+        self._refuse_a_wait_for_itself()  # (on the loop's thread: a step inside a step)
         if self.on_loop_thread():
             if operation.twin is not None and self._loop_runs():
                 name = operation.twin[1:]
@@ -908,6 +919,7 @@ class Runtime:
         if done.done():
             return done.result()
         self._check_process()
+        self._refuse_a_wait_for_itself()
         loop = self.loop
         if self.private or loop is None:
             return done.result()
