@@ -1093,6 +1093,39 @@ def test_adopting_an_existing_payload_file(weight: torch.Tensor, tmp_path: Path)
     assert not path.exists()  # adopted files are owned
 
 
+def test_a_direct_write_from_a_finalizer_amid_a_write_of_the_same_tensor_is_refused(
+    tmp_path: Path,
+) -> None:
+    """A finalizer that writes ``t``, run by a garbage collection landing while its thread
+    writes ``t`` (inside the write's critical section): one of the two writes would be lost
+    under the other; the finalizer's is refused, and the one it interrupted stands."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(4), "t", tmp_path)
+    outcome: list[BaseException | None] = []
+    writing = OffloadedTensor._write_encoded.__code__
+
+    def finalizer() -> None:
+        try:
+            t.add_(1.0)
+            outcome.append(None)
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is writing and not outcome:
+            sys.settrace(None)
+            finalizer()  # as a collection landing there runs it
+
+    sys.settrace(trace)
+    try:
+        t.add_(1.0)
+    finally:
+        sys.settrace(None)
+    assert len(outcome) == 1 and "amid its own write" in str(outcome[0])
+    assert torch.equal(t.reload(), torch.ones(4))
+    t.add_(1.0)  # outside the write, it is made
+    assert torch.equal(t.reload(), torch.full((4,), 2.0))
+
+
 def test_a_file_given_the_inode_of_a_removed_payload_can_be_adopted(tmp_path: Path) -> None:
     """A live tensor's payload file removed from outside frees its inode, which the system
     may give the next file at once: that file is no read of the live tensor's, and a tensor

@@ -1421,8 +1421,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         The shell takes the new shape and dtype (and ``device`` when given) in the same step.
         A value a pool changed and has not written yet is superseded: this write is later.
         """
+        self._refuse_a_write_amid_its_own()
         with self._write_lock:
             self._write_encoded(encoded, device, keep=None)
+
+    def _refuse_a_write_amid_its_own(self) -> None:
+        """A direct write made amid the tensor's own write or bookkeeping on this thread (by
+        a finalizer that a garbage collection ran there) would be lost under the one it
+        interrupts, or reorder it: refused."""
+        if self._locked_here():
+            raise T2NErrorMisuse(
+                f"{self._name!r} was written by code run amid its own write on this thread "
+                "(a finalizer a garbage collection ran there, say): one of the two writes "
+                "would be lost; write it outside finalizers"
+            )
 
     def _write_encoded(
         self, encoded: _Encoded, device: torch.device | None, keep: object | None
@@ -1576,6 +1588,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         a warning (:meth:`_note_unsaved`), as when it ends after the write. Returns what
         ``compute`` returned with the value written.
         """
+        self._refuse_a_write_amid_its_own()
         while True:
             with self._pending_lock:
                 version = self._latest[0]
