@@ -1124,6 +1124,31 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
     assert _leased(pool) == 0
 
 
+def test_with_pool_collected_amid_another_tensors_write_stays_open(tmp_path: Path) -> None:
+    """A generator suspended inside `with pool`, whose pool holds a change of ``t``, freed
+    by a garbage collection that lands while its thread writes another tensor ``u``
+    directly, inside the lock of the storage's table of open files (which the write-back of
+    ``t`` takes too): the pool stays open for `close()` instead of closing there."""
+    from torch_to_nnef.tensor.storage import _descriptors
+
+    t, u = _tensor(tmp_path, "t"), _tensor(tmp_path, "u")
+    pool = TensorResidencyPool()
+    gc.disable()  # the generator goes when the collection below runs, not before
+    try:
+        cycle: list[Any] = [_suspended_inside_with_pool(pool, t, 5.0)]
+        cycle.append(cycle)
+        del cycle
+        retiring = _descriptors.Descriptors._retire_locked.__code__
+        ended = _collected_at_a_call(retiring, gc.collect, lambda: u.add_(1.0))
+    finally:
+        gc.enable()
+    assert ended, "the pool's close waited for a lock its thread held"
+    assert not pool.closed
+    pool.close()
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
+    assert torch.equal(on_disk(u), torch.full((NUMEL,), 1.0))
+
+
 @pytest.mark.parametrize("request_made", ["close", "evict"])
 def test_a_blocking_request_from_a_finalizer_amid_the_pools_code_is_refused(
     tmp_path: Path, request_made: str

@@ -1,10 +1,12 @@
-"""Locks that tell whether the calling thread holds them.
+"""What the calling thread is amid: a lock it holds, a garbage collection it runs.
 
 A garbage collection runs finalizers (and closes abandoned generators and coroutines) on
 whatever thread allocates, amid whatever that thread is doing: inside a critical section,
-perhaps. Such a finalizer must not wait for anything that needs a lock its own thread holds.
-:func:`owned_lock` makes a reentrant lock, only so that :func:`held_here` can ask whether the
-calling thread holds it: nothing relies on taking one twice.
+perhaps, of this package's or of any other code. Such a finalizer must not wait for anything
+that needs a lock its own thread holds. :func:`owned_lock` makes a reentrant lock, only so
+that :func:`held_here` can ask whether the calling thread holds it: nothing relies on taking
+one twice. :func:`collecting_here` says whether the calling thread runs a collection (its
+finalizers), whatever locks it holds: the answer for locks that cannot be asked.
 
 The lock itself is returned, not a wrapper: its ``with`` runs no Python code of its own, so a
 ``KeyboardInterrupt`` cannot land between taking it and the block that gives it back.
@@ -12,9 +14,11 @@ The lock itself is returned, not a wrapper: its ``with`` runs no Python code of 
 
 from __future__ import annotations
 
+import gc
 import threading
+from typing import Any
 
-__all__ = ["held_here", "owned_lock"]
+__all__ = ["collecting_here", "held_here", "owned_lock"]
 
 
 def owned_lock() -> threading.RLock:
@@ -25,3 +29,20 @@ def owned_lock() -> threading.RLock:
 def held_here(lock: threading.RLock) -> bool:
     """Whether the calling thread holds ``lock``, made by :func:`owned_lock`."""
     return bool(lock._is_owned())  # type: ignore[attr-defined]
+
+
+_collector: int | None = None
+"""The thread running a garbage collection, if any (one at a time: collections do not nest)."""
+
+
+def collecting_here() -> bool:
+    """Whether the calling thread runs a garbage collection (a finalizer of it, then)."""
+    return _collector == threading.get_ident()
+
+
+def _note_collection(phase: str, info: dict[str, Any]) -> None:
+    global _collector
+    _collector = threading.get_ident() if phase == "start" else None
+
+
+gc.callbacks.append(_note_collection)

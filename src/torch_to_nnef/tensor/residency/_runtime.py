@@ -50,7 +50,7 @@ from typing import Any
 
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
-from torch_to_nnef._owned import held_here, owned_lock
+from torch_to_nnef._owned import collecting_here, held_here, owned_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
@@ -531,11 +531,12 @@ class Runtime:
 
     def may_wait_for_itself(self) -> bool:
         """Whether a wait for the pool on the calling thread might wait for that thread: it
-        holds a lock of the pool's (a garbage collection landed amid the pool's code), or it
-        is an I/O worker (whose job the pool may be waiting for). A finalizer runs wherever a
-        collection lands: it ends what it must without waiting when this is true. A lock
-        another thread holds is no reason: that thread lets it go."""
-        return self._amid_its_own_code() or on_worker_thread()
+        holds a lock of the pool's (a garbage collection landed amid the pool's code), it
+        runs a garbage collection (landed amid any code, whose locks a write-back may need),
+        or it is an I/O worker (whose job the pool may be waiting for). A finalizer ends what
+        it must without waiting when this is true. A lock another thread holds is no reason:
+        that thread lets it go."""
+        return self._amid_its_own_code() or collecting_here() or on_worker_thread()
 
     def _amid_its_own_code(self) -> bool:
         """Whether the calling thread holds a lock of the pool's."""
