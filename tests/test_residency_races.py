@@ -152,6 +152,26 @@ def _collected_at_a_call(code: CodeType, close: Callable[[], Any], call: Callabl
     return not caller.is_alive() and bool(closed)
 
 
+def _freed_by_a_collection_at(
+    code: CodeType,
+    suspended: Callable[[], Generator[None, None, None]],
+    call: Callable[[], Any],
+    collect: Callable[[], Any] = gc.collect,
+) -> bool:
+    """Make the generator ``suspended()`` returns garbage (in a reference cycle, collections
+    off meanwhile), then run ``call`` as :func:`_collected_at_a_call` does, a collection
+    landing at the first call of ``code``: that collection frees the generator there.
+    Return whether it did, and ``call``'s thread ended."""
+    gc.disable()
+    try:
+        cycle: list[Any] = [suspended()]
+        cycle.append(cycle)
+        del cycle
+        return _collected_at_a_call(code, collect, call)
+    finally:
+        gc.enable()
+
+
 @contextmanager
 def _closed_at_a_workers_write(
     close: Callable[[], Any],
@@ -1039,11 +1059,11 @@ def test_an_interrupt_as_a_stranded_close_ends_a_collected_lease_loses_no_change
 def test_a_lease_collected_amid_a_read_of_its_tensor_ends_at_the_next_step(
     tmp_path: Path,
 ) -> None:
-    """A generator inside `with pool.acquire(t, "read_write")`, closed (as a garbage
-    collection does) while its thread copies the pool's unsaved change of ``t`` for a
+    """A generator inside `with pool.acquire(t, "read_write")`, freed by a garbage
+    collection that lands while its thread copies the pool's unsaved change of ``t`` for a
     ``t.reload()``, under the tensor's lock that the lease's end takes to note its change:
     the lease ends at the pool's next step instead, keeping the change, and the read gets
-    the value before it (it began before the close)."""
+    the value before it (it began before the collection)."""
     from torch_to_nnef.tensor.offload import _tensor as tensor_module
 
     t = _tensor(tmp_path, "t")
@@ -1056,11 +1076,23 @@ def test_a_lease_collected_amid_a_read_of_its_tensor_ends_at_the_next_step(
                 value.fill_(2.0)
                 yield
 
-        generator = hold()
-        next(generator)
+        def suspended() -> Generator[None, None, None]:
+            generator = hold()
+            next(generator)
+            return generator
+
         read: list[torch.Tensor] = []
+        unchanged: list[bool] = []
+
+        def collect() -> None:  # amid the copy: the section around it sees no change
+            unsaved = t._unsaved
+            gc.collect()
+            unchanged.append(t._unsaved is unsaved)
+
         copying = tensor_module._copy_of.__code__
-        assert _collected_at_a_call(copying, generator.close, lambda: read.append(t.reload()))
+        reload = lambda: read.append(t.reload())  # noqa: E731
+        assert _freed_by_a_collection_at(copying, suspended, reload, collect)
+        assert unchanged == [True], "the lease's end changed the tensor amid its own read"
         assert torch.equal(read[0], torch.full((NUMEL,), 1.0))
         pool.flush()  # a step of the pool's: the lease ended there
         assert _leased(pool) == 0
@@ -1071,18 +1103,17 @@ def test_a_lease_collected_amid_a_read_of_its_tensor_ends_at_the_next_step(
 def test_with_pool_collected_amid_a_direct_write_of_a_tensor_it_changed_stays_open(
     tmp_path: Path,
 ) -> None:
-    """A generator suspended inside `with pool`, whose pool holds a change of ``t``, closed
-    (as a garbage collection does) while its thread writes ``t`` directly (``t.add_``),
+    """A generator suspended inside `with pool`, whose pool holds a change of ``t``, freed
+    by a garbage collection that lands while its thread writes ``t`` directly (``t.add_``),
     holding the tensor's write lock that the pool's write-back takes: the pool stays open
     for `close()` instead of closing there, waiting for that write-back; the direct write,
     made on the change, stands."""
     t = _tensor(tmp_path, "t")
     pool = TensorResidencyPool()
-    generator = _suspended_inside_with_pool(pool, t, 5.0)
     writing = OffloadedTensor._write_encoded.__code__
-    assert _collected_at_a_call(writing, generator.close, lambda: t.add_(1.0)), (
-        "the pool's close waited for the write lock its thread held"
-    )
+    assert _freed_by_a_collection_at(
+        writing, lambda: _suspended_inside_with_pool(pool, t, 5.0), lambda: t.add_(1.0)
+    ), "the pool's close waited for the write lock its thread held"
     assert not pool.closed
     pool.close()
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
@@ -1133,16 +1164,10 @@ def test_with_pool_collected_amid_another_tensors_write_stays_open(tmp_path: Pat
 
     t, u = _tensor(tmp_path, "t"), _tensor(tmp_path, "u")
     pool = TensorResidencyPool()
-    gc.disable()  # the generator goes when the collection below runs, not before
-    try:
-        cycle: list[Any] = [_suspended_inside_with_pool(pool, t, 5.0)]
-        cycle.append(cycle)
-        del cycle
-        retiring = _descriptors.Descriptors._retire_locked.__code__
-        ended = _collected_at_a_call(retiring, gc.collect, lambda: u.add_(1.0))
-    finally:
-        gc.enable()
-    assert ended, "the pool's close waited for a lock its thread held"
+    retiring = _descriptors.Descriptors._retire_locked.__code__
+    assert _freed_by_a_collection_at(
+        retiring, lambda: _suspended_inside_with_pool(pool, t, 5.0), lambda: u.add_(1.0)
+    ), "the pool's close waited for a lock its thread held"
     assert not pool.closed
     pool.close()
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))

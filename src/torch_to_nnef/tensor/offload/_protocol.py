@@ -58,9 +58,6 @@ class PoolSource:
     - ``_reads_rows_on_demand(device)``: whether an embedding lookup in the tensor, its value
       wanted on ``device``, reads only the rows it gathers, without a load (a module stream
       then leaves the table out of what it reads ahead).
-    - ``_locked_here()``: whether the calling thread is inside one of the tensor's critical
-      sections (a garbage collection landed there): a finalizer of the pool's then waits for
-      nothing that needs them, and ends what it must at the pool's next step.
     """
 
     __slots__ = ()
@@ -116,9 +113,6 @@ class PoolSource:
         raise NotImplementedError
 
     def _write_unsaved(self, owner: object) -> None:
-        raise NotImplementedError
-
-    def _locked_here(self) -> bool:
         raise NotImplementedError
 
 

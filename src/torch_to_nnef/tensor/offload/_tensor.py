@@ -1275,10 +1275,6 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             if self._unsaved is unsaved:
                 self._unsaved = (owner, unsaved[1], copy)
 
-    def _locked_here(self) -> bool:
-        """Whether the calling thread holds this tensor's write or pending lock."""
-        return held_here(self._pending_lock) or held_here(self._write_lock)
-
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: copies of the
         tensor (copy.deepcopy) wait for it from now on."""
@@ -1429,7 +1425,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """A direct write made amid the tensor's own write or bookkeeping on this thread (by
         a finalizer that a garbage collection ran there) would be lost under the one it
         interrupts, or reorder it: refused."""
-        if self._locked_here():
+        if held_here(self._pending_lock) or held_here(self._write_lock):
             raise T2NErrorMisuse(
                 f"{self._name!r} was written by code run amid its own write on this thread "
                 "(a finalizer a garbage collection ran there, say): one of the two writes "

@@ -128,15 +128,6 @@ class Actor:
         with self.lock:
             self._stall_seconds += seconds
 
-    def sources_locked_here(self) -> bool:
-        """Whether the calling thread is inside a critical section of a tensor the pool
-        holds a value of (a garbage collection landed there): a close would wait for
-        write-backs that need it. Any thread; the tables are copied, not locked."""
-        slots = list(self.superseded)
-        return any(e.source._locked_here() for e in list(self.entries.values())) or any(
-            slot.entry.source._locked_here() for slot in slots
-        )
-
     def leased_count(self) -> int:
         leased = sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)
         return leased + sum(1 for slot in self.superseded if slot.leases)

@@ -306,20 +306,17 @@ class TensorResidencyLease(Holder, Uncopyable):
         self._begun = _CANCELLED  # first: an interrupt right after leaves it to a call again
         self._used = True
         runtime = self._pool._runtime
-        # A finalizer's cancel (a stream's thread state collected) may run amid the pool's
-        # code: it then leaves all to the pool's next step, taking no lock.
-        collected = self._amid_code_it_needs()
-        request = self._request
-        if request is not None:
-            if collected:
+        request, self._request = self._request, None
+        if runtime.may_wait_for_itself():
+            # A finalizer's cancel (a stream's thread state collected) amid the pool's code
+            # or another's: all is left to the pool's next step, taking no lock.
+            if request is not None:
                 runtime.abandon_later(request)
-            else:
-                runtime.notify(request.abandon)  # (idempotent)
-            self._request = None
-        if collected:
             self._drop()
-        else:
-            end_lease(self._pool, self, False)
+            return
+        if request is not None:
+            runtime.notify(request.abandon)  # (idempotent)
+        end_lease(self._pool, self, False)
 
     def __enter__(self) -> torch.Tensor:
         begun, request = self._begun, self._request
@@ -388,17 +385,12 @@ class TensorResidencyLease(Holder, Uncopyable):
             return
         end_lease(self._pool, self, True)
 
-    def _collected_amid_the_pools_code(self, error: BaseException | None) -> bool:
+    def _collected_amid_the_pools_code(self, error: BaseException) -> bool:
         """Whether the block was left by a garbage collection that closed its generator or
-        coroutine amid code whose locks the lease's end needs (:meth:`_amid_code_it_needs`):
-        the lease then ends without a wait, at the pool's next step (:meth:`_drop`). An
-        owner's ``close()`` or ``aclose()`` elsewhere ends it at once."""
-        return isinstance(error, GeneratorExit) and self._amid_code_it_needs()
-
-    def _amid_code_it_needs(self) -> bool:
-        """Whether the calling thread must not end the lease itself: it holds a lock of the
-        pool's or of the tensor's (amid their code), or it is an I/O worker."""
-        return self._pool._runtime.may_wait_for_itself() or self._source._locked_here()
+        coroutine where the calling thread must not wait (``may_wait_for_itself``): the lease
+        then ends without a wait, at the pool's next step (:meth:`_drop`). An owner's
+        ``close()`` or ``aclose()`` elsewhere ends it at once."""
+        return isinstance(error, GeneratorExit) and self._pool._runtime.may_wait_for_itself()
 
     def __del__(self) -> None:
         # An interrupt landed where its owner could not end it (or before it was built).

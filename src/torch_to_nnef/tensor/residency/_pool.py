@@ -226,12 +226,10 @@ class TensorResidencyPool(Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        if exc_type is GeneratorExit and (
-            self._runtime.may_wait_for_itself() or self._actor.sources_locked_here()
-        ):
-            # A generator closed inside the block by a garbage collection amid the pool's
-            # code or a tensor's (on a worker whose write a close would wait for, perhaps):
-            # the pool stays open, and close() from any thread, or interpreter exit, closes it.
+        if exc_type is GeneratorExit and self._runtime.may_wait_for_itself():
+            # A generator closed inside the block by a garbage collection, amid any code (on
+            # a worker whose write a close would wait for, perhaps): the pool stays open,
+            # and close() from any thread, or interpreter exit, closes it.
             return
         try:
             self.close()
