@@ -127,9 +127,8 @@ def test_leases_ended_at_once_by_many_threads_leave_the_pool_within_its_budget(
 
 
 def test_a_lease_ended_over_the_budget_is_heard_with_no_request_after_it(tmp_path: Path) -> None:
-    # Leases granted by the actor and ended at once send no wake-up: they ride on the look at
-    # ended leases the actor has due shortly after a grant. With nothing asked of the pool
-    # after them, that look alone brings the pool back within its budget.
+    # Leases granted by the actor on misses and ended at once: with nothing asked of the
+    # pool after them, it is within its budget.
     ts = make_tensors(tmp_path, 8, numel=1024)
     budget = 2 * 4096
     with TensorResidencyPool(max_cached_bytes=budget) as pool:
@@ -144,31 +143,80 @@ def test_a_lease_ended_over_the_budget_is_heard_with_no_request_after_it(tmp_pat
         check_invariants(pool)
 
 
-def test_a_lease_ended_over_the_budget_after_the_look_is_heard_with_no_request_after_it(
+def test_a_lease_held_across_a_step_and_ended_over_the_budget_is_heard_with_no_request_after_it(
     tmp_path: Path,
 ) -> None:
-    # The look at ended leases comes RELEASE_GRACE after a grant. A lease that outlives it
-    # and ends over the budget wakes the actor itself: with nothing asked of the pool after
-    # it, the pool still comes back within its budget.
+    # A lease still held when the actor next takes note holds its value outside the budget.
+    # Ended over the budget, it wakes the actor itself: with nothing asked of the pool
+    # after it, the pool comes back within its budget.
     ts = make_tensors(tmp_path, 3, numel=1024)
     budget = 2 * 4096
     with TensorResidencyPool(max_cached_bytes=budget) as pool:
-        for t in ts[:2]:
-            pool.resolve(t)
+        pool.resolve(ts[0])
         actor = pool._actor  # read as is: what the actor did unasked
-        with pool.acquire(ts[2]):  # a miss: granted by the actor, held outside the budget
-            assert actor.expecting, "no look at ended leases is due after a grant"
-            deadline = time.monotonic() + 30
-            while actor.expecting and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert not actor.expecting, "the look at ended leases never came"
+        with pool.acquire(ts[1]):  # a miss, granted by the actor
+            pool.resolve(ts[2])  # a miss: its step counts the lease as holding ts[1]
             assert actor.resident_bytes == 3 * 4096  # the leased value is on top of the budget
         deadline = time.monotonic() + 30
         while actor.resident_bytes > budget and time.monotonic() < deadline:
             time.sleep(0.001)
-        assert actor.resident_bytes <= budget, "a lease ended after the look was never heard"
+        assert actor.resident_bytes <= budget, "a lease ended over the budget was never heard"
         assert not pool.is_resident(ts[0])  # the least recently used value left
         check_invariants(pool)
+
+
+class _CountingLoop(asyncio.SelectorEventLoop):
+    """An event loop counting the callbacks other threads send it and the timers it arms."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sent = 0
+        self.timers = 0
+
+    def call_soon_threadsafe(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.sent += 1
+        return super().call_soon_threadsafe(*args, **kwargs)
+
+    def call_at(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        self.timers += 1
+        return super().call_at(*args, **kwargs)
+
+
+def test_a_sync_acquire_that_misses_and_ends_at_once_costs_the_loop_what_a_resolve_costs(
+    tmp_path: Path,
+) -> None:
+    # Every request misses (8 tensors cycled through a budget of 2). A miss of either face
+    # sends the loop the request and the load's end; a lease ended at once adds nothing: no
+    # wake-up and no timer.
+    ts = make_tensors(tmp_path, 8, numel=1024)
+    loop = _CountingLoop()
+    sent: dict[str, tuple[int, int, int]] = {}
+
+    def run(pool: TensorResidencyPool, face: str) -> None:
+        misses, calls, timers = pool.stats().misses, loop.sent, loop.timers
+        for _ in range(3):
+            for t in ts:
+                if face == "resolve":
+                    pool.resolve(t)
+                else:
+                    with pool.acquire(t):
+                        pass
+        # (read before stats(), which may send the loop a call of its own)
+        calls, timers = loop.sent - calls, loop.timers - timers
+        sent[face] = (pool.stats().misses - misses, calls, timers)
+
+    async def main() -> None:
+        async with TensorResidencyPool(max_cached_bytes=2 * 4096) as pool:
+            await asyncio.to_thread(run, pool, "resolve")
+            await asyncio.to_thread(run, pool, "acquire")
+            check_invariants(pool)
+
+    try:
+        loop.run_until_complete(main())
+    finally:
+        loop.close()
+    assert sent["resolve"] == (24, 48, 0), sent
+    assert sent["acquire"] == sent["resolve"]
 
 
 @pytest.mark.asyncio

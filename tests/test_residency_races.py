@@ -564,7 +564,7 @@ def test_a_loop_run_in_short_bursts_serves_a_request_longer_than_the_patience(
 
 
 def test_reads_of_the_state_never_wait_for_a_stopped_loop(tmp_path: Path) -> None:
-    """A lease ended while the pool's loop is stopped rides on a look at ended leases that
+    """A lease ended over the budget while the pool's loop is stopped sends a wake-up that
     only that loop can run; reads of the state from threads answer at once meanwhile."""
     t = _tensor(tmp_path, "t", 1.0)
     loop = asyncio.new_event_loop()
@@ -585,7 +585,7 @@ def test_reads_of_the_state_never_wait_for_a_stopped_loop(tmp_path: Path) -> Non
     took: list[float] = []
 
     def read() -> None:
-        held[0].__exit__(None, None, None)  # over the budget: the loop's next look evicts
+        held[0].__exit__(None, None, None)  # over the budget: the wake-up evicts
         started = time.monotonic()
         pool.stats(), pool.resident_bytes, pool.is_resident(t), repr(pool)
         took.append(time.monotonic() - started)
@@ -1308,19 +1308,17 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
 
 
 def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     """An acquire waiting for its load is abandoned; while the loop thread gives back what it
-    holds, another thread ends a lease over the budget, whose release rides on the look at
-    ended leases that is due. The reservation is given back all the same: nothing is left
-    awaited, and the pool closes."""
-    monkeypatch.setattr(_runtime, "RELEASE_GRACE", 60.0)  # the look stays due all along
+    holds, another thread ends a lease over the budget, whose wake-up waits behind that. The
+    reservation is given back all the same: nothing is left awaited, and the pool closes."""
     held, wanted = _tensor(tmp_path, "held"), _tensor(tmp_path, "wanted")
     code, caller = Actor.sync.__code__, Actor.abandon_acquire.__code__
     with paused_in_new_threads(code, caller=caller) as point:
         pool = TensorResidencyPool(max_cached_bytes=0)
         owned = pool.acquire(held)
-        owned.__enter__()  # granted by the loop thread: a look at ended leases is due
+        owned.__enter__()  # granted by the loop thread; no budget: counted as held at once
         gate = threading.Event()
         assert pool._runtime.loop is not None
         pool._runtime.loop.call_soon_threadsafe(gate.wait, 30)  # the loop waits for the gate
@@ -1330,7 +1328,7 @@ def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_r
         point.armed.set()
         gate.set()
         assert point.paused.wait(30)  # the loop thread is giving back what the acquire holds
-        owned.__exit__(None, None, None)  # over the budget: rides on the look that is due
+        owned.__exit__(None, None, None)  # over the budget: a wake-up, queued
         point.go()
         settle(pool)
     assert _leased(pool) == 0
@@ -1338,13 +1336,12 @@ def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_r
     assert pool.closed
 
 
-def test_a_read_of_the_state_waits_for_the_look_at_ended_leases_under_way(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+def test_a_read_of_the_state_waits_for_the_wake_up_for_ended_leases_under_way(
+    tmp_path: Path,
 ) -> None:
-    """Leases ended over the budget ride on the look at ended leases that is due; the loop
-    thread is paused while that look applies them. A read of the state from another thread
-    then waits for the look's end: it never sees the pool over its budget."""
-    monkeypatch.setattr(_runtime, "RELEASE_GRACE", 0.2)  # the releases ride on the look
+    """Leases ended over the budget wake the loop; the loop thread is paused while that
+    wake-up applies them. A read of the state from another thread then waits for the
+    wake-up's end: it never sees the pool over its budget."""
     a, b = _tensor(tmp_path, "a"), _tensor(tmp_path, "b")
     with (
         paused_in_new_threads(Actor._apply.__code__, on="call") as point,
@@ -1352,11 +1349,11 @@ def test_a_read_of_the_state_waits_for_the_look_at_ended_leases_under_way(
     ):
         leases = [pool.acquire(a), pool.acquire(b)]
         for lease in leases:
-            lease.__enter__()  # two values held, outside the budget of one
+            lease.__enter__()  # two values held: a budget of one, and the first outside it
         point.armed.set()
         for lease in leases:
-            lease.__exit__(None, None, None)  # the second puts the pool over its budget
-        assert point.paused.wait(30)  # the look is applying them
+            lease.__exit__(None, None, None)  # the first puts the pool over its budget
+        assert point.paused.wait(30)  # the wake-up is applying them
         seen: list[int] = []
         reader = threading.Thread(target=lambda: seen.append(pool.resident_bytes))
         reader.start()
@@ -1364,7 +1361,7 @@ def test_a_read_of_the_state_waits_for_the_look_at_ended_leases_under_way(
         early = list(seen)
         point.go()
         reader.join(30)
-        assert not early, f"a read saw {early[0]} bytes while the look was under way"
+        assert not early, f"a read saw {early[0]} bytes while the wake-up was under way"
         assert seen == [NBYTES]
 
 

@@ -67,15 +67,7 @@ class Actor:
         # Ends when the close under way ends (or gives up): another close waits for it.
         self.close_ended: Job | None = None
         self.submit: SubmitJob | None = None  # set by the runtime while it serves
-        # Set by the runtime while it serves: have the actor look at ended leases within
-        # RELEASE_GRACE seconds (a timer of the loop; loop thread).
-        self.expect_releases: Callable[[], None] | None = None
-        # Such a look is due (under the lock): a release over the budget sends no wake-up.
-        self.expecting = False
-        # Releases over the budget rode on that look and it has not come yet (under the
-        # lock): reads of the state from other threads have it run first.
-        self.deferred = False
-        # A transition is applying what other threads did (set with the flags above are
+        # A transition is applying what other threads did (set as the wake-up flag below is
         # cleared, so that reads of the state from other threads wait for its end).
         self.syncing = False
         self.jobs: set[Job] = set()
@@ -179,8 +171,8 @@ class Actor:
     def _grant(self, slot: Slot, holder: Holder, note: bool = True) -> None:
         """Give ``holder`` a lease on ``slot`` (under the lock). The count and the holder
         change together, before any call an interrupt could land on. ``note``: queue the
-        slot for the actor's next look at its leases (the actor granting on its own thread
-        tracks the lease at once instead)."""
+        slot for the actor's next transition, which counts its leases (the actor taking a
+        value back for a lease counts it at once instead)."""
         slot.leases += 1
         slot.writers += holder.read_write
         holder.slot = slot
@@ -313,9 +305,6 @@ class Actor:
             if budget is None or cached + self._released_bytes <= budget:
                 return False
         pending, self._wake_pending = self._wake_pending, True
-        if not pending and self.expecting:  # the look that is due takes note
-            self.deferred = True
-            return False
         return not pending
 
     def drop(self, holder: Holder, changed: bool) -> None:
@@ -351,9 +340,8 @@ class Actor:
             self._touches.clear()
             changed = list(self._changed)
             self._changed.clear()
-            self.syncing = True  # before the flags a reader looks at first
+            self.syncing = True  # before the flag a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
-            self.deferred = False
             self._released_bytes = 0
             for slot in changed:
                 slot.changed = False
@@ -387,23 +375,11 @@ class Actor:
         with self.lock:  # before sync: a lease ended after this point sends its own wake-up
             self.syncing = True
             self._wake_pending = False
-            self.deferred = False
             self._released_bytes = 0
         try:
             self.sync()
         finally:
             self.syncing = False
-
-    def look_at_releases(self) -> None:
-        """The look at ended leases that :attr:`expect_releases` scheduled (loop thread):
-        releases from now on send their own wake-up again."""
-        with self.lock:
-            self.expecting = False
-        self.leases_ended()
-
-    def set_expecting(self, expecting: bool) -> None:
-        with self.lock:
-            self.expecting = expecting
 
     def check_open(self) -> None:
         if self.closed:
@@ -612,23 +588,22 @@ class Actor:
                 self._hits += request
             slot = entry.slot
             assert slot is not None
-            if ticket.waiting and entry.waiters == 1 and not slot.tracked:
-                # Its reservation becomes the lease: the value stays held and in use, so
-                # only the slot's tracking changes hands (what _hold would conclude).
+            if slot.open:
+                # Taken as a thread takes a lease on a hit: the next transition counts it
+                # as holding the value if it still does, and one ended before then costs
+                # the actor nothing more. Meanwhile the value counts toward the budget (an
+                # eviction skips it, and counts it as held then).
                 with self.lock:
-                    self._grant(slot, ticket.holder, note=False)
-                    slot.tracked = True
-                    if slot.dirty:
-                        self._take_dirty(entry)
-                entry.waiters = 0
-            else:
+                    self._grant(slot, ticket.holder)
+                if ticket.waiting:  # its reservation ends with the grant
+                    self._hold(entry, waiters=-1)
+                    self.enforce()
+            else:  # a value on its way out (a write-back runs): the lease takes it back
                 with self.lock:
                     self._grant(slot, ticket.holder, note=False)
                 self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
-            if not self.expecting and self.expect_releases is not None:
-                self.expect_releases()  # a look at ended leases is due (none is yet)
-            # No touch: a held value is out of the eviction order; its release touches it.
+            # No touch: the lease's end touches the value.
             return entry.value
         if ticket.first:
             self._misses += request
@@ -644,9 +619,7 @@ class Actor:
         """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
         unchanged, or its reservation."""
         self.sync()
-        # Another thread's release may have ridden on a look at ended leases meanwhile
-        # (``deferred``): looking now does not replace giving back the reservation.
-        if self.release(ticket.holder, changed=False) or self.deferred:
+        if self.release(ticket.holder, changed=False):
             self.leases_ended()
         if ticket.waiting:
             ticket.waiting = False

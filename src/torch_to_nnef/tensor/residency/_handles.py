@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Generator
-from threading import get_ident
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -55,10 +54,10 @@ this does nothing) skips the call.
 
 def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
     """End ``holder``'s lease if it holds one (any thread; idempotent); when that puts the
-    pool over its budget, the actor hears of it without waiting (a wake-up, or the look at
-    ended leases it has due within ``RELEASE_GRACE``). ``changed``: a
-    ``read_write`` lease that was entered, whose change is kept; on a CUDA value it records
-    an event on the caller's current stream, which the write-back waits for."""
+    pool over its budget, the actor hears of it without waiting (a wake-up of its loop).
+    ``changed``: a ``read_write`` lease that was entered, whose change is kept; on a CUDA
+    value it records an event on the caller's current stream, which the write-back waits
+    for."""
     slot = holder.slot
     if slot is None:
         return
@@ -70,8 +69,6 @@ def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
     actor = pool._actor
     if actor.release(holder, changed):
         pool._runtime.notify(actor.leases_ended)
-    elif actor.deferred and pool._runtime.thread_id == get_ident():
-        actor.leases_ended()  # it rode on the actor's next look: on its thread, look now
     if refused is not None:
         raise refused
 

@@ -16,12 +16,12 @@ closed), then stops the private loops (each runs what was posted, then its worke
 jobs to their end), and waits for those a collected pool's close was stopping, before the
 interpreter tears down.
 
-**Ended leases.** A thread ending a lease the actor counts as in use wakes the loop when the
-value, back in the cache, puts the pool over its budget, unless the actor has a look at ended
-leases due: one is scheduled (a timer, :data:`RELEASE_GRACE` after a grant) whenever the actor
-grants a lease, so that a lease ended soon after its grant rides on it. Reads of the state
-from other threads (:meth:`Runtime.catch_up`) have that look run first, and wait for the end
-of one under way.
+**Ended leases.** The actor grants a lease on a loaded value as a thread takes one on a hit:
+its next transition counts the lease as holding the value if it still does. A thread ending a
+lease the actor counts so wakes the loop when the value, back in the cache, puts the pool over
+its budget (one wake-up at a time: later releases ride on it). Reads of the state from other
+threads (:meth:`Runtime.catch_up`) wait for those wake-ups, and for the end of a transition
+applying them.
 
 **The driver.** Every request is an :class:`Operation` whose ``step`` runs on the loop thread
 and returns a value, or a :class:`~torch_to_nnef.tensor.residency._state.Job` to wait for.
@@ -98,16 +98,6 @@ class Operation:
         """The result was produced but its caller left: give back what it holds."""
         self.abandon()
 
-
-RELEASE_GRACE = 0.002
-"""Seconds after granting a lease within which the actor looks at ended leases by itself:
-a lease that ends before then and puts the pool over its budget sends no wake-up (the look,
-or any request sent meanwhile, evicts); later ones wake the loop. One timer at a time, armed
-by the first grant after the last look: a busy pool's loop wakes for it at most once per
-grace (uvloop's timers count whole milliseconds, so 1 ms fired on about every fourth miss of
-the churn benchmark). A longer grace wakes the loop less but keeps ended leases over the
-budget longer: with 5 ms, streaming 384 MiB through a 96 MiB budget peaked 1 to 2 MiB
-higher (benchmarks/bench_memory.py)."""
 
 STOPPED_LOOP_PATIENCE = 2.0
 """Seconds a request from another thread (or loop) waits on a loop of the caller's
@@ -462,7 +452,6 @@ class Runtime:
         self._sent = 0
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
-        self._grace: asyncio.TimerHandle | None = None  # the actor's look at releases
         self._unposted: list[Job] = []  # jobs that ended after the loop stopped serving
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
@@ -563,7 +552,6 @@ class Runtime:
         self._pid = os.getpid()
         self._workers = Workers(self._max_workers, self._job_ended)
         self.actor.submit = self._submit
-        self.actor.expect_releases = self._expect_releases
         with self._lock:
             self.thread_id = threading.get_ident()
             self.loop = loop
@@ -573,11 +561,6 @@ class Runtime:
             self.loop = None
             self.thread_id = None
         self.actor.submit = None
-        self.actor.expect_releases = None
-        timer, self._grace = self._grace, None
-        if timer is not None:
-            timer.cancel()
-        self.actor.set_expecting(False)
         workers, self._workers = self._workers, None
         return workers
 
@@ -752,14 +735,10 @@ class Runtime:
         return True
 
     def catch_up(self) -> None:
-        """Wait until the notifications sent so far ran, releases that rode on the actor's
-        next look at them were seen, and a transition applying them ended (reads of state
-        from other threads). Reads never block: on a loop of the caller's that is not
-        running, they answer at once, with the state as that loop left it."""
-        actor = self.actor
-        if (self._sent == self._ran and not actor.deferred and not actor.syncing) or (
-            not self.running
-        ):
+        """Wait until the notifications sent so far ran and a transition applying them ended
+        (reads of state from other threads). Reads never block: on a loop of the caller's
+        that is not running, they answer at once, with the state as that loop left it."""
+        if (self._sent == self._ran and not self.actor.syncing) or not self.running:
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
@@ -767,25 +746,8 @@ class Runtime:
             return  # nothing would run them before that loop runs again
         done = Reply()
         with contextlib.suppress(T2NErrorMisuse):
-            self.post(self._caught_up, done)
+            self.post(done.set_result, None)
             self.wait(done)
-
-    def _caught_up(self, done: Reply) -> None:
-        if self.actor.deferred:
-            self.actor.leases_ended()
-        done.set_result(None)
-
-    def _expect_releases(self) -> None:
-        """A lease was granted (loop thread): look at ended leases within
-        :data:`RELEASE_GRACE` seconds, and let releases over the budget until then ride on
-        that look instead of each waking the loop. A request sent meanwhile looks first."""
-        if self._grace is None and self.loop is not None:
-            self.actor.set_expecting(True)
-            self._grace = self.loop.call_later(RELEASE_GRACE, self._look_at_releases)
-
-    def _look_at_releases(self) -> None:
-        self._grace = None
-        self.actor.look_at_releases()
 
     # ------------------------------------------------------------------------------------------
     # Workers
