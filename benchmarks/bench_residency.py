@@ -31,9 +31,10 @@ operation over the reference's, and the cost per operation at 20,000 tensors ove
 2,000. Targets: the pool within 2x of the reference; cost per operation flat (within 1.5x)
 from 2,000 to 20,000 tensors; on the hot-set pattern, ``with pool.acquire(t)`` (sync face)
 not slower than ``pool.resolve(t)`` (within 1.1x of its cost per operation: the median of
-five rounds running one then the other, with the spread of the rounds and the same ratio by
-the process's CPU time, which waiting for a busy core does not inflate). Every payload
-lives in one ``.safetensors`` checkpoint read in place, and the page cache is warm.
+nine rounds running both, which goes first alternating, with the spread of the rounds and
+the same ratio by the process's CPU time, which waiting for a busy core does not inflate).
+Every payload lives in one ``.safetensors`` checkpoint read in place, and the page cache is
+warm.
 
 ``--part bulk`` (``bulk_prefetch.json``): 16 payloads of 32 MiB (warm page cache) prefetched
 at once into a pool with ``max_workers=2`` and no budget, then waited for, against the
@@ -520,19 +521,26 @@ async def churn_async(
 
 
 CHURN_RUNS = ("reference", "pool, sync face", "pool, sync acquire", "pool, async face")
-ACQUIRE_PAIRS = 5
-"""Rounds of sync resolve then sync acquire on the hot-set pattern, for their ratio."""
+ACQUIRE_PAIRS = 9
+"""Rounds of sync resolve and sync acquire on the hot-set pattern, for their ratio: each round
+runs both, the first alternating from one round to the next, so that neither gains from its
+place (the machine's noise varies a round's cost by a third at 20,000 tensors)."""
 
 
 def acquire_over_resolve(
     warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int, pairs: int
 ) -> dict[str, Any]:
-    """Cost per op of sync acquire over sync resolve: ``pairs`` rounds of one then the other
-    (fresh pools), the ratio of each round; the median, the spread, and the same by CPU time."""
+    """Cost per op of sync acquire over sync resolve: ``pairs`` rounds of both (fresh pools),
+    which goes first alternating, the ratio of each round; the median, the spread, and the
+    same by CPU time."""
     wall, cpu = [], []
-    for _ in range(pairs):
-        resolve = churn_sync(warmup, timed, budget)
-        acquire = churn_sync_acquire(warmup, timed, budget)
+    for round_index in range(pairs):
+        if round_index % 2:
+            acquire = churn_sync_acquire(warmup, timed, budget)
+            resolve = churn_sync(warmup, timed, budget)
+        else:
+            resolve = churn_sync(warmup, timed, budget)
+            acquire = churn_sync_acquire(warmup, timed, budget)
         wall.append(acquire["us_per_op"] / resolve["us_per_op"])
         cpu.append(acquire["cpu_us_per_op"] / resolve["cpu_us_per_op"])
     return {
