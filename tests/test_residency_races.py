@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 import torch
-from breakpoints import line_of, paused_in_new_threads
+from breakpoints import Breakpoint, line_of, paused_in_new_threads
 from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, settle
 
@@ -1305,6 +1305,55 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
     pool.close()
     assert bool((on_disk(ts[2]) == 7.0).all())
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
+def test_a_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within_its_budget(
+    tmp_path: Path,
+) -> None:
+    """A thread's lease on ``a`` (granted on a miss: it counts toward the budget) ends just as
+    the load of ``b``, the last step of all, counts it as holding ``a``. Had that thread
+    seen the value not counted as held (no wake-up) and the step counted it after (held, by
+    no lease), the idle pool would stay over its budget for good."""
+    a, b = _tensor(tmp_path, "a", 1.0), _tensor(tmp_path, "b", 2.0)
+    loaded = Breakpoint(OffloadedTensor._reload_unmanaged.__code__, "return")
+    counted = Breakpoint(Actor._hold.__code__, "call", caller=Actor._apply.__code__)
+    inside, leave = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(a) as value:
+            assert value[0].item() == 1.0
+            inside.set()
+            leave.wait(30)
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        return loaded._trace(frame, event, arg) or counted._trace(frame, event, arg)
+
+    threading.settrace(trace)
+    try:
+        pool = TensorResidencyPool(max_cached_bytes=NBYTES, max_workers=2)
+        loaded.armed.set()
+        handle = pool.prefetch(b)
+        assert loaded.paused.wait(30)  # b's load ends on a worker, held there
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert inside.wait(30)  # a was loaded by the other worker, and leased
+        counted.armed.set()
+        loaded.go()
+        assert counted.paused.wait(30)  # b's load ended: its step counts a's lease
+        leave.set()
+        holder.join(0.5)  # the lease ends meanwhile, or waits for the count to end
+        counted.go()
+        holder.join(30)
+    finally:
+        threading.settrace(None)  # type: ignore[arg-type]
+        loaded.go()
+        counted.go()
+    assert torch.equal(handle.wait(), torch.full((NUMEL,), 2.0))
+    time.sleep(0.05)
+    # Read before any request (check_invariants takes note of what threads did, as a step).
+    assert pool.resident_bytes <= NBYTES, "an idle pool is over its budget"
+    assert _leased(pool) == 0
+    pool.close()
 
 
 def test_an_acquire_abandoned_while_another_thread_ends_a_lease_gives_back_its_reservation(

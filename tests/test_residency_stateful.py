@@ -77,14 +77,19 @@ class _Model:
         del self.retained[i]
         self.evictions += 1
 
-    def enforce(self) -> None:
+    def enforce(self, granted: int | None = None) -> None:
+        """Evict down to the budget. ``granted``: a value just loaded for a lease, which
+        counts toward the budget at its grant (it is not evicted), until the pool's next
+        step counts its lease as holding it."""
         for i in [k for k in self.order if not self.held(k) and not self.retained[k]]:
             self.remove(i)
         if self.strategy is ResidencyStrategy.FIXED:
             return
         # In-use values (leased, not pinned) are outside the budget.
         total = sum(
-            self.nbytes(k) for k in self.order if not (self.leases[k] and k not in self.pinned)
+            self.nbytes(k)
+            for k in self.order
+            if k == granted or not (self.leases[k] and k not in self.pinned)
         )
         for i in list(self.order):
             if total <= BUDGET:
@@ -147,11 +152,12 @@ class PoolMachine(RuleBasedStateMachine):
     def acquire(self, i: int, read_write: bool) -> None:
         lease = self.pool.acquire(self.tensors[i], mode="read_write" if read_write else "read")
         value = lease.__enter__()
+        missed = i not in self.model.order
         self.model.access(i, count=True)
         self.model.leases[i] += 1
         assert float(value[0]) == self.model.memory[i]
         self.open_leases.append((i, lease, value, read_write))
-        self.model.enforce()
+        self.model.enforce(granted=i if missed and self.model.retained[i] else None)
 
     @precondition(lambda self: self.open_leases)
     @rule(data=st.data())

@@ -358,15 +358,19 @@ class Actor:
         released = False
         superseded = self.superseded
         for slot in changed:
-            leased = slot.leases > 0  # as of now: a later change is queued behind
-            if superseded and not leased:
-                superseded.discard(slot)
-            if leased == slot.tracked:
-                continue  # e.g. a lease taken and ended since the last look
-            entry = slot.entry
-            if self.entries.get(entry.key) is entry and entry.slot is slot:
-                self._hold(entry, track=leased)
-                released = released or not leased
+            # The leases are counted and acted on in one hold of the lock: a lease that
+            # ends meanwhile finds the value counted as held (and tells the actor if it
+            # must), or not, never counted after it ended. A later change is queued behind.
+            with self.lock:
+                leased = slot.leases > 0
+                if superseded and not leased:
+                    superseded.discard(slot)
+                if leased == slot.tracked:
+                    continue  # e.g. a lease taken and ended since the last look
+                entry = slot.entry
+                if self.entries.get(entry.key) is entry and entry.slot is slot:
+                    self._hold(entry, track=leased)
+                    released = released or not leased
         if released:
             self.enforce()
 
@@ -795,14 +799,14 @@ class Actor:
         slot = entry.slot
         if slot is None:
             return True
-        with self.lock:
+        with self.lock:  # counted and acted on at once, as in _apply
             leased = bool(slot.leases)
             if not leased:
                 slot.open = False
                 self.published.pop(entry.key, None)
             self._take_dirty(entry)
-        if leased != slot.tracked:
-            self._hold(entry, track=leased)
+            if leased != slot.tracked:
+                self._hold(entry, track=leased)
         return not leased
 
     def _reopen(self, entry: Entry) -> None:
