@@ -4,6 +4,7 @@ signal handler (Ctrl-C)."""
 
 from __future__ import annotations
 
+import gc
 import inspect
 import sys
 from collections.abc import Callable
@@ -30,9 +31,9 @@ class InterruptAt:
         self.fired = False
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Trace | None:
-        if event not in ("call", "return") or in_finalizer(frame):
+        if event not in ("call", "return") or self.within not in frame.f_code.co_filename:
             return None
-        if self.within not in frame.f_code.co_filename:
+        if in_finalizer(frame):
             return None
         if event == "return" and (not self.returns or frame.f_code.co_flags & _SUSPENDS):
             return None  # a generator's yields are no returns
@@ -48,13 +49,18 @@ _FINALIZERS = ("weakref.py", "_weakrefset.py")
 
 
 def in_finalizer(frame: FrameType) -> bool:
-    """Whether ``frame`` is a finalizer's (``__del__``, a ``weakref.finalize`` or weak
-    reference callback), which a garbage collection runs amid whatever code: an interrupt
-    raised there is lost by Python (reported as unraisable), whatever the code does."""
-    if frame.f_code.co_name == "__del__" or frame.f_code.co_filename.endswith(_FINALIZERS):
-        return True
-    caller = frame.f_back
-    return caller is not None and caller.f_code.co_filename.endswith(_FINALIZERS)
+    """Whether ``frame`` runs in a finalizer (``__del__``, a ``weakref.finalize`` or weak
+    reference callback) or a garbage collection's callback, which a collection runs amid
+    whatever code: the finalizer's own frame, or any it called (a payload file's removal
+    closing its descriptor). An interrupt raised there is lost by Python (reported as
+    unraisable), whatever the code does. It looks at the whole stack: ask it last."""
+    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "__del__" or code.co_filename.endswith(_FINALIZERS) or code in callbacks:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
 
 
 _SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR

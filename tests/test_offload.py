@@ -744,6 +744,30 @@ def _sigint_at_call(n: int) -> Callable[[FrameType, str, Any], None]:
     return trace
 
 
+def test_the_interrupt_traces_skip_every_frame_a_collection_runs(tmp_path: Path) -> None:
+    """A collection frees an earlier tensor amid a traced call: every frame of the package
+    it runs (the gc callback, the payload file's removal and the descriptor it closes) is a
+    finalizer's, where an injected interrupt would be lost; a plain read's are not."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(8), "t", tmp_path)
+    t.reload()  # its descriptor is kept: the removal closes it
+    seen: list[tuple[str, bool]] = []
+
+    def trace(frame: FrameType, event: str, arg: Any) -> None:
+        if event == "call" and "torch_to_nnef" in frame.f_code.co_filename:
+            seen.append((frame.f_code.co_name, in_finalizer(frame)))
+
+    cycle: list[Any] = [t]
+    cycle.append(cycle)
+    del t, cycle
+    assert interrupted(trace, gc.collect) is False
+    assert {"_remove_file", "_retire_locked"} <= {name for name, _ in seen}
+    assert all(inside for _, inside in seen), [name for name, inside in seen if not inside]
+    seen.clear()
+    u = OffloadedTensor.from_original_tensor(torch.zeros(8), "u", tmp_path)
+    interrupted(trace, u.reload)
+    assert seen and not any(inside for _, inside in seen)
+
+
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(a, b)
 
