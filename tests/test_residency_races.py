@@ -1109,14 +1109,20 @@ def test_with_pool_collected_amid_a_direct_write_of_a_tensor_it_changed_stays_op
     for `close()` instead of closing there, waiting for that write-back; the direct write,
     made on the change, stands."""
     t = _tensor(tmp_path, "t")
+    _stays_open_when_freed_at(OffloadedTensor._write_encoded.__code__, t, lambda: t.add_(1.0))
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
+def _stays_open_when_freed_at(code: CodeType, t: OffloadedTensor, write: Callable[[], Any]) -> None:
+    """A pool whose generator, suspended inside `with pool` with a change of ``t`` to 5, is
+    freed by a collection at the first call of ``code`` during ``write``: it stays open,
+    and its close (here) writes the change."""
     pool = TensorResidencyPool()
-    writing = OffloadedTensor._write_encoded.__code__
     assert _freed_by_a_collection_at(
-        writing, lambda: _suspended_inside_with_pool(pool, t, 5.0), lambda: t.add_(1.0)
-    ), "the pool's close waited for the write lock its thread held"
+        code, lambda: _suspended_inside_with_pool(pool, t, 5.0), write
+    ), "the pool's close waited for a lock its thread held"
     assert not pool.closed
     pool.close()
-    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
 
 
 @pytest.mark.parametrize("resident", [True, False], ids=["granted", "loading"])
@@ -1163,13 +1169,8 @@ def test_with_pool_collected_amid_another_tensors_write_stays_open(tmp_path: Pat
     from torch_to_nnef.tensor.storage import _descriptors
 
     t, u = _tensor(tmp_path, "t"), _tensor(tmp_path, "u")
-    pool = TensorResidencyPool()
     retiring = _descriptors.Descriptors._retire_locked.__code__
-    assert _freed_by_a_collection_at(
-        retiring, lambda: _suspended_inside_with_pool(pool, t, 5.0), lambda: u.add_(1.0)
-    ), "the pool's close waited for a lock its thread held"
-    assert not pool.closed
-    pool.close()
+    _stays_open_when_freed_at(retiring, t, lambda: u.add_(1.0))
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 5.0))
     assert torch.equal(on_disk(u), torch.full((NUMEL,), 1.0))
 
