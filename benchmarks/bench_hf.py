@@ -39,7 +39,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _hf_job as job
-from _report import Row, freeze_survivors, publish, summary_row
+from _report import Row, publish, summary_row
 
 MB = 1e6
 MIB = 1 << 20
@@ -82,7 +82,12 @@ def leased_at_once(spec: job.ModelSpec, depth: int = job.STREAM_DEPTH) -> int:
 
 
 def measure(
-    spec: job.ModelSpec, path: Path, tokens: int, quick: bool, rounds: int
+    spec: job.ModelSpec,
+    path: Path,
+    tokens: int,
+    quick: bool,
+    rounds: int,
+    runner: job.ModeRunner,
 ) -> list[dict[str, Any]]:
     """Every mode, ``rounds`` times alternating; per mode the median s/token, the worst RSS."""
     budget = spec.weight_bytes // 4
@@ -107,13 +112,7 @@ def measure(
                 continue
             print(f"  round {round_ + 1}: {mode}{' (cold)' if cold else ''}", flush=True)
             count = max(2, tokens // 2) if cold else tokens  # cold: disk-bound, steadier
-            if quick:  # in this process: a fresh interpreter per mode costs more than the runs
-                freeze_survivors()  # with the modules the previous runs imported
-                result = job.run_mode(mode, path, budget=budget, tokens=count, cold=cold)
-            else:
-                result = job.run_in_subprocess(
-                    mode, path, budget=budget, tokens=count, cold=cold, progress=False
-                )
+            result = runner.run(mode, path, budget=budget, tokens=count, cold=cold, progress=False)
             measured[(mode, cold)].append(result)
     results = []
     for samples in measured.values():
@@ -223,14 +222,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     # measurement swings with the rest of the machine; a low one would flatter the pool).
     measured = [] if arguments.quick else [job.disk_read_bandwidth(p) for p in paths.values()]
     bandwidth = max(measured, default=0.0)
-    for label, spec in specs.items():
-        path = paths[label]
-        print(f"{label}: {spec.weight_bytes / 1e9:.2f} GB, {path}", flush=True)
-        runs = measure(spec, path, tokens, arguments.quick, arguments.rounds)
-        results[label] = runs
-        rows, lines = rows_for(label, spec, runs, bandwidth or float("inf"))
-        summary += rows
-        detail += lines
+    with job.ModeRunner() as runner:
+        for label, spec in specs.items():
+            path = paths[label]
+            print(f"{label}: {spec.weight_bytes / 1e9:.2f} GB, {path}", flush=True)
+            runs = measure(spec, path, tokens, arguments.quick, arguments.rounds, runner)
+            results[label] = runs
+            rows, lines = rows_for(label, spec, runs, bandwidth or float("inf"))
+            summary += rows
+            detail += lines
     details = {
         "headers": [
             "model, mode",

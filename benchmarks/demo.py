@@ -202,10 +202,11 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     started = time.perf_counter()
-    results = [
-        job.run_in_subprocess(mode, path, budget=budget, tokens=args.tokens)
-        for mode in ("dense", "accelerate", "pool")
-    ]
+    with job.ModeRunner() as runner:
+        results = [
+            runner.run(mode, path, budget=budget, tokens=args.tokens)
+            for mode in ("dense", "accelerate", "pool")
+        ]
     print()
     print(main_table(results))
     print()

@@ -110,3 +110,29 @@ def test_the_pool_of_the_job_pins_the_small_tensors(
         assert not any(pool.is_pinned(t) for t in large)
         tokens = job.generate(model, ids, 3)  # type: ignore[attr-defined]
     assert torch.equal(tokens, job.generate(dense, ids, 3))  # type: ignore[attr-defined]
+
+
+@pytest.mark.timeout(180)
+def test_the_mode_runner_runs_each_mode_in_a_child_and_reports_its_failures(
+    tmp_path: Path, modules: tuple[object, object]
+) -> None:
+    import torch
+
+    job = modules[0]
+    path = job.checkpoint(job.TINY, tmp_path / "cache", log=lambda *_: None)  # type: ignore[attr-defined]
+    dense = job.load("dense", path, 0, tmp_path / "unused")  # type: ignore[attr-defined]
+    vocab = dense.config.vocab_size
+    ids = torch.randint(
+        0, vocab, (1, job.PROMPT_LENGTH), generator=torch.Generator().manual_seed(1)
+    )  # type: ignore[attr-defined]
+    expected = job.generate(dense, ids, 4).tolist()  # type: ignore[attr-defined]
+    with job.ModeRunner() as runner:  # type: ignore[attr-defined]
+        pool = runner.run("pool", path, budget=1 << 20, tokens=4, progress=False)
+        assert pool["mode"] == "pool" and pool["tokens"] == expected
+        assert pool["bytes_read_per_token"] > 0  # the pool of the child read the weights
+        with pytest.raises(RuntimeError, match=r"^pool failed \(exit 1\)"):
+            runner.run("pool", tmp_path / "missing", budget=1 << 20, tokens=1, progress=False)
+        with pytest.raises(RuntimeError, match=r"^dense failed \(ran past its 0.01 s\)"):
+            runner.run("dense", path, budget=0, tokens=1, progress=False, timeout=0.01)
+        again = runner.run("accelerate", path, budget=1 << 20, tokens=4, progress=False)
+        assert again["tokens"] == expected  # the runner serves on after its children failed
