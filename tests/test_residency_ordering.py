@@ -1143,6 +1143,36 @@ def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Pat
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))  # the parent's, renamed last
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_child_forked_inside_a_lease_granted_on_a_miss_ends_it_and_reads_its_change(
+    tmp_path: Path,
+) -> None:
+    """Forked inside ``with pool.acquire(t, mode="read_write")`` on a miss (a lease the
+    actor has not looked at yet), the pool full: in the child, the lease ends without
+    waiting for the parent's loop, every read sees the change, and a new pool serves it; in
+    the parent, the lease ends as usual and the change is written back."""
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
+    with TensorResidencyPool(max_cached_bytes=NUMEL * 4) as pool:
+        pool.resolve(ts[1])
+        lease = pool.acquire(ts[0], mode="read_write")
+        lease.__enter__().fill_(7.0)
+
+        def child() -> str:
+            lease.__exit__(None, None, None)
+            with TensorResidencyPool() as own:
+                seen = [
+                    float(ts[0].reload()[0]),
+                    float((ts[0] + 0)[0]),
+                    float(own.resolve(ts[0])[0]),
+                ]
+            return repr(seen) + "," + _outcomes(lambda: pool.resolve(ts[0]), pool.close)
+
+        assert in_forked_child(child, seconds=20) == repr([7.0] * 3) + ",forked,forked"
+        lease.__exit__(None, None, None)
+    assert torch.equal(on_disk(ts[0]), torch.full((NUMEL,), 7.0))
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. copy.deepcopy inside a scope
 # ---------------------------------------------------------------------------------------------
