@@ -19,6 +19,7 @@ import signal
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Awaitable, Callable, Generator, Iterator
 from contextlib import contextmanager, nullcontext, suppress
 from pathlib import Path
@@ -161,13 +162,26 @@ def _freed_by_a_collection_at(
     """Make the generator ``suspended()`` returns garbage (in a reference cycle, collections
     off meanwhile), then run ``call`` as :func:`_collected_at_a_call` does, a collection
     landing at the first call of ``code``: that collection frees the generator there.
-    Return whether it did, and ``call``'s thread ended."""
+    Return whether it did, and ``call``'s thread ended; fail the test when the collection
+    ran but did not free the generator (the test would prove nothing): a collection asked
+    for while another thread's runs returns at once, collecting nothing."""
     gc.disable()
     try:
-        cycle: list[Any] = [suspended()]
+        generator = suspended()
+        alive = weakref.ref(generator)
+        cycle: list[Any] = [generator]
         cycle.append(cycle)
-        del cycle
-        return _collected_at_a_call(code, collect, call)
+        del cycle, generator
+        freed: list[bool] = []
+
+        def collect_and_look() -> None:
+            collect()
+            freed.append(alive() is None)
+
+        ended = _collected_at_a_call(code, collect_and_look, call)
+        if freed == [False]:
+            pytest.fail("the collection did not free the generator (another one was running)")
+        return ended
     finally:
         gc.enable()
 
