@@ -223,6 +223,13 @@ class _Ticks:
             self.bar.close()
 
 
+def prompt(vocab: int, seed: int = 1) -> torch.Tensor:
+    """:data:`PROMPT_LENGTH` random token ids; with the default seed, the prompt every mode
+    generates from."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (1, PROMPT_LENGTH), generator=generator)
+
+
 def generate(model: nn.Module, ids: torch.Tensor, tokens: int) -> torch.Tensor:
     with torch.no_grad():
         out: torch.Tensor = model.generate(  # type: ignore[operator]
@@ -335,8 +342,7 @@ def _measure(
 ) -> dict[str, Any]:
     import transformers
 
-    vocab = transformers.AutoConfig.from_pretrained(path).vocab_size
-    ids = torch.randint(0, vocab, (1, PROMPT_LENGTH), generator=torch.Generator().manual_seed(1))
+    ids = prompt(transformers.AutoConfig.from_pretrained(path).vocab_size)
     if not cold:
         reset_page_cache(path)
     baseline = _rss()

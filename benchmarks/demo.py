@@ -91,10 +91,7 @@ def serve(path: Path, budget: int, requests: int, tokens: int) -> Serving:
     inner = model.model  # type: ignore[attr-defined]
     modules = [inner.embed_tokens, *inner.layers, inner.norm, model.lm_head]  # type: ignore[attr-defined]
     vocab = model.config.vocab_size  # type: ignore[attr-defined]
-    prompts = [
-        torch.randint(0, vocab, (1, job.PROMPT_LENGTH), generator=torch.Generator().manual_seed(s))
-        for s in range(requests)
-    ]
+    prompts = [job.prompt(vocab, seed) for seed in range(requests)]
 
     async def run(concurrently: bool) -> tuple[float, int, list[list[int]]]:
         outputs: list[list[int]] = [[] for _ in prompts]

@@ -32,6 +32,14 @@ def modules() -> Iterator[tuple[object, object]]:
         sys.path.remove(str(BENCHMARKS))
 
 
+@pytest.fixture
+def tiny_checkpoint(tmp_path: Path, modules: tuple[object, object]) -> Path:
+    """The checkpoint of the job's tiny Llama-style model, built in this test's directory."""
+    job = modules[0]
+    path: Path = job.checkpoint(job.TINY, tmp_path / "cache", log=lambda *_: None)  # type: ignore[attr-defined]
+    return path
+
+
 def cached(path: Path) -> bool:
     """Whether every page of ``path`` is in the page cache (a read that may not wait)."""
     fd = os.open(path, os.O_RDONLY)
@@ -90,14 +98,13 @@ def test_the_memory_bound_counts_the_modules_leased_at_once(
 
 @pytest.mark.timeout(180)
 def test_the_pool_of_the_job_pins_the_small_tensors(
-    tmp_path: Path, modules: tuple[object, object]
+    tmp_path: Path, modules: tuple[object, object], tiny_checkpoint: Path
 ) -> None:
     import torch
 
     from torch_to_nnef.tensor import OffloadedTensor
 
-    job = modules[0]
-    path = job.checkpoint(job.TINY, tmp_path / "cache", log=lambda *_: None)  # type: ignore[attr-defined]
+    job, path = modules[0], tiny_checkpoint
     model = job.load("pool", path, 1 << 20, tmp_path / "offload")  # type: ignore[attr-defined]
     dense = job.load("dense", path, 0, tmp_path / "unused")  # type: ignore[attr-defined]
     ids = torch.arange(1, 9).unsqueeze(0)
@@ -114,17 +121,11 @@ def test_the_pool_of_the_job_pins_the_small_tensors(
 
 @pytest.mark.timeout(180)
 def test_the_mode_runner_runs_each_mode_in_a_child_and_reports_its_failures(
-    tmp_path: Path, modules: tuple[object, object]
+    tmp_path: Path, modules: tuple[object, object], tiny_checkpoint: Path
 ) -> None:
-    import torch
-
-    job = modules[0]
-    path = job.checkpoint(job.TINY, tmp_path / "cache", log=lambda *_: None)  # type: ignore[attr-defined]
+    job, path = modules[0], tiny_checkpoint
     dense = job.load("dense", path, 0, tmp_path / "unused")  # type: ignore[attr-defined]
-    vocab = dense.config.vocab_size
-    ids = torch.randint(
-        0, vocab, (1, job.PROMPT_LENGTH), generator=torch.Generator().manual_seed(1)
-    )  # type: ignore[attr-defined]
+    ids = job.prompt(dense.config.vocab_size)  # type: ignore[attr-defined]
     expected = job.generate(dense, ids, 4).tolist()  # type: ignore[attr-defined]
     with job.ModeRunner() as runner:  # type: ignore[attr-defined]
         pool = runner.run("pool", path, budget=1 << 20, tokens=4, progress=False)
