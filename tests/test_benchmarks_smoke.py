@@ -236,3 +236,13 @@ def test_summary_gathers_every_benchmark(results: Path) -> None:
     assert "| CPUs |" in text and f"| torch | {torch.__version__} |" in text
     assert "![timeline of one streamed forward](timeline.png)" in text
     assert "did not complete" not in text
+
+
+def test_the_benchmarks_readme_describes_every_benchmark() -> None:
+    readme = (RUN_ALL.parent / "README.md").read_text()
+    described = [
+        line.split("|")[1].strip().strip("`")
+        for line in readme.splitlines()
+        if line.startswith("| `")
+    ]
+    assert sorted(described) == sorted(BENCHMARKS)
