@@ -1173,6 +1173,43 @@ def test_a_child_forked_inside_a_lease_granted_on_a_miss_ends_it_and_reads_its_c
     assert torch.equal(on_disk(ts[0]), torch.full((NUMEL,), 7.0))
 
 
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_child_forked_while_another_thread_holds_a_read_write_lease_reads_the_value_before(
+    tmp_path: Path,
+) -> None:
+    """Forked while another thread holds a ``read_write`` lease with a change under way: that
+    lease never ends in the child, so the child reads, and a new pool serves, the value from
+    before it; in the parent, the change is written back once the lease ends."""
+    ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
+    with TensorResidencyPool(max_cached_bytes=NUMEL * 4) as pool:
+        pool.resolve(ts[1])
+        changed, leave = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with pool.acquire(ts[0], mode="read_write") as value:
+                value.fill_(5.0)
+                changed.set()
+                leave.wait(30)
+
+        holder = threading.Thread(target=hold)
+        holder.start()
+        try:
+            assert changed.wait(30)
+
+            def child() -> str:
+                with TensorResidencyPool() as own:
+                    served = float(own.resolve(ts[0])[0])
+                return repr([float(ts[0].reload()[0]), float((ts[0] + 0)[0]), served])
+
+            assert in_forked_child(child, seconds=20) == repr([0.0] * 3)
+        finally:
+            leave.set()
+            holder.join(30)
+        assert torch.equal(ts[0].reload(), torch.full((NUMEL,), 5.0))
+    assert torch.equal(on_disk(ts[0]), torch.full((NUMEL,), 5.0))
+
+
 # ---------------------------------------------------------------------------------------------
 # 6. copy.deepcopy inside a scope
 # ---------------------------------------------------------------------------------------------
