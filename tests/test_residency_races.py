@@ -907,6 +907,70 @@ def test_a_reshaping_lease_collected_amid_the_pools_own_code_drops_its_change(
     assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reshaped", [False, True], ids=["changed", "reshaped"])
+def test_a_read_write_lease_dropped_without_its_exit_ends_at_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, reshaped: bool
+) -> None:
+    """A read_write lease entered and changed, then dropped without its exit (its object
+    freed, as after an interrupt on the way into ``__exit__``), while the pool's loop is
+    busy: it ends there and then, as its exit would. Its change is the tensor's latest
+    write at once: a read right after sees it, a direct write right after stands on it. A
+    change that reshaped the value is dropped, with a warning, as an exit refuses it."""
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+    pool.resolve(t)
+    busy = threading.Event()
+    pool._runtime.loop.call_soon_threadsafe(busy.wait, 10)  # type: ignore[union-attr]
+    try:
+        lease = pool.acquire(t, mode="read_write")
+        value = lease.__enter__()
+        value.fill_(5.0)
+        if reshaped:
+            value.unsqueeze_(0)
+        with caplog.at_level(logging.WARNING, logger="torch_to_nnef"):
+            del lease, value
+        assert ("reshaped or retyped in place" in caplog.text) == reshaped
+        expected = 0.0 if reshaped else 5.0
+        assert torch.equal(t.reload(), torch.full((NUMEL,), expected))
+        t.add_(1.0)
+        assert torch.equal(t.reload(), torch.full((NUMEL,), expected + 1.0))
+    finally:
+        busy.set()
+    assert _leased(pool) == 0
+    pool.close()
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), expected + 1.0))
+
+
+@pytest.mark.timeout(60)
+def test_a_lease_freed_by_a_collection_has_ended_when_the_pools_state_is_read(
+    tmp_path: Path,
+) -> None:
+    """A read_write lease left in a reference cycle, freed by a garbage collection (which
+    may land amid any code: the lease ends at the pool's next step): a read of the pool's
+    state after the collection waits for that step, and sees the lease ended and its change
+    the tensor's latest write."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+        lease = pool.acquire(t, mode="read_write")
+        lease.__enter__().fill_(3.0)
+        busy = threading.Event()  # the loop, busy elsewhere, takes no note of it by itself
+        pool._runtime.loop.call_soon_threadsafe(busy.wait, 10)  # type: ignore[union-attr]
+        gc.disable()
+        try:
+            cycle: list[Any] = [lease]
+            cycle.append(cycle)
+            del lease, cycle
+            gc.collect()
+        finally:
+            gc.enable()
+        threading.Timer(0.3, busy.set).start()
+        assert "leased: 0" in repr(pool)
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 3.0))
+        t.add_(1.0)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
+
+
 @contextmanager
 def _another_thread_holding_the_pools_lock(pool: TensorResidencyPool) -> Iterator[None]:
     """Run the block while another thread holds the pool's lock, as a hit of that thread

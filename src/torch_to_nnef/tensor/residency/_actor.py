@@ -320,6 +320,10 @@ class Actor:
         no lock): what a finalizer must not wait for, wherever a collection runs it."""
         self._later.append(call)
 
+    def deferred(self) -> bool:
+        """Whether calls wait for the next transition (:meth:`later`)."""
+        return bool(self._later)
+
     def sync(self) -> None:
         """Take note of what other threads did since the last transition (first thing of
         each): the recency of their hits, and the leases they took or ended, which hold a

@@ -52,20 +52,24 @@ this does nothing) skips the call.
 """
 
 
-def end_lease(pool: TensorResidencyPool, holder: Holder, changed: bool) -> None:
+def end_lease(
+    pool: TensorResidencyPool, holder: Holder, changed: bool, *, by_owner: bool = True
+) -> None:
     """End ``holder``'s lease if it holds one (any thread; idempotent); when that puts the
     pool over its budget, the actor hears of it without waiting (a wake-up of its loop).
     ``changed``: a ``read_write`` lease that was entered, whose change is kept; on a CUDA
     value it records an event on the caller's current stream, which the write-back waits
-    for."""
+    for. ``by_owner``: its owner ends it, and is told when the value was reshaped (else, the
+    lease being collected, the change is dropped with a warning: see ``Actor.release``)."""
     slot = holder.slot
     if slot is None:
         return
     refused = None
     if changed and holder.read_write:
         storage.record_writes(slot.value, slot.device)
-        refused = _undo_reshaping(slot)
-        changed = refused is None
+        if by_owner:
+            refused = _undo_reshaping(slot)
+            changed = refused is None
     actor = pool._actor
     if actor.release(holder, changed):
         pool._runtime.notify(actor.leases_ended)
@@ -203,7 +207,10 @@ class TensorResidencyLease(Holder, Uncopyable):
     The lease is released whatever interrupts its owner: an error, a cancellation or a
     ``KeyboardInterrupt`` while it is being entered gives it back; one landing where no code
     of the lease runs (on the way into ``__exit__``) leaves it to the lease object's
-    collection, which ends it. A task inside ``async with`` whose coroutine is collected
+    collection, which ends it as the exit would (a ``read_write`` lease's change is the
+    tensor's latest write from then on), or at the pool's next step where its thread cannot
+    wait for the pool (a garbage collection, the pool's own code or threads). A task inside
+    ``async with`` whose coroutine is collected
     without running (its loop left it pending) ends it at the pool's next step, as does a
     generator suspended inside ``with`` that a collection closes amid the pool's own code. A
     ``read_write`` change ended that way that reshaped the value is dropped, as an exit
@@ -391,12 +398,21 @@ class TensorResidencyLease(Holder, Uncopyable):
 
     def __del__(self) -> None:
         # An interrupt landed where its owner could not end it (or before it was built).
+        # Ended here as an exit ends it, its change the tensor's latest write from now on
+        # (a direct write after it stands on it), unless this thread cannot wait for the
+        # pool: then at the pool's next step.
         try:
             slot = self.slot
         except AttributeError:
             return
-        if slot is not None:
-            self._drop()
+        if slot is None:
+            return
+        runtime = self._pool._runtime
+        try:
+            if not (runtime.on_loop_thread() or runtime.may_wait_for_itself()):
+                end_lease(self._pool, self, self.entered, by_owner=False)
+        finally:
+            self._drop()  # at the next step: all of it, or what an interrupt left of it
 
     def _drop(self) -> None:
         """End the lease at the actor's next transition, taking no lock (a finalizer's end,

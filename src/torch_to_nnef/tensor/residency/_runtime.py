@@ -127,6 +127,15 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
+def _synced(actor: Actor, done: Reply) -> None:
+    """On the loop thread: take note of other threads (what finalizers deferred included),
+    then settle ``done``."""
+    try:
+        actor.sync()
+    finally:
+        done.set_result(None)
+
+
 class _Exit:
     """Where interpreter exit stands for the pools: their threads may start until their
     exit work begins, then only on the thread doing it, and never after it."""
@@ -737,8 +746,12 @@ class Runtime:
     def catch_up(self) -> None:
         """Wait until the notifications sent so far ran and a transition applying them ended
         (reads of state from other threads). Reads never block: on a loop of the caller's
-        that is not running, they answer at once, with the state as that loop left it."""
-        if (self._sent == self._ran and not self.actor.syncing) or not self.running:
+        that is not running, they answer at once, with the state as that loop left it. What
+        finalizers left to the next transition (``Actor.later``) is applied first."""
+        actor = self.actor
+        if (self._sent == self._ran and not actor.syncing and not actor.deferred()) or (
+            not self.running
+        ):
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
@@ -746,7 +759,7 @@ class Runtime:
             return  # nothing would run them before that loop runs again
         done = Reply()
         with contextlib.suppress(T2NErrorMisuse):
-            self.post(done.set_result, None)
+            self.post(_synced, actor, done)
             self.wait(done)
 
     # ------------------------------------------------------------------------------------------
