@@ -7,6 +7,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import copy
+import errno
 import gc
 import logging
 import os
@@ -750,6 +751,83 @@ def test_a_real_sigint_during_a_wait_for_a_load_interrupts_it_and_leaks_nothing(
         check_invariants(pool)
         assert "leased: 0," in repr(pool)
     assert pool.closed
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.timeout(60)
+def test_a_real_sigint_while_a_pool_starts_its_loop_thread_leaves_that_one_thread(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C (a real SIGINT) while a pool's first call waits for its new loop thread to
+    serve it: the interrupt is raised once that thread serves, so that the next call finds
+    the loop (it started a second thread, the first left running, before), and close stops
+    that thread."""
+    from torch_to_nnef.tensor.residency._runtime import Runtime
+
+    t = _tensor(tmp_path)
+    pool = TensorResidencyPool()
+    with paused_in_new_threads(Runtime._attach.__code__, on="call") as attach:
+        attach.armed.set()
+
+        def ctrl_c() -> None:
+            if attach.paused.wait(30):
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.1)  # delivered while the main thread waits for the loop thread
+            attach.go()
+
+        interrupter = threading.Thread(target=ctrl_c)
+        interrupter.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.resolve(t)
+        finally:
+            interrupter.join(30)
+    runtime = pool._runtime
+    loop_thread = runtime._thread
+    assert loop_thread is not None and runtime.loop is not None
+    assert torch.equal(pool.resolve(t), torch.zeros(NUMEL))
+    assert runtime._thread is loop_thread  # no second loop thread
+    pool.close()
+    loop_thread.join(10)
+    assert not loop_thread.is_alive()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_loop_thread_that_cannot_start_its_loop_fails_the_call_instead_of_hanging(
+    tmp_path: Path,
+) -> None:
+    """Out of file descriptors, a pool's new loop thread cannot create its event loop: the
+    call that started it raises that error (it waited forever before), and the pool starts
+    once descriptors are free again. In a forked child, whose limits are its own."""
+    import resource
+
+    t = _tensor(tmp_path)
+
+    def child() -> str:
+        warm = TensorResidencyPool()  # what a pool imports, imported with descriptors free
+        warm.resolve(t)
+        warm.close()
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))
+        held = []
+        with contextlib.suppress(OSError):
+            while True:
+                held.append(os.open(os.devnull, os.O_RDONLY))
+        pool = TensorResidencyPool()
+        try:
+            pool.resolve(t)
+            outcome = "returned"
+        except OSError as error:
+            outcome = f"errno {error.errno}"
+        for fd in held:
+            os.close(fd)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)  # the loop half made
+            served = float(pool.resolve(t)[0])
+        pool.close()
+        return f"{outcome}, then {served}"
+
+    assert in_forked_child(child, seconds=20) == f"errno {errno.EMFILE}, then 0.0"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -629,14 +629,23 @@ class Runtime:
             self._start_private()
 
     def _start_private(self) -> None:
+        """Start the private loop thread and wait until it serves the pool. Ctrl-C is held
+        from the thread's start to then (raised after): interrupted in between, the next
+        call would find no loop and start a second thread, the first one left running."""
         ready = threading.Event()
+        failed: list[BaseException] = []
         use_uvloop = uvloop_wanted(self._use_uvloop)
 
         def run() -> None:
-            loop = _new_loop(use_uvloop)
-            asyncio.set_event_loop(loop)
-            self._attach(loop)
-            ready.set()
+            try:
+                loop = _new_loop(use_uvloop)
+                asyncio.set_event_loop(loop)
+                self._attach(loop)
+            except BaseException as error:  # the starting thread raises it
+                failed.append(error)
+                return
+            finally:
+                ready.set()
             try:
                 loop.run_forever()
             finally:
@@ -653,9 +662,15 @@ class Runtime:
                     loop.close()
 
         thread = threading.Thread(target=run, name="t2n-residency-loop", daemon=True)
-        self._thread = thread
-        thread.start()
-        ready.wait()
+        with InterruptHold() as hold:
+            hold.start()
+            thread.start()
+            self._thread = thread
+            ready.wait()
+        if failed:
+            thread.join()
+            self._thread = None
+            raise failed[0]
 
     def stop_private(self, wait: bool = True) -> None:
         """Stop the private loop thread (it stops its workers), waiting for it with ``wait``
