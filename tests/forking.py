@@ -56,8 +56,9 @@ def in_forked_child_while_held(
     locks: Sequence[Any], body: Callable[[], str], seconds: float = 30
 ) -> str:
     """:func:`in_forked_child`, forked while another thread of this process holds ``locks``
-    (as a thread inside a critical section would at the moment of the fork); that thread
-    lets them go once the child ended."""
+    (as a thread inside a critical section would at the moment of the fork), or is inside
+    any other context managers given there (a lease); that thread lets them go once the
+    child ended."""
     held, release = threading.Event(), threading.Event()
 
     def hold() -> None:

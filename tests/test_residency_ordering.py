@@ -1262,28 +1262,19 @@ def test_a_child_forked_while_another_thread_holds_a_read_write_lease_reads_the_
     ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
     with TensorResidencyPool(max_cached_bytes=NUMEL * 4) as pool:
         pool.resolve(ts[1])
-        changed, leave = threading.Event(), threading.Event()
 
-        def hold() -> None:
+        @contextlib.contextmanager
+        def changing() -> Iterator[None]:
             with pool.acquire(ts[0], mode="read_write") as value:
                 value.fill_(5.0)
-                changed.set()
-                leave.wait(30)
+                yield
 
-        holder = threading.Thread(target=hold)
-        holder.start()
-        try:
-            assert changed.wait(30)
+        def child() -> str:
+            with TensorResidencyPool() as own:
+                served = float(own.resolve(ts[0])[0])
+            return repr([float(ts[0].reload()[0]), float((ts[0] + 0)[0]), served])
 
-            def child() -> str:
-                with TensorResidencyPool() as own:
-                    served = float(own.resolve(ts[0])[0])
-                return repr([float(ts[0].reload()[0]), float((ts[0] + 0)[0]), served])
-
-            assert in_forked_child(child, seconds=20) == repr([0.0] * 3)
-        finally:
-            leave.set()
-            holder.join(30)
+        assert in_forked_child_while_held([changing()], child, seconds=20) == repr([0.0] * 3)
         assert torch.equal(ts[0].reload(), torch.full((NUMEL,), 5.0))
     assert torch.equal(on_disk(ts[0]), torch.full((NUMEL,), 5.0))
 
