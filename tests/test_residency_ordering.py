@@ -683,6 +683,12 @@ def _checkpoint_quietly() -> None:
         _checkpoint()
 
 
+# An interrupt may also land in the weak reference callback that unmaps a mapped value as it
+# dies, where Python reports it as unraisable and drops it (see storage's ``Mappings``): not
+# what this test checks, and not a failure of it.
+@pytest.mark.filterwarnings(
+    "ignore:Exception ignored in.*Mappings._gone:pytest.PytestUnraisableExceptionWarning"
+)
 def test_an_interrupt_during_a_blocking_acquire_leaks_no_lease(tmp_path: Path) -> None:
     ts = [_tensor(tmp_path, f"t{i}", numel=1 << 16) for i in range(8)]
     with TensorResidencyPool(max_cached_bytes=0) as pool:
