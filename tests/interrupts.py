@@ -22,7 +22,7 @@ class InterruptAt:
     ``returns``, the returns of those functions count too: raised there, the interrupt lands
     in the caller just after the call, as a signal arriving during it would.
 
-    Finalizers and weak reference callbacks are left alone: an exception raised in one is
+    Finalizers are left alone (see :func:`in_finalizer` for which): an exception raised in one is
     lost by Python (reported as unraisable), whatever the code does."""
 
     def __init__(self, n: int, within: str = "", returns: bool = False) -> None:
@@ -49,11 +49,13 @@ _FINALIZERS = ("weakref.py", "_weakrefset.py")
 
 
 def in_finalizer(frame: FrameType) -> bool:
-    """Whether ``frame`` runs in a finalizer (``__del__``, a ``weakref.finalize`` or weak
-    reference callback) or a garbage collection's callback, which a collection runs amid
-    whatever code: the finalizer's own frame, or any it called (a payload file's removal
-    closing its descriptor). An interrupt raised there is lost by Python (reported as
-    unraisable), whatever the code does. It looks at the whole stack: ask it last."""
+    """Whether ``frame`` runs in a finalizer (``__del__``, a ``weakref.finalize`` or a
+    callback of ``weakref.py``'s) or a garbage collection's callback, which a collection
+    runs amid whatever code: the finalizer's own frame, or any it called (a payload file's
+    removal closing its descriptor). An interrupt raised there is lost by Python (reported
+    as unraisable), whatever the code does. It looks at the whole stack: ask it last. A
+    bare ``weakref.ref`` callback (storage's ``Mappings._gone``) leaves no frame to tell it
+    by, and is not recognised."""
     callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
     while frame is not None:
         code = frame.f_code
