@@ -1,17 +1,19 @@
-"""Interrupts injected into a thread's own code with ``sys.settrace``: a
+"""Interrupts injected into a thread's own code: with ``sys.settrace``, a
 ``KeyboardInterrupt`` raised on entry to a chosen function, where CPython runs a pending
-signal handler (Ctrl-C)."""
+signal handler (Ctrl-C); with ``sys.setprofile``, the SIGINT handler in force run at a chosen
+call or return, C functions' included, as a signal arriving there would run it."""
 
 from __future__ import annotations
 
 import gc
 import inspect
+import signal
 import sys
 from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["InterruptAt", "in_finalizer", "interrupted"]
+__all__ = ["InterruptAt", "SignalAt", "in_finalizer", "interrupted"]
 
 Trace = Callable[[FrameType, str, Any], Any]
 
@@ -44,6 +46,36 @@ class InterruptAt:
             raise KeyboardInterrupt
         return self if self.returns else None
 
+
+class SignalAt:
+    """A profile function (``sys.setprofile``) that runs the SIGINT handler in force, as a
+    Ctrl-C arriving there would, at the ``n``-th point counted where CPython runs a pending
+    handler: the entry to a function of a file whose path contains ``within``, and the
+    return of a call such a function makes (of a C function's too). Python's default handler
+    raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran.
+
+    Unlike :class:`InterruptAt`, it counts finalizers' events too: what an interrupt landing
+    in one leaves behind is what it tests. Calls of ``ctypes`` functions make no events:
+    the point just after one is not counted."""
+
+    def __init__(self, n: int, within: str) -> None:
+        self.n, self.within = n, within
+        self.events = 0
+        self.fired = False
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        if event not in _HANDLED_AT or self.within not in frame.f_code.co_filename:
+            return
+        self.events += 1
+        if self.events == self.n:
+            sys.setprofile(None)
+            self.fired = True
+            handler = signal.getsignal(signal.SIGINT)
+            if callable(handler):
+                handler(signal.SIGINT, frame)
+
+
+_HANDLED_AT = ("call", "return", "c_return")  # not before a C call: after the previous one
 
 _FINALIZERS = ("weakref.py", "_weakrefset.py")
 

@@ -3,15 +3,19 @@ an old one, they are bounded, closed once unused, and maps from threads never te
 
 from __future__ import annotations
 
+import itertools
 import os
+import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
+from interrupts import SignalAt
 
 from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.storage import _descriptors
 from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, KEPT_FILES, Descriptors
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
@@ -179,9 +183,12 @@ def test_forgetting_a_file_while_this_thread_holds_the_lock_waits_for_its_releas
     kept, _ = descriptors.acquire(write(path, 1.0))
     descriptors.release(kept)
     assert open_descriptors(path) == [str(path)]
-    with descriptors._locked():  # what a finalizer running inside the lock sees
+
+    def a_finalizer_inside_the_lock() -> None:
         descriptors.forget(path)
         assert open_descriptors(path) == [str(path)]
+
+    descriptors._locked(a_finalizer_inside_the_lock)
     assert open_descriptors(path) == []
 
 
@@ -198,10 +205,55 @@ def test_many_files_forgotten_while_this_thread_holds_the_lock_are_all_forgotten
         kept, _ = descriptors.acquire(write(path, 1.0))
         descriptors.release(kept)
     assert len(open_descriptors(tmp_path)) == 3
-    with descriptors._locked():
+
+    def a_collection_inside_the_lock() -> None:
         for index in range(5000):
             descriptors.forget(tmp_path / f"gone{index}.safetensors")
         for path in paths:
             descriptors.forget(path)
+
+    descriptors._locked(a_collection_inside_the_lock)
     assert open_descriptors(tmp_path) == []
     assert not descriptors._forgotten
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("operation", ["acquire-release", "forget"])
+def test_a_ctrl_c_anywhere_in_the_kept_descriptors_leaves_their_lock_free(
+    tmp_path: Path, operation: str
+) -> None:
+    """A Ctrl-C at each point of a descriptor's acquire and release, or of a forget, in
+    turn, its KeyboardInterrupt kept (as a logger or a debugger keeps one): another thread
+    then takes and leaves the lock at once. (A context manager written in Python around the
+    lock once kept it held from a Ctrl-C in its ``__enter__``: every later load hung.)"""
+    descriptors = Descriptors()
+    layout = write(tmp_path / "p.safetensors", 1.0)
+
+    def run() -> None:
+        if operation == "forget":
+            descriptors.forget(layout.path)
+        else:
+            descriptors.release(descriptors.acquire(layout)[0])
+
+    def another_thread_loads() -> None:
+        descriptors.release(descriptors.acquire(layout)[0])
+
+    for n in itertools.count(1):
+        signal_at = SignalAt(n, within=_descriptors.__file__)
+        kept: KeyboardInterrupt | None = None
+        sys.setprofile(signal_at)
+        try:
+            run()
+        except KeyboardInterrupt as interrupt:
+            kept = interrupt
+        finally:
+            sys.setprofile(None)
+        assert (kept is not None) == signal_at.fired
+        thread = threading.Thread(target=another_thread_loads, daemon=True)
+        thread.start()
+        thread.join(10)
+        assert not thread.is_alive(), f"a Ctrl-C at event {n} left the lock held"
+        del kept
+        if not signal_at.fired:
+            break
+    assert n > 5, "the operation made fewer events than expected: the test proves little"

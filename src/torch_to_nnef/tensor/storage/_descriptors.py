@@ -25,8 +25,9 @@ import contextlib
 import os
 import threading
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TypeVar
 
 from torch_to_nnef.tensor.storage._format import PayloadLayout, file_identity
 from torch_to_nnef.tensor.storage._io import (
@@ -37,6 +38,8 @@ from torch_to_nnef.tensor.storage._io import (
 )
 
 __all__ = ["DESCRIPTORS", "KEPT_FILES", "Descriptors", "Kept", "forget"]
+
+_T = TypeVar("_T")
 
 KEPT_FILES = 32
 """Payload files kept open at most (a sharded checkpoint has a few dozen shards)."""
@@ -64,21 +67,26 @@ class Descriptors:
         self._kept: OrderedDict[Path, Kept] = OrderedDict()
         self._forgotten: deque[Path] = deque()  # paths to forget, by any thread
 
-    @contextlib.contextmanager
-    def _locked(self) -> Iterator[None]:
-        """Hold the lock; on leaving, forget the paths a finalizer of this thread queued
-        meanwhile (see :meth:`forget`)."""
-        with self._held():
-            yield
-        if self._forgotten:
-            self._forget_queued()
+    def _locked(self, step: Callable[..., _T], *args: Any) -> _T:
+        """``step(*args)`` under the lock; then forget the paths a finalizer of this thread
+        queued meanwhile (see :meth:`forget`)."""
+        try:
+            return self._held(step, *args)
+        finally:
+            if self._forgotten:
+                self._forget_queued()
 
-    @contextlib.contextmanager
-    def _held(self) -> Iterator[None]:
+    def _held(self, step: Callable[..., _T], *args: Any) -> _T:
+        """``step(*args)`` under the lock.
+
+        A plain ``with`` of the lock, not a context manager written in Python: a Ctrl-C
+        landing in such a manager's ``__enter__`` after it took the lock would leave the lock
+        held (its ``__exit__`` never runs), and every later load would wait for it forever.
+        """
         with self._lock:
             self._holder = threading.get_ident()
             try:
-                yield
+                return step(*args)
             finally:
                 self._holder = None
 
@@ -96,12 +104,15 @@ class Descriptors:
         """Forget every queued path, in one hold of the lock per round: however many a
         collection queued, the stack does not grow with them."""
         while self._forgotten:
-            with self._held():
-                closing = []
-                while self._forgotten:
-                    closing += self._retire_locked(self._forgotten.popleft(), None)
-            for fd in closing:
+            for fd in self._held(self._retire_queued_locked):
                 os.close(fd)
+
+    def _retire_queued_locked(self) -> list[int]:
+        """:meth:`_forget_queued`'s round under the lock: the descriptors to close."""
+        closing = []
+        while self._forgotten:
+            closing += self._retire_locked(self._forgotten.popleft(), None)
+        return closing
 
     def acquire(self, layout: PayloadLayout) -> tuple[Kept, int]:
         """A descriptor of the file of ``layout`` and the file's size; :meth:`release` it.
@@ -120,12 +131,9 @@ class Descriptors:
         if identity != layout.identity:
             check_regular(path, stat)
             check_unchanged(layout, stat)  # a layout made by hand: its size alone is checked
-        with self._locked():
-            kept = self._kept.get(path)
-            if kept is not None and kept.identity == identity:
-                kept.users += 1
-                self._kept.move_to_end(path)
-                return kept, stat.st_size
+        kept = self._locked(self._reuse_locked, path, identity)
+        if kept is not None:
+            return kept, stat.st_size
         fd, stat = open_for_reading(path)
         try:
             check_unchanged(layout, stat)  # replaced between the stat and the open
@@ -138,18 +146,28 @@ class Descriptors:
 
     def release(self, kept: Kept) -> None:
         """The load that acquired ``kept`` is done with it."""
-        with self._locked():
-            kept.users -= 1
-            close = kept.retired and not kept.users
-        if close:
+        if self._locked(self._release_locked, kept):
             os.close(kept.fd)
+
+    def _reuse_locked(self, path: Path, identity: tuple[int, int, int, int]) -> Kept | None:
+        """The descriptor kept for ``path`` if it is of ``identity``, with one more user."""
+        kept = self._kept.get(path)
+        if kept is None or kept.identity != identity:
+            return None
+        kept.users += 1
+        self._kept.move_to_end(path)
+        return kept
+
+    @staticmethod
+    def _release_locked(kept: Kept) -> bool:
+        """One user less for ``kept``: whether it is to be closed (retired, unused)."""
+        kept.users -= 1
+        return kept.retired and not kept.users
 
     def _retire(self, path: Path, replacement: Kept | None) -> None:
         """Keep ``replacement`` for ``path`` (none: forget the path), retiring what it
         replaces and, over capacity, the least recently used descriptors."""
-        with self._locked():
-            closing = self._retire_locked(path, replacement)
-        for fd in closing:
+        for fd in self._locked(self._retire_locked, path, replacement):
             os.close(fd)
 
     def _retire_locked(self, path: Path, replacement: Kept | None) -> list[int]:
