@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import gc
+import itertools
 import mmap
 import os
 import sys
@@ -16,6 +17,7 @@ import pytest
 import safetensors.torch
 import torch
 from forking import in_forked_child
+from interrupts import SignalAt
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
@@ -94,19 +96,20 @@ def test_a_mapping_whose_unmap_an_interrupt_lost_is_unmapped_by_a_later_sweep(
     reason="needs the kernel's calls, /proc and os.fork",
 )
 @pytest.mark.timeout(60)
-def test_a_ctrl_c_in_the_sweep_of_a_new_mapping_unmaps_it_once(
+def test_an_error_in_the_sweep_of_a_new_mapping_unmaps_it_once(
     payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
 ) -> None:
-    """A Ctrl-C landing in the sweep that a new mapping runs (one in SWEEP_EVERY) fails the
-    map, which unmaps it: its view, kept by the traceback, unmaps nothing when it dies, since
-    its address, free again, holds a later mapping by then. (In a forked child: an unmap of
-    the wrong range would break the process.)"""
+    """An error raised in the sweep that a new mapping runs (one in SWEEP_EVERY; a
+    MemoryError, say: a Ctrl-C is held there) fails the map, which unmaps it: its view, kept
+    by the traceback, unmaps nothing when it dies, since its address, free again, holds a
+    later mapping by then. (In a forked child: an unmap of the wrong range would break the
+    process.)"""
     layout, tensors = payload
 
     def trace(frame: FrameType, event: str, arg: Any) -> None:
         if event == "call" and frame.f_code.co_name == "sweep":
             sys.settrace(None)
-            raise KeyboardInterrupt
+            raise MemoryError
 
     def child() -> str:
         sys.settrace(trace)
@@ -114,8 +117,8 @@ def test_a_ctrl_c_in_the_sweep_of_a_new_mapping_unmaps_it_once(
             for _ in range(_mapped.SWEEP_EVERY):
                 storage.map_payload(layout, names=["b"])  # each gone at once
             return "no sweep ran"
-        except KeyboardInterrupt as interrupted:
-            failed = interrupted  # its traceback keeps the failed map's view
+        except MemoryError as error:
+            failed = error  # its traceback keeps the failed map's view
         finally:
             sys.settrace(None)
         unmapped = mapped_regions(layout.path) == 0
@@ -125,6 +128,78 @@ def test_a_ctrl_c_in_the_sweep_of_a_new_mapping_unmaps_it_once(
         return repr([unmapped, mapped_regions(layout.path), torch.equal(later["b"], tensors["b"])])
 
     assert in_forked_child(child) == "[True, 1, True]"
+
+
+_NEEDS_KERNEL_AND_PROC = pytest.mark.skipif(
+    _kernel.KERNEL is None or not Path("/proc/self/maps").exists(),
+    reason="needs the kernel's calls and /proc",
+)
+
+
+@_NEEDS_KERNEL_AND_PROC
+def test_a_ctrl_c_anywhere_in_the_unmap_of_a_dead_mapping_leaves_it_to_a_sweep(
+    payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
+) -> None:
+    """A Ctrl-C at each point of the callback unmapping a mapping as its tensors die, in
+    turn: Python loses the interrupt (reported as unraisable), but never the mapping, which
+    is unmapped there or by the next sweep, and only once."""
+    layout, _tensors = payload
+    baseline = len(_mapped.MAPPINGS)
+    lost: list[type[BaseException]] = []
+    hook = sys.unraisablehook
+    sys.unraisablehook = lambda unraisable: lost.append(unraisable.exc_type)
+    try:
+        for n in itertools.count(1):
+            mapped = storage.map_payload(layout)
+            signal_at = SignalAt(n, within=_mapped.__file__)
+            sys.setprofile(signal_at)
+            try:
+                del mapped  # the callback runs here
+            finally:
+                sys.setprofile(None)
+            if not signal_at.fired:
+                break
+            _mapped.MAPPINGS.sweep(_kernel.KERNEL)
+            assert mapped_regions(layout.path) == 0, f"a Ctrl-C at event {n} left the mapping"
+            assert len(_mapped.MAPPINGS) == baseline
+    finally:
+        sys.unraisablehook = hook
+    assert n > 4, "the callback made fewer events than expected: the test proves little"
+    assert lost == [KeyboardInterrupt] * (n - 1)
+    assert mapped_regions(layout.path) == 0 and len(_mapped.MAPPINGS) == baseline
+
+
+@_NEEDS_KERNEL_AND_PROC
+@pytest.mark.parametrize("numel", [3000, 3 << 20], ids=["small", "huge-page-sized"])
+def test_a_ctrl_c_anywhere_in_a_map_leaks_no_mapping_and_is_raised(
+    tmp_path: Path, numel: int
+) -> None:
+    """A Ctrl-C at each point of a map in turn (its storage calls, the kernel's included)
+    is raised by the map, once its mapping is registered where it lands after the mapping
+    is made: the mapping is unmapped as the interrupted map's values die."""
+    value = torch.arange(numel, dtype=torch.float32)
+    layout = storage.write_payload(tmp_path / "p.safetensors", {"x": value})
+    baseline = len(_mapped.MAPPINGS)
+    within = str(Path(_mapped.__file__).parent)
+    for n in itertools.count(1):
+        signal_at = SignalAt(n, within=within)
+        sys.setprofile(signal_at)
+        try:
+            mapped = storage.map_payload(layout)
+        except KeyboardInterrupt:
+            assert signal_at.fired
+        else:
+            assert not signal_at.fired, f"a Ctrl-C at event {n} was lost"
+            assert torch.equal(mapped["x"], value)
+            break
+        finally:
+            sys.setprofile(None)
+        gc.collect()  # the interrupt's traceback, and the values it kept
+        assert mapped_regions(layout.path) == 0, f"a Ctrl-C at event {n} left a mapping"
+        assert len(_mapped.MAPPINGS) == baseline
+    assert n > 10, "the map made fewer events than expected: the test proves little"
+    del mapped
+    assert mapped_regions(layout.path) == 0 and len(_mapped.MAPPINGS) == baseline
 
 
 def test_a_checkpoint_written_by_safetensors_maps_at_unaligned_offsets(tmp_path: Path) -> None:

@@ -54,6 +54,7 @@ from typing import Literal
 
 import torch
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, select_entries
@@ -157,21 +158,25 @@ def _map_entries(
     if not present:
         return {spec.name: torch.empty(spec.shape, dtype=spec.dtype) for spec in specs}
     start, length = _span(present)
-    kept, file_size = DESCRIPTORS.acquire(layout)
-    try:
-        if file_size < start + length:
+    # Ctrl-C (main thread) is raised once the descriptor is released and the mapping is
+    # registered: landing in between, it would leak either.
+    with InterruptHold() as hold:
+        hold.start()
+        kept, file_size = DESCRIPTORS.acquire(layout)
+        try:
+            if file_size < start + length:
+                raise T2NErrorStorage(
+                    f"payload file '{layout.path}' has {file_size} bytes, fewer than the "
+                    f"{start + length} its entries need (truncated file)"
+                )
+            start, length = _whole_huge_pages(start, length, file_size)
+            region, shift = _map_refolding(kept, start, length, faulting, file_size)
+        except OSError as exc:
             raise T2NErrorStorage(
-                f"payload file '{layout.path}' has {file_size} bytes, fewer than the "
-                f"{start + length} its entries need (truncated file)"
-            )
-        start, length = _whole_huge_pages(start, length, file_size)
-        region, shift = _map_refolding(kept, start, length, faulting, file_size)
-    except OSError as exc:
-        raise T2NErrorStorage(
-            f"cannot map payload file '{layout.path}': {os_error_message(exc)}{_remedy(exc)}"
-        ) from exc
-    finally:
-        DESCRIPTORS.release(kept)
+                f"cannot map payload file '{layout.path}': {os_error_message(exc)}{_remedy(exc)}"
+            ) from exc
+        finally:
+            DESCRIPTORS.release(kept)
     shift -= start
     return {
         spec.name: torch.frombuffer(
@@ -233,23 +238,40 @@ SWEEP_EVERY = 256
 """Mappings made between two sweeps of :class:`Mappings` for ones left mapped."""
 
 
+class _Mapping:
+    """A payload mapping: its view (weakly), its range, and whether its unmap has begun."""
+
+    __slots__ = ("base", "span", "unmapped", "view")
+
+    def __init__(self, view: weakref.ref[memoryview], base: int, span: int) -> None:
+        self.view, self.base, self.span = view, base, span
+        self.unmapped = False
+
+
 class Mappings:
     """The payload mappings made through the kernel's calls, each unmapped when the view
     that owns it is gone.
 
     A weak reference callback unmaps a mapping as its view dies. That callback is Python
-    code, run wherever the collection happens: a ``KeyboardInterrupt`` landing in it is lost
-    by Python, and the unmap with it. Every :data:`SWEEP_EVERY` mappings made, those whose
-    view is gone and that are still mapped are unmapped. Each mapping has a number of its
-    own, never reused, so that only one of its callback and a sweep unmaps it: whichever takes
-    it out of the table (an address is reused by later mappings; a number is not). A mapping
-    whose view is dropped before it is handed out (a map that fails, a ``KeyboardInterrupt``
-    in the sweep its registration runs included) is unmapped through :meth:`discard`, which
-    takes its entry out first, so that its view's callback does not unmap the address again.
+    code, run wherever the view dies: a ``KeyboardInterrupt`` landing in it is lost by Python
+    (reported as unraisable), and so may be the unmap. So every :data:`SWEEP_EVERY` mappings
+    made, those whose view is gone are unmapped, and an interrupt cannot make a mapping be
+    unmapped twice (its address may hold a later mapping by then) or never:
+
+    - each mapping has a number of its own, never reused (an address is), under which it is
+      found;
+    - :meth:`_unmap` marks a mapping as unmapped and calls ``munmap`` with no call between
+      the two: Python runs a signal handler, or switches threads, only at a function's
+      entry and after a call returns. So exactly one of a callback and a sweep unmaps it,
+      and an interrupt lands either before the mark (the mapping is left to a sweep) or after
+      the unmap (a sweep only forgets it).
+
+    A mapping whose view is dropped before it is handed out (a map that fails) is unmapped
+    through :meth:`discard`, so that its view's callback does not unmap the address again.
     """
 
     def __init__(self) -> None:
-        self._table: dict[int, tuple[weakref.ref[memoryview], int, int]] = {}
+        self._table: dict[int, _Mapping] = {}
         self._numbers = itertools.count()
 
     def number(self) -> int:
@@ -261,26 +283,34 @@ class Mappings:
     ) -> None:
         """Unmap ``span`` bytes at ``base`` once ``view`` is gone."""
         callback = functools.partial(self._gone, kernel, number)
-        self._table[number] = (weakref.ref(view, callback), base, span)
+        self._table[number] = _Mapping(weakref.ref(view, callback), base, span)
         if number % SWEEP_EVERY == SWEEP_EVERY - 1:
             self.sweep(kernel)
 
     def _gone(self, kernel: _kernel.Kernel, number: int, _reference: object) -> None:
-        entry = self._table.pop(number, None)
-        if entry is not None:
-            kernel.munmap(entry[1], entry[2])
+        self._unmap(kernel, number)
+
+    def _unmap(self, kernel: _kernel.Kernel, number: int) -> None:
+        """Unmap mapping ``number`` unless that has begun, then forget it."""
+        mapping = self._table.get(number)
+        if mapping is not None and not mapping.unmapped:
+            mapping.unmapped = True  # and no call before munmap's (see the class)
+            kernel.munmap(mapping.base, mapping.span)
+        self._table.pop(number, None)
 
     def discard(self, kernel: _kernel.Kernel, number: int, base: int, span: int) -> None:
         """Unmap the mapping ``number`` now, its view being dropped, whether :meth:`add`
         registered it or not."""
-        self._table.pop(number, None)
-        kernel.munmap(base, span)
+        if number in self._table:
+            self._unmap(kernel, number)
+        else:
+            kernel.munmap(base, span)
 
     def sweep(self, kernel: _kernel.Kernel) -> None:
         """Unmap the mappings whose view is gone (their callback was lost)."""
-        for number, (reference, _base, _span) in self._table.copy().items():
-            if reference() is None:
-                self._gone(kernel, number, reference)
+        for number, mapping in self._table.copy().items():
+            if mapping.view() is None:
+                self._unmap(kernel, number)
 
     def __len__(self) -> int:
         return len(self._table)
