@@ -52,7 +52,8 @@ class SignalAt:
     Ctrl-C arriving there would, at the ``n``-th point counted where CPython runs a pending
     handler: the entry to a function of a file whose path contains ``within``, and the
     return of a call such a function makes (of a C function's too). Python's default handler
-    raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran.
+    raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
+    and ``where`` says where (the event and the function).
 
     Unlike :class:`InterruptAt`, it counts finalizers' events too: what an interrupt landing
     in one leaves behind is what it tests. Calls of ``ctypes`` functions make no events:
@@ -62,14 +63,19 @@ class SignalAt:
         self.n, self.within = n, within
         self.events = 0
         self.fired = False
+        self.where = ""
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
-        if event not in _HANDLED_AT or self.within not in frame.f_code.co_filename:
+        code = frame.f_code
+        if event not in _HANDLED_AT or self.within not in code.co_filename:
             return
+        if event == "return" and code.co_name == "__enter__":
+            return  # the with statement that called it runs no handler before its block
         self.events += 1
         if self.events == self.n:
             sys.setprofile(None)
             self.fired = True
+            self.where = f"{event} {code.co_name}"
             handler = signal.getsignal(signal.SIGINT)
             if callable(handler):
                 handler(signal.SIGINT, frame)

@@ -5,9 +5,12 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
+import itertools
 import logging
 import re
 import subprocess
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
@@ -19,6 +22,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from breakpoints import paused_in_new_threads
+from interrupts import SignalAt
 from residency_checks import check_invariants
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -28,6 +32,7 @@ from torch_to_nnef.tensor.residency import (
     PoolStats,
     ResidencyStrategy,
     TensorResidencyPool,
+    _pool,
     _runtime,
     active_tensor_residency,
 )
@@ -503,6 +508,54 @@ async def test_a_scope_left_in_another_task_says_so_and_stays_in_its_own(tmp_pat
         assert active_tensor_residency() == (pool, None)  # the entering task's scope is intact
         with pool.scope():  # and nests as before
             assert active_tensor_residency() == (pool, None)
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_anywhere_in_a_scope_leaves_it_unset() -> None:
+    """A Ctrl-C at each point of a ``with pool.scope():`` block's code in turn, its
+    KeyboardInterrupt kept (as an interactive session keeps the last one): no scope stays
+    set. (As a generator, the scope once stayed set from a Ctrl-C landing just after it was
+    set, or in the context manager's ``__enter__``.)
+
+    Not checked: the one point where Python runs a pending handler before any code of
+    ``__exit__`` (its entry), which no code of ``__exit__`` can guard."""
+    with TensorResidencyPool() as pool:
+        fired = []
+        for n in itertools.count(1):
+            signal_at = SignalAt(n, within=_pool.__file__)
+
+            def block(signal_at: SignalAt = signal_at) -> BaseException | None:
+                sys.setprofile(signal_at)
+                try:
+                    with pool.scope():
+                        pass
+                except KeyboardInterrupt as interrupt:
+                    return interrupt
+                finally:
+                    sys.setprofile(None)
+                return None
+
+            context = contextvars.copy_context()
+            kept = context.run(block)
+            assert (kept is not None) == signal_at.fired
+            if not signal_at.fired:
+                break
+            fired.append(signal_at.where)
+            if signal_at.where != "call __exit__":
+                scope = context.run(active_tensor_residency)
+                assert scope is None, f"a Ctrl-C at {signal_at.where} left the scope set"
+        assert "c_return __enter__" in fired and "c_return __exit__" in fired
+
+
+def test_a_scope_is_entered_once(tmp_path: Path) -> None:
+    with TensorResidencyPool() as pool:
+        scope = pool.scope()
+        with scope:
+            assert active_tensor_residency() == (pool, None)
+            with pytest.raises(T2NErrorMisuse, match="entered once"), scope:
+                pass
+            assert active_tensor_residency() == (pool, None)
+        assert active_tensor_residency() is None
 
 
 @pytest.mark.asyncio

@@ -9,10 +9,11 @@ the face the caller needs (sync, async, or started without waiting).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Generator, Iterable
+from collections.abc import Callable, Iterable
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -640,8 +641,9 @@ class TensorResidencyPool(Uncopyable):
     # ------------------------------------------------------------------------------------------
     # scope
     # ------------------------------------------------------------------------------------------
-    @contextlib.contextmanager
-    def scope(self, device: TDevice | None = None) -> Generator[TensorResidencyPool, None, None]:
+    def scope(
+        self, device: TDevice | None = None
+    ) -> contextlib.AbstractContextManager[TensorResidencyPool]:
         """Route every ``OffloadedTensor`` reload in this context through the pool.
 
         Inside the block, ``reload()`` and every torch op on an OffloadedTensor resolve through
@@ -653,21 +655,59 @@ class TensorResidencyPool(Uncopyable):
                 target device).
 
         Raises:
-            T2NErrorMisuse: the pool is closed.
+            T2NErrorMisuse: the pool is closed (raised on entering the block).
         """
-        self._actor.check_open()
-        token = ACTIVE_RESIDENCY.set((self, None if device is None else _normalize_device(device)))
+        return _Scope(self, None if device is None else _normalize_device(device))
+
+
+class _Scope:
+    """The ``with`` block of :meth:`TensorResidencyPool.scope`; entered once.
+
+    Written as a class, not a generator: a Ctrl-C landing in a generator context manager's
+    ``__enter__`` after its generator set the scope would leave the scope set in the
+    caller's context, its ``__exit__`` never run. ``__enter__`` undoes a set that an
+    interrupt cut short.
+    """
+
+    __slots__ = ("_device", "_entered", "_pool", "_token")
+
+    def __init__(self, pool: TensorResidencyPool, device: torch.device | None) -> None:
+        self._pool, self._device = pool, device
+        self._entered = False
+        self._token: contextvars.Token[Any] | None = None
+
+    def __enter__(self) -> TensorResidencyPool:
+        if self._entered:
+            raise T2NErrorMisuse(
+                "a pool.scope() block is entered once: call pool.scope() again for another"
+            )
+        self._entered = True
+        self._pool._actor.check_open()
+        previous = ACTIVE_RESIDENCY.get()
         try:
-            yield self
-        finally:
-            try:
-                ACTIVE_RESIDENCY.reset(token)
-            except ValueError:  # left in another context than the one that entered it
-                raise T2NErrorMisuse(
-                    "pool.scope() was left in another asyncio task (or contextvars context) "
-                    "than the one that entered it: enter and leave it in the same task, "
-                    "as `with pool.scope():` does"
-                ) from None
+            self._token = ACTIVE_RESIDENCY.set((self._pool, self._device))
+        except BaseException:  # Ctrl-C right after the set: its token is lost, not its value
+            ACTIVE_RESIDENCY.set(previous)
+            raise
+        return self._pool
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        token, self._token = self._token, None
+        if token is None:
+            return
+        try:
+            ACTIVE_RESIDENCY.reset(token)
+        except ValueError:  # left in another context than the one that entered it
+            raise T2NErrorMisuse(
+                "pool.scope() was left in another asyncio task (or contextvars context) "
+                "than the one that entered it: enter and leave it in the same task, "
+                "as `with pool.scope():` does"
+            ) from None
 
 
 def _reject_source(source: Any) -> NoReturn:
