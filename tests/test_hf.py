@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import pickle
 import re
 import sys
@@ -15,6 +16,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 import safetensors.torch  # noqa: E402
+from interrupts import SignalAt  # noqa: E402
 
 from torch_to_nnef.exceptions import (  # noqa: E402
     T2NErrorCheckpoint,
@@ -316,6 +318,46 @@ def test_a_pickle_checkpoint_is_read_without_running_code(
         t2n_load_checkpoint_and_dispatch(
             case.skeleton(), tmp_path / "evil.bin", "t2n_offload_disk", None
         )
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_anywhere_in_the_loading_context_leaves_nothing_patched(tmp_path: Path) -> None:
+    """A Ctrl-C at each point of the context's code in turn, its KeyboardInterrupt kept (as
+    an interactive session keeps the last one): ``from_pretrained``, ``load_file`` and
+    ``torch.load`` are their own again. (As a generator, the context once left them patched
+    from a Ctrl-C landing in its ``__enter__`` once the generator had patched them.)
+
+    Not checked: the one point where Python runs a pending handler before any code of
+    ``__exit__`` (its entry), which no code of ``__exit__`` can guard."""
+    originals = [
+        (transformers.PreTrainedModel, "from_pretrained"),
+        (safetensors.torch, "load_file"),
+        (torch, "load"),
+    ]
+    before = [owner.__dict__[name] for owner, name in originals]
+    fired = []
+    for n in itertools.count(1):
+        signal_at = SignalAt(n, within=hf_module.__file__)
+        kept: KeyboardInterrupt | None = None
+        sys.setprofile(signal_at)
+        try:
+            with ctx_maybe_load_from_disk_as_offloaded(tmp_path):
+                pass
+        except KeyboardInterrupt as interrupt:
+            kept = interrupt
+        finally:
+            sys.setprofile(None)
+        assert (kept is not None) == signal_at.fired
+        if not signal_at.fired:
+            break
+        fired.append(signal_at.where)
+        if signal_at.where != "call __exit__":
+            after = [owner.__dict__[name] for owner, name in originals]
+            assert after == before, f"a Ctrl-C at {signal_at.where} left a patch"
+        for (owner, name), original in zip(originals, before, strict=True):  # next round
+            setattr(owner, name, original)
+        del kept
+    assert "c_return __enter__" in fired and "c_return _restore" in fired
 
 
 def test_from_pretrained_inside_the_context_yields_offloaded_tensors(

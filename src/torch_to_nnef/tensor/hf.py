@@ -27,13 +27,15 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import torch
 from torch import nn
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse, T2NErrorNotImplemented
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import (
@@ -571,10 +573,9 @@ def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None)
 # ---------------------------------------------------------------------------------------------
 # from_pretrained
 # ---------------------------------------------------------------------------------------------
-@contextlib.contextmanager
 def ctx_maybe_load_from_disk_as_offloaded(
     offload_dir: PathLike | None = None,
-) -> Iterator[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Within this context, ``from_pretrained`` and ``safetensors.torch.load_file`` offload.
 
     - ``PreTrainedModel.from_pretrained(path)`` (and ``AutoModel*.from_pretrained``) builds the
@@ -603,8 +604,7 @@ def ctx_maybe_load_from_disk_as_offloaded(
             (the context does nothing).
     """
     if offload_dir is None:
-        yield
-        return
+        return contextlib.nullcontext()
     import safetensors.torch  # optional dependency
     import transformers
 
@@ -640,14 +640,50 @@ def ctx_maybe_load_from_disk_as_offloaded(
     peft_loading = sys.modules.get("peft.utils.save_and_load")  # bound its own name at import
     if peft_loading is not None and "safe_load_file" in peft_loading.__dict__:
         patches.append((peft_loading, "safe_load_file", load_file))
-    saved = [(owner, attribute, owner.__dict__[attribute]) for owner, attribute, _ in patches]
-    try:
-        for owner, attribute, replacement in patches:
-            setattr(owner, attribute, replacement)
-        yield
-    finally:
-        for owner, attribute, original in saved:
-            setattr(owner, attribute, original)
+    return _Patched(patches)
+
+
+class _Patched:
+    """A ``with`` block for which attributes are replaced (owner, name, replacement).
+
+    Written as a class, not a generator: a Ctrl-C landing in a generator context manager's
+    ``__enter__`` once its generator patched would leave the patches in place for good, its
+    ``__exit__`` never run. ``__enter__`` undoes patches that an interrupt cut short, and
+    ``__exit__`` puts every original back with Ctrl-C held (main thread).
+    """
+
+    def __init__(self, patches: list[tuple[Any, str, Any]]) -> None:
+        self._patches = patches
+        self._saved: list[tuple[Any, str, Any]] = []
+
+    def __enter__(self) -> None:
+        if self._saved:
+            raise T2NErrorMisuse("ctx_maybe_load_from_disk_as_offloaded() is entered once")
+        self._saved = [(owner, name, owner.__dict__[name]) for owner, name, _ in self._patches]
+        try:
+            for owner, name, replacement in self._patches:
+                setattr(owner, name, replacement)
+        except BaseException:
+            self._restore()
+            raise
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        try:
+            with InterruptHold() as hold:
+                hold.start()
+                self._restore()
+        except KeyboardInterrupt:  # (landed before the hold was in force, perhaps)
+            self._restore()
+            raise
+
+    def _restore(self) -> None:
+        for owner, name, original in self._saved:
+            setattr(owner, name, original)
 
 
 def _inside(f: Any, directory: PathLike) -> bool:
