@@ -55,12 +55,13 @@ class SignalAt:
     raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
     and ``where`` says where (the event and the function).
 
-    Unlike :class:`InterruptAt`, it counts finalizers' events too: what an interrupt landing
-    in one leaves behind is what it tests. Calls of ``ctypes`` functions make no events:
-    the point just after one is not counted."""
+    Unlike :class:`InterruptAt`, it counts finalizers' events too (what an interrupt landing
+    in one leaves behind is what it may test), unless ``finalizers`` is false: then those
+    :func:`in_finalizer` recognises are not counted. Calls of ``ctypes`` functions make no
+    events: the point just after one is not counted."""
 
-    def __init__(self, n: int, within: str) -> None:
-        self.n, self.within = n, within
+    def __init__(self, n: int, within: str, finalizers: bool = True) -> None:
+        self.n, self.within, self.finalizers = n, within, finalizers
         self.events = 0
         self.fired = False
         self.where = ""
@@ -71,6 +72,8 @@ class SignalAt:
             return
         if event == "return" and code.co_name == "__enter__":
             return  # the with statement that called it runs no handler before its block
+        if not self.finalizers and in_finalizer(frame):
+            return
         self.events += 1
         if self.events == self.n:
             sys.setprofile(None)

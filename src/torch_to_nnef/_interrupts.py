@@ -47,9 +47,9 @@ def hold_sigint(handler: Callable[[int, FrameType | None], Any]) -> tuple[bool, 
 def restore_sigint(previous: Any) -> None:
     """Put back the SIGINT handler :func:`hold_sigint` replaced (``None``: one set from
     outside Python, which Python cannot put back: the system's default then)."""
-    _signal.signal(signal.SIGINT, _handler(previous))
-    if _replaced:
+    if _replaced:  # first: a Ctrl-C raised once the handler is back leaves no stale entry
         _replaced.pop()
+    _signal.signal(signal.SIGINT, _handler(previous))
 
 
 def _handler(previous: Any) -> Any:

@@ -121,8 +121,10 @@ class _PrivateDir:
     __slots__ = ("__weakref__", "path")
 
     def __init__(self) -> None:
-        self.path, lock = storage.make_private_dir()
-        weakref.finalize(self, _remove_private_dir, self.path, lock, os.getpid())
+        with InterruptHold() as hold:  # Ctrl-C is raised once the directory has its remover
+            hold.start()
+            self.path, lock = storage.make_private_dir()
+            weakref.finalize(self, _remove_private_dir, self.path, lock, os.getpid())
 
 
 def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
@@ -673,8 +675,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 f"payload file '{path}' already exists: another tensor uses storage_id {sid!r} "
                 f"for {name!r}; pass a distinct storage_id (or None for a fresh one)"
             )
-        layout = storage.write_payload(path, encoded.tensors, encoded.metadata)
-        owned = _OwnedFile(path, private)
+        # From the rename to the file's owner, Ctrl-C is held (raised once the owner, which
+        # removes the file when dropped, exists): landing in between, it would orphan the file.
+        with InterruptHold() as hold:
+            layout = storage.write_payload(
+                path, encoded.tensors, encoded.metadata, before_replace=hold.start
+            )
+            owned = _OwnedFile(path, private)
         binding = (
             _Binding.create(layout, {n: n for n in layout.entries}, opaque=True, owned=owned)
             if encoded.opaque

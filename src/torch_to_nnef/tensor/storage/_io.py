@@ -23,11 +23,13 @@ import stat as stat_module
 import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
+from types import TracebackType
 from typing import TypeVar
 
 import torch
 
 from torch_to_nnef._forksafe import fork_safe_lock
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor.storage._buffers import (
     byte_view,
@@ -106,6 +108,44 @@ def open_for_reading(path: Path) -> tuple[int, os.stat_result]:
         os.close(fd)
         raise
     return fd, stat
+
+
+class reading:  # named as it is used, like contextlib.closing
+    """``with reading(path) as (fd, stat):``: :func:`open_for_reading`, its descriptor closed
+    as the block ends.
+
+    Ctrl-C (main thread) is held from the open until the descriptor is recorded for the
+    close, and raised then, the descriptor closed: a KeyboardInterrupt landing between an
+    ``open`` and the ``try`` that closes its descriptor would leak it (and, once the file is
+    replaced, the old file's disk space with it). A class, not a generator, for the same
+    reason: its ``__enter__`` closes what it opened if an interrupt cuts it.
+    """
+
+    __slots__ = ("_fd", "_path")
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._fd: int | None = None
+
+    def __enter__(self) -> tuple[int, os.stat_result]:
+        try:
+            with InterruptHold() as hold:
+                hold.start()
+                self._fd, stat = open_for_reading(self._path)
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self._fd, stat
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        fd, self._fd = self._fd, None  # no call before the close's: nothing to interrupt
+        if fd is not None:
+            os.close(fd)
 
 
 def open_regular_file(path: str | os.PathLike[str]) -> io.FileIO:
@@ -272,16 +312,13 @@ def read_layout(path: str | os.PathLike[str]) -> PayloadLayout:
             message names the path and the rule broken.
     """
     path = Path(path)
-    fd, stat = open_for_reading(path)
-    try:
+    with reading(path) as (fd, stat):
         prefix = bytearray(PREFIX_BYTES)
         if stat.st_size >= PREFIX_BYTES:
             pread_exact(fd, path, [memoryview(prefix)], 0, "the header length")
         length = header_length(path, bytes(prefix), stat.st_size)
         raw = bytearray(length)
         pread_exact(fd, path, [memoryview(raw)], PREFIX_BYTES, "the header")
-    finally:
-        os.close(fd)
     entries, metadata = parse_header(path, raw, stat.st_size)
     return PayloadLayout(path, entries, metadata, stat.st_size, identity=file_identity(stat))
 
@@ -312,8 +349,7 @@ def read_payload(
             unreadable, or lacks a requested entry.
         T2NErrorMisuse: a buffer of ``out`` does not match its entry or is not requested.
     """
-    fd, stat = open_for_reading(layout.path)
-    try:
+    with reading(layout.path) as (fd, stat):
         check_unchanged(layout, stat)
         plan = plan_read(layout, out, names)
         if hasattr(os, "posix_fadvise") and plan.jobs:
@@ -321,8 +357,6 @@ def read_payload(
         for offset, views in contiguous_runs(plan.jobs):
             pread_exact(fd, layout.path, views, offset, "tensor data")
         check_unchanged_after_read(layout, fd)
-    finally:
-        os.close(fd)
     return plan.result
 
 
@@ -355,8 +389,7 @@ def read_to_device(
     """
     transfer = Transfer(resolve_device(device))
     specs = select_entries(layout, names)
-    fd, stat = open_for_reading(layout.path)
-    try:
+    with reading(layout.path) as (fd, stat):
         check_unchanged(layout, stat)
         if hasattr(os, "posix_fadvise") and specs:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
@@ -369,8 +402,6 @@ def read_to_device(
 
             transfer.stage(target, fill)
         check_unchanged_after_read(layout, fd)
-    finally:
-        os.close(fd)
     value = transfer.on_stream(lambda: build(tensors))
     mark_pending(value, transfer.ready())
     return value
@@ -412,23 +443,29 @@ class AtomicFile:
         self.replaced = False
 
     def create(self) -> None:
-        """Open the directory, then create the temporary file under a fresh random name."""
-        self.dir_fd = os.open(
-            self.destination.parent, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
-        )
+        """Open the directory, then create the temporary file under a fresh random name.
+
+        Ctrl-C (main thread) is raised once what was opened and created is recorded, for
+        :meth:`discard` to close and remove: landing in between, it would leak them.
+        """
+        with InterruptHold() as hold:
+            hold.start()
+            self.dir_fd = os.open(
+                self.destination.parent, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC
+            )
+            self.fd, self.temp = self._create_temporary(self.dir_fd)
+        _lock(self.fd, blocking=True)  # held until the file is closed: a live writer's
+        remove_stale_temporaries(self.dir_fd)
+
+    def _create_temporary(self, dir_fd: int) -> tuple[int, str]:
+        """The descriptor and name of a new temporary file in the directory ``dir_fd``."""
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC
-        for attempt in range(_TEMP_ATTEMPTS):
+        for _attempt in range(_TEMP_ATTEMPTS - 1):
             candidate = temp_name(self.destination.name)
-            try:
-                self.fd = os.open(candidate, flags, 0o644, dir_fd=self.dir_fd)
-            except FileExistsError:
-                if attempt == _TEMP_ATTEMPTS - 1:
-                    raise
-                continue
-            self.temp = candidate
-            _lock(self.fd, blocking=True)  # held until the file is closed: a live writer's
-            remove_stale_temporaries(self.dir_fd)
-            return
+            with contextlib.suppress(FileExistsError):
+                return os.open(candidate, flags, 0o644, dir_fd=dir_fd), candidate
+        candidate = temp_name(self.destination.name)  # the last attempt raises
+        return os.open(candidate, flags, 0o644, dir_fd=dir_fd), candidate
 
     def write(self, view: memoryview) -> None:
         """Write all of ``view``, looping on partial writes."""

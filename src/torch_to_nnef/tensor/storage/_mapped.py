@@ -61,7 +61,7 @@ from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, selec
 from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, Kept
 from torch_to_nnef.tensor.storage._folios import SLOW_REGIONS, evict
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
-from torch_to_nnef.tensor.storage._io import open_for_reading, os_error_message, read_payload
+from torch_to_nnef.tensor.storage._io import os_error_message, read_payload, reading
 
 __all__ = [
     "advise_payload",
@@ -438,12 +438,9 @@ def advise_payload(layout: PayloadLayout, *, names: Iterable[str] | None = None)
     specs = [spec for spec in select_entries(layout, names) if spec.nbytes]
     if not specs or not hasattr(os, "posix_fadvise"):
         return
-    fd, _stat = open_for_reading(layout.path)
-    try:
+    with reading(layout.path) as (fd, _stat):
         for spec in specs:
             os.posix_fadvise(fd, spec.start, spec.nbytes, os.POSIX_FADV_WILLNEED)
-    finally:
-        os.close(fd)
 
 
 def load_payload(
