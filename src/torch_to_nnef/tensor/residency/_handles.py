@@ -363,7 +363,11 @@ class TensorResidencyLease(Holder, Uncopyable):
         if exc is not None and self._collected_amid_the_pools_code(exc):
             self._drop()
             return
-        end_lease(self._pool, self, True)
+        try:
+            end_lease(self._pool, self, True)
+        except KeyboardInterrupt:  # what it left of the end: at the pool's next step
+            self._drop()
+            raise
 
     async def __aenter__(self) -> torch.Tensor:
         self._check_unused()

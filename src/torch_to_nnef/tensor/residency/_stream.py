@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 
 from torch_to_nnef._forksafe import fork_safe_lock
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
@@ -154,11 +155,15 @@ def _forget_thread(
 def _leave_scope(held: _Held) -> None:
     """Reset the scope the stream opened for ``held``'s forward (cleared once done): from
     that forward's own context only, as a context variable belongs to its context."""
-    token = held.token
-    if token is not None:
-        with contextlib.suppress(ValueError, RuntimeError):  # another context, or reset
-            ACTIVE_RESIDENCY.reset(token)
-            held.token = None
+    token, held.token = held.token, None  # first: a Ctrl-C right after the reset leaves it
+    if token is None:  # cleared, not to be reset again
+        return
+    try:
+        ACTIVE_RESIDENCY.reset(token)
+    except ValueError:  # another context: left to a leave from the forward's own
+        held.token = token
+    except RuntimeError:  # reset already
+        pass
 
 
 class _Hook:
@@ -251,11 +256,24 @@ class ModuleStream(Uncopyable):
         self._lingering: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
-        for index, module in enumerate(modules):
-            self._handles.append(module.register_forward_pre_hook(_Hook(self._pre_hook(index))))
-            post = module.register_forward_hook(_Hook(self._post_hook(index)), always_call=True)
-            self._handles.append(post)
-            self._post_handles[index] = post
+        try:
+            # Ctrl-C is raised once every hook is registered and its handle recorded, to be
+            # removed: a hook registered by a stream never returned would stay on its module.
+            with InterruptHold() as hold:
+                hold.start()
+                for index, module in enumerate(modules):
+                    pre = module.register_forward_pre_hook(_Hook(self._pre_hook(index)))
+                    self._handles.append(pre)
+                    post = module.register_forward_hook(
+                        _Hook(self._post_hook(index)), always_call=True
+                    )
+                    self._handles.append(post)
+                    self._post_handles[index] = post
+        except BaseException:
+            for handle in self._handles:
+                handle.remove()
+            self._handles.clear()
+            raise
 
     # -- hooks -------------------------------------------------------------------------------
     def _state(self) -> _ThreadState:
@@ -361,7 +379,11 @@ class ModuleStream(Uncopyable):
             mine: list[list[TensorResidencyLease]] = []  # what this forward began
             try:
                 if scope is None:  # a forward outside `pool.scope()`
-                    entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
+                    try:
+                        entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
+                    except BaseException:  # Ctrl-C right after the set: its token is lost
+                        ACTIVE_RESIDENCY.set(None)
+                        raise
                 # Queue this module's loads, then those ahead, before waiting for any: a late
                 # value does not delay the reads behind it.
                 mine.append(self._begin(index, begun))
