@@ -155,15 +155,11 @@ def _forget_thread(
 def _leave_scope(held: _Held) -> None:
     """Reset the scope the stream opened for ``held``'s forward (cleared once done): from
     that forward's own context only, as a context variable belongs to its context."""
-    token, held.token = held.token, None  # first: a Ctrl-C right after the reset leaves it
-    if token is None:  # cleared, not to be reset again
-        return
-    try:
-        ACTIVE_RESIDENCY.reset(token)
-    except ValueError:  # another context: left to a leave from the forward's own
-        held.token = token
-    except RuntimeError:  # reset already
-        pass
+    token = held.token
+    if token is not None:
+        with contextlib.suppress(ValueError, RuntimeError):  # another context, or reset
+            ACTIVE_RESIDENCY.reset(token)
+            held.token = None
 
 
 class _Hook:
