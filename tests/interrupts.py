@@ -51,7 +51,7 @@ class SignalAt:
     """A profile function (``sys.setprofile``) that runs the SIGINT handler in force, as a
     Ctrl-C arriving there would, at the ``n``-th point counted where CPython runs a pending
     handler: the entry to a function of a file whose path contains ``within``, and the
-    return of a call such a function makes (of a C function's too). Python's default handler
+    return of a call such a function makes (of a Python or a C function's). Python's default handler
     raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
     and ``where`` says where (the event and the function).
 
@@ -72,7 +72,13 @@ class SignalAt:
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
         code = frame.f_code
-        if event not in _HANDLED_AT or self.within not in code.co_filename:
+        if event not in _HANDLED_AT:
+            return
+        if self.within not in code.co_filename and not (
+            event == "return"  # a return lands in its caller: counted where the caller is
+            and frame.f_back is not None
+            and self.within in frame.f_back.f_code.co_filename
+        ):
             return
         if event == "return" and code.co_name == "__enter__":
             return  # the with statement that called it runs no handler before its block

@@ -508,22 +508,33 @@ class AtomicFile:
         return stat
 
     def discard(self) -> None:
-        """Close and remove the temporary file, if still there; never raises ``OSError``."""
+        """Close and remove the temporary file, if still there; never raises ``OSError``.
+
+        Each descriptor and name is taken out of the object, then closed or removed, with no
+        call in between (a ``try``, not ``contextlib.suppress``, whose ``__init__`` is one):
+        a Ctrl-C cannot land between the two and leave it open or in place.
+        """
         if self.fd is not None:
             fd, self.fd = self.fd, None
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (see above)
                 os.close(fd)
+            except OSError:
+                pass
         if self.temp is not None:
             temp, self.temp = self.temp, None
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (see above)
                 os.unlink(temp, dir_fd=self.dir_fd)
+            except OSError:
+                pass
         self._close_directory()
 
     def _close_directory(self) -> None:
         if self.dir_fd is not None:
             dir_fd, self.dir_fd = self.dir_fd, None
-            with contextlib.suppress(OSError):
+            try:  # noqa: SIM105 (see discard)
                 os.close(dir_fd)
+            except OSError:
+                pass
 
 
 # ---------------------------------------------------------------------------------------------
