@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import gc
 import itertools
-import os
 import signal
 import sys
 import tempfile
@@ -17,6 +16,7 @@ import pytest
 import safetensors.torch
 import torch
 from interrupts import SignalAt
+from open_files import open_descriptors
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.tensor import storage
@@ -38,14 +38,7 @@ def left_in(directory: Path) -> set[str]:
     """The files under ``directory``, and what the process's descriptors open in it (or of
     it) point to."""
     left = {str(path) for path in directory.rglob("*")}
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith(str(directory)):
-            left.add(f"descriptor of {target}")
-    return left
+    return left | {f"descriptor of {target}" for target in open_descriptors(directory)}
 
 
 def sweep(

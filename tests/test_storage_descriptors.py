@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from interrupts import SignalAt
+from open_files import open_descriptors
 
 from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor import storage
@@ -19,19 +20,6 @@ from torch_to_nnef.tensor.storage import _descriptors
 from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, KEPT_FILES, Descriptors
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
-
-
-def open_descriptors(path: Path) -> list[str]:
-    """What the process's open descriptors of ``path`` (current or replaced) point to."""
-    found = []
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith(str(path)):
-            found.append(target)
-    return found
 
 
 def write(path: Path, value: float, count: int = 1024) -> storage.PayloadLayout:
