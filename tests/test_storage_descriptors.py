@@ -245,3 +245,32 @@ def test_a_ctrl_c_anywhere_in_the_kept_descriptors_leaves_their_lock_free(
         if not signal_at.fired:
             break
     assert n > 5, "the operation made fewer events than expected: the test proves little"
+
+
+@needs_proc
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_anywhere_in_a_forget_leaves_the_descriptor_kept_or_closed(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of a forget in turn (a writer replacing a file): every
+    descriptor of the directory still open is one the table keeps. (One landing between
+    the descriptor's retirement and its close once left it open for the process's life.)"""
+    descriptors = Descriptors()
+    layout = write(tmp_path / "a.safetensors", 1.0)
+    for n in itertools.count(1):
+        descriptors.release(descriptors.acquire(layout)[0])  # kept for the next load
+        signal_at = SignalAt(n, within=_descriptors.__file__)
+        sys.setprofile(signal_at)
+        try:
+            descriptors.forget(layout.path)
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.setprofile(None)
+        descriptors.forget(tmp_path / "none")  # a forget the Ctrl-C left queued runs here
+        assert len(open_descriptors(tmp_path)) == len(descriptors._kept), (
+            f"a Ctrl-C at {signal_at.where} left a descriptor open that no one closes"
+        )
+        if not signal_at.fired:
+            break
+    assert n > 5, "the forget made fewer points than expected: the test proves little"

@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.tensor.storage._format import PayloadLayout, file_identity
 from torch_to_nnef.tensor.storage._io import (
     check_regular,
@@ -102,10 +103,16 @@ class Descriptors:
 
     def _forget_queued(self) -> None:
         """Forget every queued path, in one hold of the lock per round: however many a
-        collection queued, the stack does not grow with them."""
+        collection queued, the stack does not grow with them.
+
+        A Ctrl-C is raised once a round's descriptors are closed: one in between would leave
+        them open for the process's life, out of the table and closed by no one. (Loads need
+        no such hold here: a map holds one from its acquire to its release.)"""
         while self._forgotten:
-            for fd in self._held(self._retire_queued_locked):
-                os.close(fd)
+            with InterruptHold() as hold:
+                hold.start()
+                for fd in self._held(self._retire_queued_locked):
+                    os.close(fd)
 
     def _retire_queued_locked(self) -> list[int]:
         """:meth:`_forget_queued`'s round under the lock: the descriptors to close."""
@@ -116,6 +123,9 @@ class Descriptors:
 
     def acquire(self, layout: PayloadLayout) -> tuple[Kept, int]:
         """A descriptor of the file of ``layout`` and the file's size; :meth:`release` it.
+
+        Called in a started ``InterruptHold`` that lasts to
+        the release: a Ctrl-C between the two would leave the descriptor in use for good.
 
         Raises:
             T2NErrorStorage: the file is missing, not a regular file, or not the one
