@@ -53,14 +53,15 @@ class SignalAt:
     handler: the entry to a function of a file whose path contains ``within``, and the
     return of a call such a function makes (of a Python or a C function's). Python's default handler
     raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
-    and ``where`` says where (the event and the function).
+    ``where`` says where (the event and the function's qualified name: ``"c_return
+    Descriptors._held"``, after a C call made by that method), and ``exit_entry`` whether
+    it was the entry of an ``__exit__`` method (where no code can guard it).
 
     Unlike :class:`InterruptAt`, it counts finalizers' events too (what an interrupt landing
     in one leaves behind is what it may test), unless ``finalizers`` is false: then those
     :func:`in_finalizer` recognises are not counted. Calls of ``ctypes`` functions make no
     events: the point just after one is not counted. With ``only``, the points counted are
-    those whose ``where`` it is (``"c_return hook"``: after a C call made by a function
-    ``hook``)."""
+    those whose ``where`` it is."""
 
     def __init__(
         self, n: int, within: str, finalizers: bool = True, only: str | None = None
@@ -68,6 +69,7 @@ class SignalAt:
         self.n, self.within, self.finalizers, self.only = n, within, finalizers, only
         self.events = 0
         self.fired = False
+        self.exit_entry = False
         self.where = ""
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
@@ -82,7 +84,7 @@ class SignalAt:
             return
         if event == "return" and code.co_name == "__enter__":
             return  # the with statement that called it runs no handler before its block
-        if self.only is not None and f"{event} {code.co_name}" != self.only:
+        if self.only is not None and f"{event} {code.co_qualname}" != self.only:
             return
         if not self.finalizers and in_finalizer(frame):
             return
@@ -90,7 +92,8 @@ class SignalAt:
         if self.events == self.n:
             sys.setprofile(None)
             self.fired = True
-            self.where = f"{event} {code.co_name}"
+            self.where = f"{event} {code.co_qualname}"
+            self.exit_entry = event == "call" and code.co_name == "__exit__"
             handler = signal.getsignal(signal.SIGINT)
             if callable(handler):
                 handler(signal.SIGINT, frame)

@@ -541,10 +541,10 @@ def test_a_ctrl_c_anywhere_in_a_scope_leaves_it_unset() -> None:
             if not signal_at.fired:
                 break
             fired.append(signal_at.where)
-            if signal_at.where != "call __exit__":
+            if not signal_at.exit_entry:
                 scope = context.run(active_tensor_residency)
                 assert scope is None, f"a Ctrl-C at {signal_at.where} left the scope set"
-        assert "c_return __enter__" in fired and "c_return __exit__" in fired
+        assert "c_return _Scope.__enter__" in fired and "c_return _Scope.__exit__" in fired
 
 
 def test_a_scope_is_entered_once(tmp_path: Path) -> None:
