@@ -258,3 +258,64 @@ def test_a_ctrl_c_while_a_stream_registers_its_hooks_leaves_none(tmp_path: Path)
             within=_stream.__file__,
         )
         assert points > 10, "the stream made fewer points than expected: the test proves little"
+
+
+class _AddsThenStops(torch.nn.Module):
+    """A layer that changes its weight in place, then is interrupted (Ctrl-C) before it
+    returns: torch runs no forward hook after it, so the stream's close ends its lease."""
+
+    def __init__(self, weight: OffloadedTensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            self.weight.add_(1)
+        raise KeyboardInterrupt
+
+
+@needs_proc
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_anywhere_in_a_stream_s_close_is_finished_by_a_second_close(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of the close of a stream whose forward Ctrl-C stopped inside
+    a module: once closed again, no hook, lease or scope stays, the module holds its tensor,
+    and the forward's change is kept. (A close cut midway once left the hooks it had taken
+    out of the stream on the model for good.)"""
+    model, x = offloaded_model(tmp_path, layers=2)
+    weight = OffloadedTensor.from_original_tensor(torch.zeros(16, 16), "w", offload_dir=tmp_path)
+    model.insert(1, _AddsThenStops(weight))
+    nothing = tmp_path / "nothing"  # files are not checked: loads may still run in workers
+    nothing.mkdir()
+    streams: list[Any] = []
+    forwards = [0]
+    with TensorResidencyPool(max_cached_bytes=0) as pool:
+
+        def interrupted_forward_then_close() -> None:
+            profiler = sys.getprofile()
+            sys.setprofile(None)  # the forward is not swept: the close is
+            try:
+                streams.append(stream_modules(pool, list(model), depth=1))
+                with pytest.raises(KeyboardInterrupt):
+                    model(x)
+                forwards[0] += 1
+                assert active_tensor_residency() is not None  # the scope the stream opened
+            finally:
+                sys.setprofile(profiler)
+            streams[-1].close()
+
+        def check(where: str) -> None:
+            for stream in streams:
+                stream.close()
+            streams.clear()
+            assert hooks_on(model) == 0, f"a Ctrl-C at {where} left a hook"
+            assert "leased: 0," in repr(pool), f"a Ctrl-C at {where} left a lease"
+            assert active_tensor_residency() is None, f"a Ctrl-C at {where} left the scope"
+            assert model[1].weight is weight, f"a Ctrl-C at {where} left the value bound"
+            assert torch.equal(weight.reload(), torch.full((16, 16), float(forwards[0]))), (
+                f"a Ctrl-C at {where} lost the forward's change"
+            )
+
+        points = sweep(interrupted_forward_then_close, nothing, check, within=_stream.__file__)
+        assert points > 20, "the close made fewer points than expected: the test proves little"

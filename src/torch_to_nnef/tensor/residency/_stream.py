@@ -157,8 +157,11 @@ def _leave_scope(held: _Held) -> None:
     that forward's own context only, as a context variable belongs to its context."""
     token = held.token
     if token is not None:
-        with contextlib.suppress(ValueError, RuntimeError):  # another context, or reset
-            ACTIVE_RESIDENCY.reset(token)
+        # A Ctrl-C is raised once the token is cleared: one just after the reset would keep
+        # it, and with it the entry (and its module's post-hook) for a scope already left.
+        with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
+            hold.start()
+            ACTIVE_RESIDENCY.reset(token)  # (raises in another context, or once reset)
             held.token = None
 
 
@@ -566,6 +569,13 @@ class ModuleStream(Uncopyable):
         and, closed from its thread, the residency scope the stream opened for it reset.
         Closing the pool from that thread does the same for that forward.
         """
+        # A Ctrl-C is raised once the close is done: each step takes what it ends out of the
+        # stream first, so a close cut midway would leave hooks or leases no later close finds.
+        with InterruptHold() as hold:
+            hold.start()
+            self._close()
+
+    def _close(self) -> None:
         with self._lock:
             handles, self._handles = self._handles, []
             self._lingering = self._threads
@@ -598,11 +608,13 @@ class ModuleStream(Uncopyable):
         state: _ThreadState | None = getattr(self._local, "state", None)
         if state is None or not any(state.held.values()):
             return
-        for index, stack in state.held.items():
-            if stack:
-                self._unbind(index)  # another forward inside it reads through the tensors
-        _cancel_begun(state.begun, keep=())
-        self._end_held(state)
+        with InterruptHold() as hold:  # (as in close)
+            hold.start()
+            for index, stack in state.held.items():
+                if stack:
+                    self._unbind(index)  # another forward inside it reads through the tensors
+            _cancel_begun(state.begun, keep=())
+            self._end_held(state)
 
     def _end_held(self, state: _ThreadState) -> None:
         """End the leases that a forward of ``state``'s thread interrupted where its modules'
