@@ -60,13 +60,10 @@ class SignalAt:
     Unlike :class:`InterruptAt`, it counts finalizers' events too (what an interrupt landing
     in one leaves behind is what it may test), unless ``finalizers`` is false: then those
     :func:`in_finalizer` recognises are not counted. Calls of ``ctypes`` functions make no
-    events: the point just after one is not counted. With ``only``, the points counted are
-    those whose ``where`` it is."""
+    events: the point just after one is not counted."""
 
-    def __init__(
-        self, n: int, within: str, finalizers: bool = True, only: str | None = None
-    ) -> None:
-        self.n, self.within, self.finalizers, self.only = n, within, finalizers, only
+    def __init__(self, n: int, within: str, finalizers: bool = True) -> None:
+        self.n, self.within, self.finalizers = n, within, finalizers
         self.events = 0
         self.fired = False
         self.exit_entry = False
@@ -84,8 +81,6 @@ class SignalAt:
             return
         if event == "return" and code.co_name == "__enter__":
             return  # the with statement that called it runs no handler before its block
-        if self.only is not None and f"{event} {code.co_qualname}" != self.only:
-            return
         if not self.finalizers and in_finalizer(frame):
             return
         self.events += 1

@@ -510,6 +510,43 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
     assert pool.closed
 
 
+def test_a_stream_not_kept_streams_while_its_pool_is_open_then_goes_with_its_hooks(
+    tmp_path: Path,
+) -> None:
+    """``stream_modules(pool, layers)`` without keeping the stream: the model holds it (and
+    its pool) while the pool is open; once the pool closed, it goes with its hooks, and the
+    model runs without the pool. (Its hooks once stayed, and every forward then failed
+    with an error saying to close a stream no one could reach.)"""
+    probe, weight = offloaded_probe(tmp_path)
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight.reload().t()
+    pool = TensorResidencyPool(max_cached_bytes=0)
+    stream_modules(pool, [probe])
+    gc.collect()
+    assert torch.equal(probe(x), expected)
+    assert pool.stats().misses == 1  # served by the pool: the stream is alive
+    pool.close()
+    assert not probe._forward_pre_hooks and not probe._forward_hooks
+    assert torch.equal(probe(x), expected)
+    assert pool.stats().misses == 1
+
+
+def test_a_kept_stream_over_a_closed_pool_says_to_close_it(tmp_path: Path) -> None:
+    """A stream its caller keeps stays in force once its pool closed: a forward then says to
+    close it (running through the tensors would silently bypass the pool)."""
+    probe, _weight = offloaded_probe(tmp_path)
+    x = torch.randn(2, WIDTH)
+    with TensorResidencyPool() as pool:
+        stream = stream_modules(pool, [probe])
+    gc.collect()
+    with pytest.raises(
+        T2NErrorMisuse, match=r"through a TensorResidencyPool that is closed: close"
+    ):
+        probe(x)
+    stream.close()
+    assert probe(x).shape == (2, WIDTH)
+
+
 def test_closing_the_pool_in_the_thread_of_an_interrupted_forward_keeps_its_change(
     tmp_path: Path,
 ) -> None:

@@ -558,7 +558,8 @@ class TensorResidencyPool(Uncopyable):
         """Write dirty values back, release every value and stop the pool.
 
         A forward through :func:`stream_modules` that Ctrl-C interrupted in the calling thread
-        gives back what it held first, as closing its stream would.
+        gives back what it held first, as closing its stream would. A stream through the pool
+        that its caller did not keep then goes, with its hooks.
 
         Raises:
             T2NErrorMisuse: values are still leased (the pool stays usable), or called on the
@@ -566,7 +567,7 @@ class TensorResidencyPool(Uncopyable):
             T2NErrorStorage: a write-back failed (the pool stays open; retry after fixing).
         """
         if self._actor.closed:
-            self._stop_private_loop()  # a close that an interrupt cut short stopped nothing
+            self._let_go()  # a close that an interrupt cut short stopped nothing
             return
         self._end_interrupted_forwards()
         if self._runtime.stranded_here():  # its loop of the caller's is gone: close it here
@@ -585,12 +586,12 @@ class TensorResidencyPool(Uncopyable):
         try:
             self._warn_if_left_out()
         finally:
-            self._stop_private_loop()
+            self._let_go()
 
     async def aclose(self) -> None:
         """Async twin of :meth:`close`."""
         if self._actor.closed:
-            self._stop_private_loop()
+            self._let_go()
             return
         runtime = self._runtime
         if not runtime.running or runtime.stranded_here():
@@ -601,11 +602,15 @@ class TensorResidencyPool(Uncopyable):
         try:
             self._warn_if_left_out()
         finally:
-            self._stop_private_loop()
+            self._let_go()
 
-    def _stop_private_loop(self) -> None:
-        """Stop the private loop thread of a closed pool, if it still runs (not from it: a
-        close on the loop thread leaves the loop to stop when the thread's callback ends)."""
+    def _let_go(self) -> None:
+        """Let go of what a closed pool still holds: the streams through it (one its caller
+        did not keep then goes, with its hooks) and its private loop thread, if it still runs
+        (not from it: a close on the loop thread leaves the loop to stop when the thread's
+        callback ends)."""
+        for stream in list(self._streams):
+            stream._let_go()
         runtime = self._runtime
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()

@@ -166,25 +166,41 @@ def _leave_scope(held: _Held) -> None:
 
 
 class _Hook:
-    """A stream's hook on one of its modules. A copy of the module (``copy.deepcopy``, or a
-    model pickled by ``torch.save`` and loaded again) is not streamed: its hook does nothing,
-    and the copy computes on its own tensors."""
+    """A stream's hook on one of its modules: it calls ``method(index, *args)``.
 
-    __slots__ = ("function",)
+    It holds the stream while the stream's pool is open, and weakly once it closed
+    (:meth:`ModuleStream._let_go`): a stream whose caller did not keep it (the usual
+    ``stream_modules(pool, layers)`` inside ``with pool:``) streams while the pool is open,
+    then goes and takes its hooks off, so that the model runs without the pool.
 
-    def __init__(self, function: Callable[..., None] | None) -> None:
-        self.function = function
+    A copy of the module (``copy.deepcopy``, or a model pickled by ``torch.save`` and loaded
+    again) is not streamed: its hook does nothing, and the copy computes on its own tensors."""
+
+    __slots__ = ("held", "index", "method")
+
+    def __init__(self, method: Callable[..., None] | None, index: int) -> None:
+        self.held = method
+        self.method = None if method is None else weakref.WeakMethod(method)
+        self.index = index
 
     def __call__(self, *args: Any) -> None:
-        function = self.function
-        if function is not None:
-            function(*args)
+        method = self.held
+        if method is None and self.method is not None:
+            method = self.method()
+        if method is not None:
+            method(self.index, *args)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Hook:
-        return _Hook(None)
+        return _Hook(None, self.index)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (_Hook, (None,))
+        return (_Hook, (None, self.index))
+
+
+def _take_hooks_off(handles: list[Any]) -> None:
+    """A stream went: its hooks leave its modules (removing a handle twice does nothing)."""
+    for handle in handles:
+        handle.remove()
 
 
 class ModuleStream(Uncopyable):
@@ -253,24 +269,29 @@ class ModuleStream(Uncopyable):
         # leaves them, so that the forward leaves the scope the stream opened for it.
         self._post_handles: dict[int, Any] = {}
         self._lingering: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
+        self._hooks: list[_Hook] = []  # to let go of the stream once the pool closed
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
+        # Every hook registered, to take off when the stream goes (see ``_Hook``).
+        registered: list[Any] = []
+        weakref.finalize(self, _take_hooks_off, registered)
         try:
             # Ctrl-C is raised once every hook is registered and its handle recorded, to be
             # removed: a hook registered by a stream never returned would stay on its module.
             with InterruptHold() as hold:
                 hold.start()
                 for index, module in enumerate(modules):
-                    pre = module.register_forward_pre_hook(_Hook(self._pre_hook(index)))
+                    before, after = _Hook(self._before, index), _Hook(self._after, index)
+                    self._hooks += (before, after)
+                    pre = module.register_forward_pre_hook(before)
+                    registered.append(pre)
                     self._handles.append(pre)
-                    post = module.register_forward_hook(
-                        _Hook(self._post_hook(index)), always_call=True
-                    )
+                    post = module.register_forward_hook(after, always_call=True)
+                    registered.append(post)
                     self._handles.append(post)
                     self._post_handles[index] = post
         except BaseException:
-            for handle in self._handles:
-                handle.remove()
+            _take_hooks_off(registered)
             self._handles.clear()
             raise
 
@@ -347,88 +368,86 @@ class ModuleStream(Uncopyable):
         for lease in leases:  # the stream closed meanwhile
             lease._cancel()
 
-    def _pre_hook(self, index: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any) -> None:
-            pool = self.pool
-            scope = ACTIVE_RESIDENCY.get()
-            if scope is not None and scope[0] is not pool:
-                return  # a forward in another pool's scope is that pool's (its own stream's)
-            if pool.closed:
-                raise T2NErrorMisuse(
-                    "this module is streamed (stream_modules) through a TensorResidencyPool "
-                    "that is closed: close the stream (leave its `with` block) to run the "
-                    "model without the pool, or stream it through a new pool"
-                )
-            if not self._handles:
-                return  # the stream closed as this forward began: it reads through the tensors
-            state = self._state()
-            held, begun = state.held, state.begun
-            if index <= state.last and not any(held.values()):
-                # A new forward in this thread: the last one stopped before its end (an early
-                # exit); drop what it began for modules this one does not start with.
-                _cancel_begun(begun, keep=range(index, index + self.depth + 1))
-            state.last = index
-            # Recorded before it holds anything: whatever interrupts this forward, the leases
-            # it entered and the scope it opened are where the stream's close finds them.
-            entry = _Held(None, [], [])
-            stack = held.setdefault(index, [])
-            stack.append(entry)
-            slots: dict[int, Slot] = {}
-            closed: T2NErrorMisuse | None = None
-            mine: list[list[TensorResidencyLease]] = []  # what this forward began
-            try:
-                if scope is None:  # a forward outside `pool.scope()`
-                    try:
-                        entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
-                    except BaseException:  # Ctrl-C right after the set: its token is lost
-                        ACTIVE_RESIDENCY.set(None)
-                        raise
-                # Queue this module's loads, then those ahead, before waiting for any: a late
-                # value does not delay the reads behind it.
-                mine.append(self._begin(index, begun))
-                count = len(self.groups)
-                for step in range(1, min(self.depth, count - 1) + 1):
-                    ahead = index + step
-                    if ahead < count:
-                        mine.append(self._begin(ahead, begun))
-                    else:
-                        self._begin_next_forward(ahead - count)
-                # The begun leases stay in ``begun`` until all are entered: whatever stops
-                # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
-                for lease in begun.get(index, ()):
-                    lease.__enter__()
-                    entry.leases.append(lease)
-                    if lease.slot is not None:  # (else a close ended it: nothing is bound)
-                        slots[id(lease._source)] = lease.slot
-                begun.pop(index, None)
-                # Its ops run on the values themselves where the tensors would serve the same
-                # (a trace records the tensors, not their values).
-                same = scope is None or (scope[0] is pool and scope[1] == self.device)
-                if same and not _is_tracing():
-                    entry.watched = self._bind(index, slots)
-                with self._lock:  # a close from now on finds what this forward holds
-                    if not self._handles:
-                        closed = self._closed_under_forward()
-                if closed is not None:
-                    raise closed
-            except BaseException as error:
-                self._unbind(index)
-                for lease in entry.leases:
-                    lease.__exit__(None, None, None)
-                # The forward is failing: nothing it began ahead will run (and its traceback
-                # would keep what it began alive), whether or not a close took it from `begun`.
-                _cancel_begun(begun, keep=())
-                for leases in mine:
-                    for lease in leases:
-                        lease._cancel()  # (nothing for those entered)
-                _leave_scope(entry)
-                with contextlib.suppress(ValueError):  # a close from another thread took it
-                    stack.remove(entry)
-                if closed is None and not self._handles and isinstance(error, Exception):
-                    raise self._closed_under_forward() from error  # e.g. a lease it dropped
-                raise
-
-        return hook
+    def _before(self, index: int, module: torch.nn.Module, args: Any) -> None:
+        """Module ``index``'s forward pre-hook: its leases, those ahead, its values bound."""
+        pool = self.pool
+        scope = ACTIVE_RESIDENCY.get()
+        if scope is not None and scope[0] is not pool:
+            return  # a forward in another pool's scope is that pool's (its own stream's)
+        if pool.closed:
+            raise T2NErrorMisuse(
+                "this module is streamed (stream_modules) through a TensorResidencyPool "
+                "that is closed: close the stream (leave its `with` block) to run the "
+                "model without the pool, or stream it through a new pool"
+            )
+        if not self._handles:
+            return  # the stream closed as this forward began: it reads through the tensors
+        state = self._state()
+        held, begun = state.held, state.begun
+        if index <= state.last and not any(held.values()):
+            # A new forward in this thread: the last one stopped before its end (an early
+            # exit); drop what it began for modules this one does not start with.
+            _cancel_begun(begun, keep=range(index, index + self.depth + 1))
+        state.last = index
+        # Recorded before it holds anything: whatever interrupts this forward, the leases
+        # it entered and the scope it opened are where the stream's close finds them.
+        entry = _Held(None, [], [])
+        stack = held.setdefault(index, [])
+        stack.append(entry)
+        slots: dict[int, Slot] = {}
+        closed: T2NErrorMisuse | None = None
+        mine: list[list[TensorResidencyLease]] = []  # what this forward began
+        try:
+            if scope is None:  # a forward outside `pool.scope()`
+                try:
+                    entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
+                except BaseException:  # Ctrl-C right after the set: its token is lost
+                    ACTIVE_RESIDENCY.set(None)
+                    raise
+            # Queue this module's loads, then those ahead, before waiting for any: a late
+            # value does not delay the reads behind it.
+            mine.append(self._begin(index, begun))
+            count = len(self.groups)
+            for step in range(1, min(self.depth, count - 1) + 1):
+                ahead = index + step
+                if ahead < count:
+                    mine.append(self._begin(ahead, begun))
+                else:
+                    self._begin_next_forward(ahead - count)
+            # The begun leases stay in ``begun`` until all are entered: whatever stops
+            # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
+            for lease in begun.get(index, ()):
+                lease.__enter__()
+                entry.leases.append(lease)
+                if lease.slot is not None:  # (else a close ended it: nothing is bound)
+                    slots[id(lease._source)] = lease.slot
+            begun.pop(index, None)
+            # Its ops run on the values themselves where the tensors would serve the same
+            # (a trace records the tensors, not their values).
+            same = scope is None or (scope[0] is pool and scope[1] == self.device)
+            if same and not _is_tracing():
+                entry.watched = self._bind(index, slots)
+            with self._lock:  # a close from now on finds what this forward holds
+                if not self._handles:
+                    closed = self._closed_under_forward()
+            if closed is not None:
+                raise closed
+        except BaseException as error:
+            self._unbind(index)
+            for lease in entry.leases:
+                lease.__exit__(None, None, None)
+            # The forward is failing: nothing it began ahead will run (and its traceback
+            # would keep what it began alive), whether or not a close took it from `begun`.
+            _cancel_begun(begun, keep=())
+            for leases in mine:
+                for lease in leases:
+                    lease._cancel()  # (nothing for those entered)
+            _leave_scope(entry)
+            with contextlib.suppress(ValueError):  # a close from another thread took it
+                stack.remove(entry)
+            if closed is None and not self._handles and isinstance(error, Exception):
+                raise self._closed_under_forward() from error  # e.g. a lease it dropped
+            raise
 
     def _closed_under_forward(self) -> T2NErrorMisuse:
         return T2NErrorMisuse(
@@ -436,44 +455,43 @@ class ModuleStream(Uncopyable):
             "close a stream once the forwards through it have ended"
         )
 
-    def _post_hook(self, index: int) -> Any:
-        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            try:
-                leave(module, args, output)
-            finally:
-                if not self._handles:  # closed: it stayed for a forward inside the module
-                    self._drop_post_hook(index)
+    def _after(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
+        """Module ``index``'s forward hook (also on errors)."""
+        try:
+            self._leave(index)
+        finally:
+            if not self._handles:  # closed: it stayed for a forward inside the module
+                self._drop_post_hook(index)
 
-        def leave(module: torch.nn.Module, args: Any, output: Any) -> None:
-            scope = ACTIVE_RESIDENCY.get()
-            if scope is not None and scope[0] is not self.pool:
-                return  # another pool's forward (see the pre-hook)
-            state = self._state()
-            held, begun = state.held, state.begun
-            if sys.exc_info()[1] is not None:
-                # The forward is failing: drop what was begun for modules that will not run.
-                for leases in begun.values():
-                    for lease in leases:
-                        lease._cancel()
-                begun.clear()
-            stack = held.get(index)
-            if not stack:
-                return  # the pre-hook failed, or the stream was closed: nothing is held
-            # It leaves the stack once its leases ended: whatever interrupts this, what it
-            # holds stays where the stream's close (or the pool's) finds it.
-            ended = stack[-1]
-            try:
-                self._unbind(index)
-                self._keep_changes(ended.watched)
-            finally:
-                ended.watched = []
-                for lease in ended.leases:
-                    lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-                _leave_scope(ended)
-                with contextlib.suppress(ValueError):  # a close from another thread took it
-                    stack.remove(ended)
-
-        return hook
+    def _leave(self, index: int) -> None:
+        """A forward leaves module ``index``: its leases end, its changes kept."""
+        scope = ACTIVE_RESIDENCY.get()
+        if scope is not None and scope[0] is not self.pool:
+            return  # another pool's forward (see the pre-hook)
+        state = self._state()
+        held, begun = state.held, state.begun
+        if sys.exc_info()[1] is not None:
+            # The forward is failing: drop what was begun for modules that will not run.
+            for leases in begun.values():
+                for lease in leases:
+                    lease._cancel()
+            begun.clear()
+        stack = held.get(index)
+        if not stack:
+            return  # the pre-hook failed, or the stream was closed: nothing is held
+        # It leaves the stack once its leases ended: whatever interrupts this, what it
+        # holds stays where the stream's close (or the pool's) finds it.
+        ended = stack[-1]
+        try:
+            self._unbind(index)
+            self._keep_changes(ended.watched)
+        finally:
+            ended.watched = []
+            for lease in ended.leases:
+                lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
+            _leave_scope(ended)
+            with contextlib.suppress(ValueError):  # a close from another thread took it
+                stack.remove(ended)
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
@@ -649,6 +667,11 @@ class ModuleStream(Uncopyable):
         for state in idle:
             _cancel_begun(state.begun, keep=())
 
+    def _let_go(self) -> None:
+        """Its pool closed: its hooks stop holding it (see ``_Hook``)."""
+        for hook in self._hooks:
+            hook.held = None
+
     def __enter__(self) -> ModuleStream:
         return self
 
@@ -703,6 +726,10 @@ def stream_modules(
     once the forwards through it have ended: one running in another thread as it closes
     either fails with ``T2NErrorMisuse`` or ends reading through its tensors; either way it
     holds nothing once it ended, and its thread leaves the scope the stream opened for it.
+    A stream its caller does not keep (``stream_modules(pool, layers)`` inside ``with pool:``)
+    is held by the model while the pool is open, and goes with its hooks once the pool
+    closed; a stream kept past its pool's close makes forwards fail with ``T2NErrorMisuse``
+    until it is closed.
 
     Args:
         pool: the pool that serves the values.
