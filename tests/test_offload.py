@@ -1288,6 +1288,42 @@ def test_a_forked_childs_read_after_its_parent_wrote_says_so(
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_forked_childs_write_outlives_its_parents_private_directory(weight: torch.Tensor) -> None:
+    """A child writing a tensor of the parent's private directory writes in a private
+    directory of its own: the parent removing its directory (its last tensor gone) leaves
+    the child's value, which the child's own removal then takes. (The child once wrote in
+    the parent's directory, and lost its value as the parent removed it.)"""
+    tensors = [OffloadedTensor.from_original_tensor(weight, "private")]
+    parent_directory = tensors[0].offload_path.parent
+
+    def drop() -> None:
+        tensors.clear()
+        gc.collect()
+
+    def child() -> str:
+        tensor = tensors[0]
+        tensor.add_(1.0)
+        directory = tensor.offload_path.parent
+        deadline = time.monotonic() + 20
+        while parent_directory.exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        read = bool(torch.equal(tensor.reload(), weight + 1.0))
+        del tensor
+        drop()
+        return repr([directory != parent_directory, read, directory.exists()])
+
+    dropper = threading.Timer(0.3, drop)
+    dropper.start()
+    try:
+        report = in_forked_child(child)
+    finally:
+        dropper.join()
+    assert not parent_directory.exists()
+    assert report == "[True, True, False]"
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_never_removes_its_parents_files(
     weight: torch.Tensor, tmp_path: Path
 ) -> None:

@@ -115,16 +115,18 @@ class _OwnedFile:
 class _PrivateDir:
     """A temporary directory shared by tensors offloaded without an explicit directory.
 
-    Removed (with anything left in it) when the last tensor holding it is gone.
+    Removed (with anything left in it) when the last tensor holding it is gone, by the
+    process that made it (``creator``) only: a forked child writes in one of its own.
     """
 
-    __slots__ = ("__weakref__", "path")
+    __slots__ = ("__weakref__", "creator", "path")
 
     def __init__(self) -> None:
+        self.creator = os.getpid()
         with InterruptHold() as hold:  # Ctrl-C is raised once the directory has its remover
             hold.start()
             self.path, lock = storage.make_private_dir()
-            weakref.finalize(self, _remove_private_dir, self.path, lock, os.getpid())
+            weakref.finalize(self, _remove_private_dir, self.path, lock, self.creator)
 
 
 def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
@@ -176,11 +178,11 @@ _PRIVATE_DIR_LOCK = fork_safe_lock()
 
 
 def _private_dir() -> _PrivateDir:
-    """The private temporary directory in use, created when none is alive."""
+    """The private temporary directory in use, created when none of this process is alive."""
     global _PRIVATE_DIR
     with _PRIVATE_DIR_LOCK:
         current = _PRIVATE_DIR() if _PRIVATE_DIR is not None else None
-        if current is None:
+        if current is None or current.creator != os.getpid():
             current = _PrivateDir()
             _PRIVATE_DIR = weakref.ref(current)
         return current
@@ -1490,7 +1492,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         owned = self._binding.owned
         if owned is not None and owned.creator != os.getpid():
             self.storage_id = _new_storage_id()
-        directory, private = _resolve_dir(self.offload_dir)
+        # A private directory's tensor writes in the private directory of this process: that
+        # of the process it was forked from goes with that process's tensors.
+        directory, private = _resolve_dir(None if self._private is not None else self.offload_dir)
         path = storage.payload_path(directory, self._name, self.storage_id)
         if path.exists():
             raise T2NErrorMisuse(
