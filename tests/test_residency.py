@@ -8,6 +8,7 @@ import contextlib
 import contextvars
 import itertools
 import logging
+import os
 import re
 import subprocess
 import sys
@@ -1359,6 +1360,54 @@ def test_private_loop_runs_on_uvloop_unless_opted_out(
         loop = pool._runtime.loop
         assert loop is not None
         assert type(loop).__module__.split(".")[0] == expected
+
+
+_FORK_AS_THE_FIRST_POOL_STARTS = """
+import faulthandler, importlib.abc, os, sys, threading, time, torch
+importing = threading.Event()
+class SlowInThreads(importlib.abc.MetaPathFinder):  # a thread's import of uvloop takes 0.5 s
+    def find_spec(self, name, path, target=None):
+        if name == "uvloop" and threading.current_thread() is not threading.main_thread():
+            importing.set()
+            time.sleep(0.5)
+        return None
+sys.meta_path.insert(0, SlowInThreads())
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.residency import TensorResidencyPool
+t = OffloadedTensor.from_original_tensor(torch.zeros(8), "w", offload_dir=sys.argv[1])
+pool = TensorResidencyPool()
+starter = threading.Thread(target=pool.resolve, args=(t,))  # the process's first pool starts
+starter.start()
+importing.wait(0.3)
+child = os.fork()
+if child == 0:
+    faulthandler.dump_traceback_later(10, exit=True)  # a hang ends the child with status 1
+    with TensorResidencyPool() as own:
+        own.resolve(t)
+    os._exit(0)
+_, status = os.waitpid(child, 0)
+starter.join()
+pool.close()
+print("child's exit status:", os.waitstatus_to_exitcode(status))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_child_forked_as_another_thread_starts_the_first_pool_starts_pools(
+    tmp_path: Path,
+) -> None:
+    """A fork while another thread starts the process's first pool: the child's pools start.
+    (That start once imported uvloop: forked amid the import, the child inherited the
+    module's import lock held, and every pool it started waited for it for ever.)"""
+    done = subprocess.run(
+        [sys.executable, "-c", _FORK_AS_THE_FIRST_POOL_STARTS, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=50,
+        check=False,
+    )
+    assert "child's exit status: 0" in done.stdout, done.stdout + done.stderr
 
 
 @faces

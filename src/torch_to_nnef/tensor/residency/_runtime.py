@@ -195,17 +195,23 @@ def _close_and_stop_pools() -> None:
 atexit.register(_close_and_stop_at_exit)
 
 
+# Imported with this module, not as the first pool starts: a fork while another thread is
+# inside that import would leave the child the module's import lock held, and every pool the
+# child started would wait for it for ever.
+_new_uvloop: Callable[[], asyncio.AbstractEventLoop] | None
+try:
+    import uvloop
+except ImportError:  # uvloop is a dependency on Linux and macOS only
+    _new_uvloop = None
+else:
+    _new_uvloop = uvloop.new_event_loop
+
+
 def uvloop_wanted(use_uvloop: bool | None) -> bool:
     """Whether a private loop should run on uvloop (the option, then the environment)."""
     if use_uvloop is None:
         use_uvloop = os.environ.get("T2N_RESIDENCY_UVLOOP", "1").lower() not in ("0", "false", "no")
-    if not use_uvloop:
-        return False
-    try:
-        import uvloop  # noqa: F401
-    except ImportError:
-        return False
-    return True
+    return use_uvloop and _new_uvloop is not None
 
 
 def _run_posted(loop: asyncio.AbstractEventLoop) -> None:
@@ -225,11 +231,8 @@ def _run_posted(loop: asyncio.AbstractEventLoop) -> None:
 
 
 def _new_loop(use_uvloop: bool) -> asyncio.AbstractEventLoop:
-    if use_uvloop:
-        import uvloop
-
-        loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
-        return loop
+    if use_uvloop and _new_uvloop is not None:
+        return _new_uvloop()
     return asyncio.new_event_loop()
 
 
