@@ -5,6 +5,7 @@ call or return, C functions' included, as a signal arriving there would run it."
 
 from __future__ import annotations
 
+import dis
 import gc
 import inspect
 import signal
@@ -55,7 +56,7 @@ class SignalAt:
     raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
     ``where`` says where (the event and the function's qualified name: ``"c_return
     Descriptors._held"``, after a C call made by that method), and ``exit_entry`` whether
-    it was the entry of an ``__exit__`` method (where no code can guard it).
+    it was the entry of an ``__exit__`` or ``__aexit__`` method (where no code can guard it).
 
     Unlike :class:`InterruptAt`, it counts finalizers' events too (what an interrupt landing
     in one leaves behind is what it may test), unless ``finalizers`` is false: then those
@@ -81,6 +82,10 @@ class SignalAt:
             return
         if event == "return" and code.co_name == "__enter__":
             return  # the with statement that called it runs no handler before its block
+        if event == "return" and code.co_flags & _AWAITED:
+            return  # an await's end or suspension: the awaiting code runs no handler there
+        if event == "call" and _resumed_after_an_await(frame):
+            return  # no handler runs as a coroutine resumes after an await
         if not self.finalizers and in_finalizer(frame):
             return
         self.events += 1
@@ -88,13 +93,26 @@ class SignalAt:
             sys.setprofile(None)
             self.fired = True
             self.where = f"{event} {code.co_qualname}"
-            self.exit_entry = event == "call" and code.co_name == "__exit__"
+            self.exit_entry = event == "call" and code.co_name in ("__exit__", "__aexit__")
             handler = signal.getsignal(signal.SIGINT)
             if callable(handler):
                 handler(signal.SIGINT, frame)
 
 
 _HANDLED_AT = ("call", "return", "c_return")  # not before a C call: after the previous one
+
+_AWAITED = inspect.CO_COROUTINE | inspect.CO_ITERABLE_COROUTINE | inspect.CO_ASYNC_GENERATOR
+
+_RESUME = dis.opmap["RESUME"]
+
+
+def _resumed_after_an_await(frame: FrameType) -> bool:
+    """Whether ``frame``'s call event is a resumption after an ``await`` (``RESUME`` with an
+    argument of 2 or more), where CPython 3.11 runs no pending handler, unlike a function's
+    start or a generator's resumption after a ``yield``."""
+    code, at = frame.f_code.co_code, frame.f_lasti
+    return 0 <= at < len(code) - 1 and code[at] == _RESUME and code[at + 1] >= 2
+
 
 _FINALIZERS = ("weakref.py", "_weakrefset.py")
 
