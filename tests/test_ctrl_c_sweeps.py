@@ -3,6 +3,7 @@ file, descriptor or SIGINT handler is left behind, and the value on disk is whol
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import itertools
 import signal
@@ -191,6 +192,76 @@ def test_a_ctrl_c_anywhere_in_a_read_write_lease_leaves_no_lease_even_kept(
         points = sweep(keeping, tmp_path, check, within=str(Path(_handles.__file__).parent))
         assert points > 20, "the lease made fewer points than expected: the test proves little"
         kept.clear()
+    assert pool.closed
+
+
+class _CallersLoop:
+    """A loop of the caller's on the main thread, run as a script runs one
+    (``run_until_complete``, Python's own SIGINT handler in force), serving ``pool``."""
+
+    def __init__(self, pool: TensorResidencyPool) -> None:
+        self.pool = pool
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(pool.__aenter__())
+
+    def run(self, coroutine: Any) -> None:
+        """Run ``coroutine`` as a task. Interrupted, the task is cancelled and run to its end,
+        as a program stopping on Ctrl-C does; neither may take more than 10 s (a hang)."""
+        task = self.loop.create_task(asyncio.wait_for(coroutine, 10))
+        try:
+            self.loop.run_until_complete(task)
+        finally:
+            task.cancel()
+            ended = asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
+            self.loop.run_until_complete(ended)
+
+    def settle(self) -> None:
+        """Let the loop apply what was left to the pool's next transition, leases dropped
+        with what an interrupted task left (cycles through its frames) included."""
+        gc.collect()
+        self.loop.run_until_complete(asyncio.wait_for(self.pool.aflush(), 10))
+
+    def close(self) -> None:
+        self.loop.run_until_complete(asyncio.wait_for(self.pool.__aexit__(None, None, None), 10))
+        self.loop.close()
+
+
+@needs_proc
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_anywhere_in_an_async_read_write_lease_leaves_no_lease_even_kept(
+    tmp_path: Path,
+) -> None:
+    """The async face of the same, on a loop of the caller's on the main thread: a Ctrl-C
+    in its exit (``end_lease``) once left the lease held while its KeyboardInterrupt lived,
+    and the pool could not close."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(256), "t", offload_dir=tmp_path)
+    serving = _CallersLoop(TensorResidencyPool())
+    pool = serving.pool
+
+    async def add_one() -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1)
+
+    serving.run(add_one())  # a hit from now on
+    kept: list[BaseException] = []  # the last interrupt, as an interactive session keeps it
+
+    def keeping() -> None:
+        kept.clear()
+        try:
+            serving.run(add_one())
+        except KeyboardInterrupt as interrupt:
+            kept.append(interrupt)
+            raise
+
+    def check(where: str) -> None:
+        serving.settle()
+        assert "leased: 0," in repr(pool), f"a Ctrl-C at {where} left a lease"
+        value = pool.resolve(t)
+        assert bool((value == value[0]).all()), f"torn at {where}"
+
+    points = sweep(keeping, tmp_path, check, within=str(Path(_handles.__file__).parent))
+    assert points > 20, "the lease made fewer points than expected: the test proves little"
+    serving.close()
     assert pool.closed
 
 

@@ -391,7 +391,13 @@ class TensorResidencyLease(Holder, Uncopyable):
         if exc is not None and self._collected_amid_the_pools_code(exc):
             self._drop()
             return
-        end_lease(self._pool, self, True)
+        # As in __exit__ (not a shared method: its call would be one more point where Python
+        # runs a pending handler, before its ``try``).
+        try:
+            end_lease(self._pool, self, True)
+        except KeyboardInterrupt:
+            self._drop()
+            raise
 
     def _collected_amid_the_pools_code(self, error: BaseException) -> bool:
         """Whether the block was left by a garbage collection that closed its generator or
