@@ -265,6 +265,47 @@ def test_a_ctrl_c_anywhere_in_an_async_read_write_lease_leaves_no_lease_even_kep
     assert pool.closed
 
 
+@needs_proc
+@pytest.mark.timeout(300)
+def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_usable(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of an async acquire that loads its value, on a loop of the
+    caller's on the main thread, which runs the pool's steps and the ends of its jobs: the
+    cancelled task ends, the pool holds no lease, serves the value, and closes. (One in a
+    step once left a waiter count at -1, and the pool refused to close for good; one as the
+    loop began applying a load's end lost it, and every later request for the value, and
+    the pool's close, waited for ever.)"""
+    nothing = tmp_path / "nothing"  # files are not checked: loads may still run in workers
+    nothing.mkdir()
+    t = OffloadedTensor.from_original_tensor(torch.arange(64.0), "t", offload_dir=tmp_path)
+    servings: list[_CallersLoop] = []
+
+    async def acquire() -> None:
+        async with servings[-1].pool.acquire(t) as value:
+            assert torch.equal(value, torch.arange(64.0))
+
+    def miss() -> None:
+        profiler = sys.getprofile()
+        sys.setprofile(None)  # the pool's start is not swept
+        try:
+            servings.append(_CallersLoop(TensorResidencyPool()))
+        finally:
+            sys.setprofile(profiler)
+        servings[-1].run(acquire())
+
+    def check(where: str) -> None:
+        serving = servings[-1]
+        serving.settle()
+        assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
+        serving.run(acquire())
+        serving.close()
+        assert serving.pool.closed, f"a Ctrl-C at {where} left the pool open"
+
+    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
+    assert points > 50, "the acquire made fewer points than expected: the test proves little"
+
+
 LOST = ("return ModuleStream.__init__", "return stream_modules", "call ModuleStream.__enter__")
 """Where a Ctrl-C loses a stream made whole: its caller never holds it (the last one, the
 entry of the ``with`` block's ``__enter__``, cannot be guarded). It streams while its pool is

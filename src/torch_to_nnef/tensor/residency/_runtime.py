@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import collections
 import concurrent.futures
 import contextlib
 import logging
@@ -464,7 +465,8 @@ class Runtime:
         self._sent = 0
         self._ran = 0
         self._pid = os.getpid()  # the process whose threads serve the pool
-        self._unposted: list[Job] = []  # jobs that ended after the loop stopped serving
+        # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
+        self._ended: collections.deque[Job] = collections.deque()
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
@@ -599,7 +601,7 @@ class Runtime:
         with InterruptHold() as hold:
             hold.start()
             with self._start_lock:
-                self._complete_unposted()  # jobs that ended since the loop stopped serving
+                self._apply_ended()  # jobs that ended since the loop stopped serving
                 self.drive(operation, done, inline=True)
         return done.result()
 
@@ -617,7 +619,7 @@ class Runtime:
             workers = self._detach()
             if workers is not None:
                 workers.shutdown()  # jobs run to their end; nothing is left behind
-            self._complete_unposted()
+            self._apply_ended()
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
@@ -658,7 +660,7 @@ class Runtime:
                 _run_posted(loop)
                 if workers is not None:
                     workers.shutdown()
-                self._complete_unposted()
+                self._apply_ended()
                 try:
                     loop.run_until_complete(loop.shutdown_asyncgens())
                 finally:
@@ -739,10 +741,12 @@ class Runtime:
             callback(*args)  # the loop is gone: nothing runs concurrently any more
 
     def _counted(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        try:
-            callback(*args)
-        finally:
-            self._ran += 1
+        with InterruptHold() as hold:  # (as in drive)
+            hold.start()
+            try:
+                callback(*args)
+            finally:
+                self._ran += 1
 
     def wake(self) -> None:
         """Have the actor take note of other threads soon (any thread, at any moment)."""
@@ -798,23 +802,30 @@ class Runtime:
         return job
 
     def _job_ended(self, job: Job) -> None:
-        """A worker ran ``job`` (worker thread): its transition goes to the loop. When the
-        loop stopped serving meanwhile, the thread that stopped it runs the transition once
-        the workers ended (:meth:`_complete_unposted`): its waiters are answered."""
-        try:
-            self.post(job.complete)
-        except T2NErrorMisuse:
-            self._unposted.append(job)
+        """A worker ran ``job`` (worker thread): its transition is queued for the actor's
+        thread, and the loop told to apply it. When the loop stopped serving meanwhile, the
+        thread that stopped it applies it once the workers ended: its waiters are answered."""
+        self._ended.append(job)
+        with contextlib.suppress(T2NErrorMisuse):
+            self.post(self._apply_ended)
 
-    def _complete_unposted(self) -> None:
-        """Run the transitions of the jobs that ended after the loop stopped serving (the
-        thread that stopped it, once the workers ended: nothing else runs the actor)."""
-        while self._unposted:
-            job = self._unposted.pop(0)
-            try:
-                job.complete()
-            except BaseException:
-                LOGGER.exception("a TensorResidencyPool's job ended as it stopped; its end failed")
+    def _apply_ended(self) -> None:
+        """Apply the transitions of the ended jobs, in order (the loop thread, or the thread
+        that stopped it once the workers ended: nothing else runs the actor then).
+
+        A Ctrl-C on a loop of the caller's on the main thread is raised once they are
+        applied: one landing in a transition would leave the pool half-way through it. One
+        landing as this call begins, where no hold can start yet, leaves the jobs queued:
+        the next call applies them, or the next request's driver (:meth:`drive`), so that no
+        request waits for a job whose end was lost."""
+        with InterruptHold() as hold:
+            hold.start()
+            while self._ended:
+                job = self._ended.popleft()
+                try:
+                    job.complete()
+                except Exception:
+                    LOGGER.exception("applying the end of a TensorResidencyPool's job failed")
 
     # ------------------------------------------------------------------------------------------
     # The driver
@@ -823,7 +834,28 @@ class Runtime:
         """Run ``operation`` to its end on the loop thread and settle ``done``.
 
         ``inline``: wait for jobs by blocking the loop thread (the sync face called on it).
+
+        A Ctrl-C on a loop of the caller's on the main thread is raised once the operation
+        waits for a job or ended: one landing in a step would leave the actor half-way
+        through a transition (a waiter counted, the lease not yet taken).
         """
+        if self._ended:  # ends a Ctrl-C kept from being applied (see _apply_ended)
+            self._apply_ended()
+        with InterruptHold() as hold:
+            hold.start()
+            self._drive(operation, done, inline)
+
+    def _drive_here(self, operation: Operation, done: Reply, inline: bool) -> None:
+        """:meth:`drive` on the loop thread for a caller given ``done`` once it returns: one
+        it left with an error (a Ctrl-C its hold raised as it returned) abandons the
+        operation, which may hold what ``done`` would have handed over."""
+        try:
+            self.drive(operation, done, inline)
+        except BaseException:
+            self.notify(operation.abandon)
+            raise
+
+    def _drive(self, operation: Operation, done: Completion, inline: bool) -> None:
         while True:
             if operation.abandoned:
                 _set_exception(done, T2NErrorMisuse("this request was abandoned by its caller"))
@@ -886,7 +918,7 @@ class Runtime:
                 )
             done = Reply()
             started = time.perf_counter()
-            self.drive(operation, done, inline=True)
+            self._drive_here(operation, done, inline=True)
             self.count_stall(operation, started)
             return done.result()
         self.ensure_running()
@@ -935,7 +967,7 @@ class Runtime:
         else would apply the end of its job."""
         done = Reply()
         if self.on_loop_thread():
-            self.drive(operation, done, inline=not self._loop_runs())
+            self._drive_here(operation, done, inline=not self._loop_runs())
         else:
             self._post_request(self.drive, operation, done)
         return done
@@ -950,8 +982,8 @@ class Runtime:
             assert self.loop is not None
             here: asyncio.Future[Any] = self.loop.create_future()
             started = time.perf_counter()
-            self.drive(operation, here)
             try:
+                self.drive(operation, here)  # (a Ctrl-C it held is raised as it returns)
                 result = await here
             except BaseException as error:
                 self._give_up(operation, error)
