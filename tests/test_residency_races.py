@@ -1239,6 +1239,28 @@ def test_a_begun_lease_cancelled_amid_the_pools_own_code_ends_at_the_next_step(
     assert _leased(pool) == 0
 
 
+def test_entering_a_lease_a_close_dropped_says_so(tmp_path: Path) -> None:
+    """A begun lease that a close dropped (a stream's, or the pool's releasing what its
+    streams began) while a forward in another thread was about to enter it: the forward is
+    told the lease was dropped, or that the pool is closing, not that the lease "is already
+    held" (what a pool closed under concurrent streamed forwards once said)."""
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+        lease = pool.acquire(t)
+        assert lease._begin()
+        lease._cancel()  # the close, first
+        with pytest.raises(T2NErrorMisuse, match="dropped before it was entered"), lease:
+            pass
+        assert _leased(pool) == 0
+    closing = TensorResidencyPool()
+    lease = closing.acquire(t)
+    assert lease._begin()
+    lease._cancel()
+    closing.close()
+    with pytest.raises(T2NErrorMisuse, match="is closed; create a new pool"), lease:
+        pass
+
+
 def test_with_pool_collected_amid_another_tensors_write_stays_open(tmp_path: Path) -> None:
     """A generator suspended inside `with pool`, whose pool holds a change of ``t``, freed
     by a garbage collection that lands while its thread writes another tensor ``u``
