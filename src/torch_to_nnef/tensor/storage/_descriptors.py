@@ -124,8 +124,8 @@ class Descriptors:
     def acquire(self, layout: PayloadLayout) -> tuple[Kept, int]:
         """A descriptor of the file of ``layout`` and the file's size; :meth:`release` it.
 
-        Called in a started ``InterruptHold`` that lasts to
-        the release: a Ctrl-C between the two would leave the descriptor in use for good.
+        Called in a started ``InterruptHold`` that lasts to the release: a Ctrl-C between
+        the two would leave the descriptor in use for good.
 
         Raises:
             T2NErrorStorage: the file is missing, not a regular file, or not the one
