@@ -14,7 +14,7 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
-__all__ = ["InterruptAt", "SignalAt", "in_finalizer", "interrupted"]
+__all__ = ["InterruptAt", "SignalAt", "in_finalizer", "interrupted", "signalled"]
 
 Trace = Callable[[FrameType, str, Any], Any]
 
@@ -148,3 +148,20 @@ def interrupted(trace: Trace, run: Callable[[], object]) -> bool:
     finally:
         sys.settrace(None)
     return False
+
+
+def signalled(
+    n: int, within: str, run: Callable[[], object], finalizers: bool = True
+) -> tuple[SignalAt, KeyboardInterrupt | None]:
+    """Run ``run`` with a Ctrl-C at its ``n``-th point (:class:`SignalAt`); return that
+    profile function and the ``KeyboardInterrupt`` that ended the run, if one did (a caller
+    may keep it, as an interactive session keeps the last one)."""
+    signal_at = SignalAt(n, within, finalizers)
+    sys.setprofile(signal_at)
+    try:
+        run()
+    except KeyboardInterrupt as interrupt:
+        return signal_at, interrupt
+    finally:
+        sys.setprofile(None)
+    return signal_at, None

@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from interrupts import SignalAt
+from interrupts import signalled
 from open_files import open_descriptors
 
 from torch_to_nnef import _interrupts
@@ -60,14 +60,7 @@ def sweep(
     which therefore cannot guard it."""
     for n in itertools.count(1):
         before = left_in(directory)
-        signal_at = SignalAt(n, within, finalizers=False)
-        sys.setprofile(signal_at)
-        try:
-            run()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.setprofile(None)
+        signal_at = signalled(n, within, run, finalizers=False)[0]  # the interrupt dropped
         gc.collect(1)  # the young generations: what the interrupted run dropped
         where = signal_at.where or "no point (ran to its end)"
         if not signal_at.exit_entry:

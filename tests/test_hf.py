@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
 
 import safetensors.torch  # noqa: E402
-from interrupts import SignalAt  # noqa: E402
+from interrupts import signalled  # noqa: E402
 
 from torch_to_nnef.exceptions import (  # noqa: E402
     T2NErrorCheckpoint,
@@ -335,18 +335,14 @@ def test_a_ctrl_c_anywhere_in_the_loading_context_leaves_nothing_patched(tmp_pat
         (torch, "load"),
     ]
     before = [owner.__dict__[name] for owner, name in originals]
+
+    def enter_and_leave() -> None:
+        with ctx_maybe_load_from_disk_as_offloaded(tmp_path):
+            pass
+
     fired = []
     for n in itertools.count(1):
-        signal_at = SignalAt(n, within=hf_module.__file__)
-        kept: KeyboardInterrupt | None = None
-        sys.setprofile(signal_at)
-        try:
-            with ctx_maybe_load_from_disk_as_offloaded(tmp_path):
-                pass
-        except KeyboardInterrupt as interrupt:
-            kept = interrupt
-        finally:
-            sys.setprofile(None)
+        signal_at, kept = signalled(n, hf_module.__file__, enter_and_leave)
         assert (kept is not None) == signal_at.fired
         if not signal_at.fired:
             break

@@ -23,7 +23,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from breakpoints import paused_in_new_threads
-from interrupts import SignalAt
+from interrupts import signalled
 from residency_checks import check_invariants
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -522,22 +522,14 @@ def test_a_ctrl_c_anywhere_in_a_scope_leaves_it_unset() -> None:
     ``__exit__`` (its entry), which no code of ``__exit__`` can guard."""
     with TensorResidencyPool() as pool:
         fired = []
+
+        def block() -> None:
+            with pool.scope():
+                pass
+
         for n in itertools.count(1):
-            signal_at = SignalAt(n, within=_pool.__file__)
-
-            def block(signal_at: SignalAt = signal_at) -> BaseException | None:
-                sys.setprofile(signal_at)
-                try:
-                    with pool.scope():
-                        pass
-                except KeyboardInterrupt as interrupt:
-                    return interrupt
-                finally:
-                    sys.setprofile(None)
-                return None
-
             context = contextvars.copy_context()
-            kept = context.run(block)
+            signal_at, kept = context.run(signalled, n, _pool.__file__, block)
             assert (kept is not None) == signal_at.fired
             if not signal_at.fired:
                 break

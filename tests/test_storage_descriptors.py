@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import sys
 import threading
 from pathlib import Path
 
 import pytest
 import torch
-from interrupts import SignalAt
+from interrupts import signalled
 from open_files import open_descriptors
 
 from torch_to_nnef.exceptions import T2NErrorStorage
@@ -227,15 +226,7 @@ def test_a_ctrl_c_anywhere_in_the_kept_descriptors_leaves_their_lock_free(
         descriptors.release(descriptors.acquire(layout)[0])
 
     for n in itertools.count(1):
-        signal_at = SignalAt(n, within=_descriptors.__file__)
-        kept: KeyboardInterrupt | None = None
-        sys.setprofile(signal_at)
-        try:
-            run()
-        except KeyboardInterrupt as interrupt:
-            kept = interrupt
-        finally:
-            sys.setprofile(None)
+        signal_at, kept = signalled(n, _descriptors.__file__, run)
         assert (kept is not None) == signal_at.fired
         thread = threading.Thread(target=another_thread_loads, daemon=True)
         thread.start()
@@ -259,14 +250,7 @@ def test_a_ctrl_c_anywhere_in_a_forget_leaves_the_descriptor_kept_or_closed(
     layout = write(tmp_path / "a.safetensors", 1.0)
     for n in itertools.count(1):
         descriptors.release(descriptors.acquire(layout)[0])  # kept for the next load
-        signal_at = SignalAt(n, within=_descriptors.__file__)
-        sys.setprofile(signal_at)
-        try:
-            descriptors.forget(layout.path)
-        except KeyboardInterrupt:
-            pass
-        finally:
-            sys.setprofile(None)
+        signal_at = signalled(n, _descriptors.__file__, lambda: descriptors.forget(layout.path))[0]
         descriptors.forget(tmp_path / "none")  # a forget the Ctrl-C left queued runs here
         assert len(open_descriptors(tmp_path)) == len(descriptors._kept), (
             f"a Ctrl-C at {signal_at.where} left a descriptor open that no one closes"
