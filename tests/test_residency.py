@@ -529,7 +529,7 @@ def test_a_ctrl_c_anywhere_in_a_scope_leaves_it_unset() -> None:
 
         for n in itertools.count(1):
             context = contextvars.copy_context()
-            signal_at, kept = context.run(signalled, n, _pool.__file__, block)
+            signal_at, kept = context.run(signalled, n, _pool.__file__, block, False)
             assert (kept is not None) == signal_at.fired
             if not signal_at.fired:
                 break

@@ -467,6 +467,7 @@ class Runtime:
         self._pid = os.getpid()  # the process whose threads serve the pool
         # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
         self._ended: collections.deque[Job] = collections.deque()
+        self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
@@ -820,12 +821,16 @@ class Runtime:
         request waits for a job whose end was lost."""
         with InterruptHold() as hold:
             hold.start()
-            while self._ended:
-                job = self._ended.popleft()
-                try:
-                    job.complete()
-                except Exception:
-                    LOGGER.exception("applying the end of a TensorResidencyPool's job failed")
+            self._applying = True  # the drives its transitions resume leave the rest here
+            try:
+                while self._ended:
+                    job = self._ended.popleft()
+                    try:
+                        job.complete()
+                    except Exception:
+                        LOGGER.exception("applying the end of a TensorResidencyPool's job failed")
+            finally:
+                self._applying = False
 
     # ------------------------------------------------------------------------------------------
     # The driver
@@ -839,7 +844,7 @@ class Runtime:
         waits for a job or ended: one landing in a step would leave the actor half-way
         through a transition (a waiter counted, the lease not yet taken).
         """
-        if self._ended:  # ends a Ctrl-C kept from being applied (see _apply_ended)
+        if self._ended and not self._applying:  # ends a Ctrl-C kept from being applied
             self._apply_ended()
         with InterruptHold() as hold:
             hold.start()
