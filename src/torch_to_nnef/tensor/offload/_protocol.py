@@ -19,6 +19,7 @@ from torch_to_nnef._forksafe import fork_safe_lock
 
 __all__ = [
     "ACTIVE_RESIDENCY",
+    "HitState",
     "PoolSource",
     "ScopePool",
     "active_tensor_residency",
@@ -27,13 +28,49 @@ __all__ = [
 ]
 
 
+class HitState:
+    """What a pool checks of a tensor on every hit: its target device and its latest write.
+
+    The tensor keeps one for life, and the pool's record of a resident value refers to it,
+    so that a hit reads this small object instead of the tensor itself (whose attributes live
+    in its instance dictionary: with thousands of tensors, each read of one misses the
+    processor's caches). Fields are replaced whole, never changed in place, so any thread
+    reads a consistent value without a lock.
+
+    - ``device``: the tensor's target device.
+    - ``latest``: the latest write of the value (a token), who made it (a pool, or ``None``
+      for a direct write), and the latest write made by another (see :meth:`version_for`).
+    """
+
+    __slots__ = ("device", "latest")
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.latest: tuple[object, object, object] = (object(), None, object())
+
+    def version_for(self, owner: object) -> object:
+        """The version of the value as the pool ``owner`` sees it (compare by identity): the
+        latest write that ``owner`` did not make, a direct write or another pool's change.
+        The changes ``owner`` made itself are in its value already, written back or not; a
+        value it read at another version is stale."""
+        token, by, before = self.latest
+        return before if by is owner else token
+
+    def count_write(self, owner: object) -> None:
+        """A new write of the value, by the pool ``owner`` (``None``: a direct write); the
+        caller serializes writes."""
+        token, by, before = self.latest
+        self.latest = (object(), owner, before if by is owner else token)
+
+
 class PoolSource:
     """The contract between a residency pool and the tensors it manages.
 
     A mixin without state: :class:`~torch_to_nnef.tensor.offload.OffloadedTensor` implements
     it. The pool reads these members and calls these methods, nothing else.
 
-    - ``_version_for(owner)``: the version of the value as the pool ``owner`` sees it, an
+    - ``_hit_state``: its :class:`HitState`, the same object for the tensor's life. Its
+      ``version_for(owner)`` is the version of the value as the pool ``owner`` sees it, an
       object replaced by every write that ``owner`` did not make (a direct write, another
       pool's change; compared by identity): a value ``owner`` read at an older one is stale.
     - ``_reload_unmanaged(device, out)``: read the payload (into ``out`` host buffers when
@@ -66,6 +103,7 @@ class PoolSource:
     # keeps them.
     shape: torch.Size
     dtype: torch.dtype
+    _hit_state: HitState
 
     @property
     def name(self) -> str:
@@ -81,9 +119,6 @@ class PoolSource:
 
     @property
     def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
-        raise NotImplementedError
-
-    def _version_for(self, owner: object) -> object:
         raise NotImplementedError
 
     def _reload_unmanaged(

@@ -33,6 +33,7 @@ from torch_to_nnef.exceptions import (
 )
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
+    HitState,
     PoolSource,
     active_tensor_residency,
     count_load_outside_scopes,
@@ -632,13 +633,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _binding: _Binding
     _private: _PrivateDir | None
     _write_lock: threading.RLock
-    _target_device: torch.device
+    _hit_state: HitState
     _pending: threading.Condition
     _pending_lock: threading.RLock
     _pending_writes: int
     _deriving: object | None
     _unsaved: tuple[object, object, torch.Tensor] | None
-    _latest: tuple[object, object, object]
 
     @staticmethod
     def __new__(  # type: ignore[misc]
@@ -780,11 +780,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self.force_gc_collect = bool(force_gc_collect)
         self._binding = binding
         self._private = private
-        self._target_device = device
+        self._hit_state = HitState(device)  # the target device and the latest write
         self._unsaved = None
-        # The latest write of the value (a token), who made it (a pool, or None for a direct
-        # write), and the latest write made by another (see _version_for).
-        self._latest = (object(), None, object())
         self._reset_writes()
         _LIVE[id(self)] = self
         return self
@@ -913,12 +910,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     @property  # type: ignore[override]
     def device(self) -> torch.device:  # type: ignore[override]
         """The target device (answered from Python: no torch dispatch on this hot path)."""
-        return self._target_device
+        return self._hit_state.device
 
     @property
     def target_device(self) -> torch.device:
         """The device :meth:`reload` delivers the value to (the tensor's ``device``)."""
-        return self._target_device
+        return self._hit_state.device
 
     @property
     def elem(self) -> torch.Tensor:
@@ -945,20 +942,6 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def payload_version(self) -> object:
         """An object replaced by every write of the payload file (compare by identity)."""
         return self._binding
-
-    def _version_for(self, owner: object) -> object:
-        """The version of the value as the pool ``owner`` sees it (compare by identity): the
-        latest write that ``owner`` did not make, a direct write or another pool's change.
-        The changes ``owner`` made itself are in its value already, written back or not; a
-        value it read at another version is stale."""
-        token, by, before = self._latest
-        return before if by is owner else token
-
-    def _count_write(self, owner: object) -> None:
-        """A new write of the value, by the pool ``owner`` (``None``: a direct write), under
-        the pending lock."""
-        token, by, before = self._latest
-        self._latest = (object(), owner, before if by is owner else token)
 
     @property
     def storage_key(self) -> tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]:
@@ -1264,11 +1247,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         another write came since (the later write stands; returns ``False``). Reads outside
         that pool, other pools included, see it; an older unsaved value of another pool is
         superseded (its write-back will not happen)."""
+        state = self._hit_state
         with self._pending_lock:
-            if self._version_for(owner) is not version or self._deriving is self._latest[0]:
+            if state.version_for(owner) is not version or self._deriving is state.latest[0]:
                 return False  # (or a direct write derived from the older value is under way)
-            self._count_write(owner)
-            self._unsaved = (owner, self._latest[0], value)
+            state.count_write(owner)
+            self._unsaved = (owner, state.latest[0], value)
             return True
 
     def _shelter_unsaved(self, owner: object, value: torch.Tensor) -> None:
@@ -1302,7 +1286,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             storage.wait_for_writes(value)
             with self._write_lock:
                 with self._pending_lock:  # the value's version: a later change is not in it
-                    unsaved, version = self._unsaved, self._version_for(owner)
+                    unsaved, version = self._unsaved, self._hit_state.version_for(owner)
                 if unsaved is None or unsaved[0] is not owner:
                     return None
                 self._write_encoded(self._check_update(value, True, True), None, keep=unsaved[1])
@@ -1468,7 +1452,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     else _bind_plain(layout, owned)
                 )
                 if keep is None:  # a direct write
-                    self._count_write(None)
+                    self._hit_state.count_write(None)
                     self._unsaved = None
                 elif self._unsaved is not None and self._unsaved[1] is keep:
                     self._unsaved = None
@@ -1516,7 +1500,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             return
         replacement = OpaqueTensor._make_shell(type(self), shape, dtype, device)
         torch._C._swap_tensor_impl(self, replacement)
-        self._target_device = device
+        self._hit_state.device = device
 
     # -- torch.Tensor methods with offload semantics -----------------------------------------
     def to(self, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
@@ -1598,18 +1582,18 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self._refuse_a_write_amid_its_own()
         while True:
             with self._pending_lock:
-                version = self._latest[0]
+                version = self._hit_state.latest[0]
             value, result = compute()
             try:
                 encoded = self._check_update(value, True, strict_dtype)
             except T2NErrorValueMismatch:
-                if self._latest[0] is not version:  # retyped meanwhile: derive it again
+                if self._hit_state.latest[0] is not version:  # retyped meanwhile: derive it again
                     continue
                 raise
             with self._write_lock:
                 try:  # whatever interrupts it, no mark of a write under way is left behind
                     with self._pending_lock:
-                        if self._latest[0] is not version:
+                        if self._hit_state.latest[0] is not version:
                             continue
                         self._deriving = version
                     self._write_encoded(encoded, None, None)

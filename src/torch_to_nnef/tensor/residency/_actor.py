@@ -124,13 +124,20 @@ class Actor:
         leased = sum(1 for e in self.entries.values() if e.slot is not None and e.slot.leases)
         return leased + sum(1 for slot in self.superseded if slot.leases)
 
-    def fresh_slot(self, source: PoolSource, device: torch.device) -> Slot | None:
-        """The published slot of ``source`` when it holds the current value on ``device``."""
+    def fresh_slot(self, source: PoolSource, device: torch.device | None) -> Slot | None:
+        """The published slot of ``source`` when it holds the current value on ``device``
+        (``None``: the tensor's target device). Reads the slot and the tensor's hit state,
+        never the tensor itself (a published slot's entry holds it: its id is its own)."""
         slot = self.published.get(id(source))
-        if slot is None or slot.version is not source._version_for(self):
+        if slot is None:
+            return None
+        state = slot.hit_state
+        if slot.version is not state.version_for(self):
             return None
         if slot.aliased and not slot.leases and slot.value._version != slot.seen:
             return None  # changed through a view, outside any lease: see _stale
+        if device is None:
+            device = state.device
         # Requests usually carry the very device object the slot was created with.
         if slot.device is not device and slot.device != device:
             return None
@@ -521,7 +528,7 @@ class Actor:
         """Whether ``entry``'s value is no longer the tensor's latest write: someone else
         wrote the tensor since it was read, or it holds a ``read_write`` lease's change that
         was dropped (see :meth:`release`), whatever its version says."""
-        if entry.version is not entry.source._version_for(self):
+        if entry.version is not entry.source._hit_state.version_for(self):
             return True
         slot = entry.slot
         return slot is not None and slot.dropped
@@ -669,7 +676,7 @@ class Actor:
 
     def _start_load(self, entry: Entry) -> None:
         source = entry.source
-        version = source._version_for(self)  # the load reads this version or a newer one
+        version = source._hit_state.version_for(self)  # the load reads this version or a newer one
         out = self.spares.take(source.storage_key) if entry.device.type == "cpu" else None
         # The whole load (read into the host buffers, copy to the device, decode) is one job
         # of the I/O workers; it runs to its end whatever happens to its waiters.

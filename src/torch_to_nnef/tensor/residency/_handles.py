@@ -101,7 +101,8 @@ def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
 
 
 _ANYONE = object()
-"""An owner that never writes: ``source._version_for(_ANYONE)`` is the latest write of all."""
+"""An owner that never writes: ``source._hit_state.version_for(_ANYONE)`` is the latest
+write of all."""
 
 
 class TensorPrefetch(Uncopyable):
@@ -138,7 +139,7 @@ class TensorPrefetch(Uncopyable):
         # The latest write of anyone (this pool included), as of the prefetch: a later one
         # may be missing from the value loaded (this pool's own change made on a value read
         # again after this one was evicted).
-        self._version = source._version_for(_ANYONE)
+        self._version = source._hit_state.version_for(_ANYONE)
 
     @classmethod
     def _ready(
@@ -159,7 +160,7 @@ class TensorPrefetch(Uncopyable):
         which may be ``value`` itself), or ``value`` holds a ``read_write`` lease's change
         that was dropped since (a later write stands)."""
         actor = self._pool._actor
-        written = self._source._version_for(_ANYONE) is not self._version
+        written = self._source._hit_state.version_for(_ANYONE) is not self._version
         return written or actor.holds_dropped_change(value)
 
     def wait(self) -> torch.Tensor:
@@ -225,9 +226,15 @@ class TensorResidencyLease(Holder, Uncopyable):
     _why_not_copied = "a copy would end the same lease twice: use the lease object itself"
 
     def __init__(
-        self, pool: TensorResidencyPool, source: PoolSource, device: torch.device, mode: str
+        self,
+        pool: TensorResidencyPool,
+        source: PoolSource,
+        device: torch.device | None,
+        mode: str,
     ) -> None:
-        # Holder's fields, set here rather than through its __init__: this runs on every acquire.
+        # ``device`` ``None``: the tensor's target device, read as each try needs it (a hit
+        # reads it from the tensor's hit state, which it reads anyway). Holder's fields are
+        # set here rather than through its __init__: this runs on every acquire.
         self.read_write = mode == "read_write"
         self.entered = False
         self.ahead = False
@@ -268,11 +275,14 @@ class TensorResidencyLease(Holder, Uncopyable):
         the holder keeps it, but entering reads the latest."""
         slot = self.slot
         return slot is not None and (
-            slot.dropped or slot.version is not self._source._version_for(self._pool._actor)
+            slot.dropped or slot.version is not slot.hit_state.version_for(self._pool._actor)
         )
 
     def _acquire(self) -> Acquire:
-        return Acquire(self._pool._actor, self._source, self._device, self)
+        device = self._device
+        if device is None:  # the tensor's target device, as it is now
+            device = self._source.target_device
+        return Acquire(self._pool._actor, self._source, device, self)
 
     def _value(self) -> torch.Tensor:
         """The value of the lease just granted, handed over to the caller."""

@@ -307,11 +307,14 @@ class TensorResidencyPool(Uncopyable):
                 value is resident on another device.
             T2NErrorStorage: the payload could not be loaded.
         """
-        target = self._target(source, device)
-        slot = self._actor.fresh_slot(source, target)
+        if not isinstance(source, PoolSource):  # _check_source, inlined on the hit path
+            _reject_source(source)
+        wanted = None if device is None else _normalize_device(device)  # (None: the target)
+        slot = self._actor.fresh_slot(source, wanted)
         if slot is not None and slot.open:
             self._actor.count_hit(slot)
             return slot.value if slot.as_is else hand_over(slot.value, slot.device)
+        target = source.target_device if wanted is None else wanted
         return hand_over(self._runtime.call(Resolve(self._actor, source, target)))
 
     def _scope_resolve(self, source: PoolSource, device: torch.device | None) -> torch.Tensor:
@@ -386,7 +389,7 @@ class TensorResidencyPool(Uncopyable):
         if mode != "read" and mode != "read_write":
             raise T2NErrorMisuse(f"mode must be 'read' or 'read_write', got {mode!r}")
         if device is None and isinstance(source, PoolSource):  # _target, inlined: a hit's path
-            return TensorResidencyLease(self, source, source.target_device, mode)
+            return TensorResidencyLease(self, source, None, mode)  # (None: the target device)
         return TensorResidencyLease(self, source, self._target(source, device), mode)
 
     # ------------------------------------------------------------------------------------------

@@ -61,7 +61,7 @@ def _loaded(waited: Job | None, source: PoolSource, actor: Actor) -> torch.Tenso
     read: the request was made after that write, so it loads again (``None``)."""
     if waited is None or waited.kind != "load":
         return None
-    if waited.error is None and waited.version is not source._version_for(actor):
+    if waited.error is None and waited.version is not source._hit_state.version_for(actor):
         return None
     return waited.result()
 

@@ -161,8 +161,9 @@ class Job:
 class Slot:
     """What other threads see of a resident value, and the leases they hold on it.
 
-    Every field but ``key``, ``value``, ``device``, ``as_is``, ``shape`` and ``dtype`` (fixed
-    at creation: the value's shape and dtype are what a lease's change must keep) and
+    Every field but ``key``, ``value``, ``device``, ``as_is``, ``shape``, ``dtype`` (fixed at
+    creation: the value's shape and dtype are what a lease's change must keep),
+    ``hit_state`` (the tensor's, which a hit checks) and
     ``aliased`` (a flag any thread sets, never cleared) changes under the actor's lock only.
     A thread takes or ends a lease here without the loop thread
     (reading and writing the slot only, never its entry); the actor never evicts, reuses or
@@ -182,6 +183,7 @@ class Slot:
         "dropped",
         "dtype",
         "entry",
+        "hit_state",
         "key",
         "leases",
         "open",
@@ -199,6 +201,7 @@ class Slot:
     def __init__(self, entry: Entry, value: torch.Tensor, version: object) -> None:
         self.entry = entry
         self.key = entry.key
+        self.hit_state = entry.source._hit_state
         self.value = value
         self.shape = value.shape
         self.dtype = value.dtype
