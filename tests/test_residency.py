@@ -1542,6 +1542,36 @@ def test_a_burst_of_requests_from_a_thread_is_served_in_order(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(60)
+def test_jobs_that_ended_while_the_loop_was_busy_are_applied_by_a_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Thousands of loads end while the loop thread is busy: the first application of their
+    ends drains them all, and the drives it resumes leave the rest to it instead of each
+    applying the next one (a recursion as deep as the queue)."""
+    count = 600  # a recursion of some 8 frames per job would pass the limit of 1,000
+    ts = make_tensors(tmp_path, count, numel=4)
+    released = threading.Event()
+
+    def busy() -> None:  # on the loop thread, queued behind the prefetches' drives
+        deadline = time.monotonic() + 30
+        while len(runtime._ended) < count and time.monotonic() < deadline:
+            time.sleep(0.01)
+        released.set()
+
+    with TensorResidencyPool(max_cached_bytes=None, max_workers=2) as pool:
+        runtime = pool._runtime
+        handles = [pool.prefetch(t) for t in ts]
+        runtime.post(busy)
+        assert released.wait(40)
+        with caplog.at_level(logging.ERROR):
+            values = [float(h.wait()[0]) for h in handles]
+        assert values == [float(i) for i in range(count)]
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
+        check_invariants(pool)
+    assert pool.closed
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.usefixtures("buffered_reads")  # counts buffer reuse
 def test_a_lease_ended_without_waiting_frees_its_room_before_the_next_load(
     tmp_path: Path,
