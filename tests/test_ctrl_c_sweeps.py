@@ -9,6 +9,7 @@ import itertools
 import signal
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,61 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
 
     points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
     assert points > 50, "the acquire made fewer points than expected: the test proves little"
+
+
+@needs_proc
+@pytest.mark.timeout(300)
+# A Ctrl-C in a serve that runs before the waiting task's first step cancels the task unstarted.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no_request(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of the steps that a loop of the caller's on the main thread runs
+    for another thread's resolve (a miss): once the loop runs again, the thread gets its
+    value, the pool holds no lease and closes. (One as the loop began the request's drive
+    lost the request, and the thread waited for ever while the loop ran.)"""
+    nothing = tmp_path / "nothing"  # files are not checked: loads may still run in workers
+    nothing.mkdir()
+    t = OffloadedTensor.from_original_tensor(torch.arange(64.0), "t", offload_dir=tmp_path)
+    servings: list[_CallersLoop] = []
+    answers: list[list[Any]] = []
+
+    async def answered() -> None:
+        while not answers[-1]:
+            await asyncio.sleep(0.001)
+
+    def resolve(pool: TensorResidencyPool, answer: list[Any]) -> None:
+        try:
+            answer.append(pool.resolve(t).clone())
+        except BaseException as error:  # the test reads it
+            answer.append(error)
+
+    def miss() -> None:
+        profiler = sys.getprofile()
+        sys.setprofile(None)  # the pool's start is not swept
+        try:
+            servings.append(_CallersLoop(TensorResidencyPool()))
+        finally:
+            sys.setprofile(profiler)
+        answers.append([])
+        thread = threading.Thread(target=resolve, args=(servings[-1].pool, answers[-1]))
+        thread.daemon = True  # (a lost request would keep it waiting)
+        thread.start()
+        servings[-1].run(answered())
+
+    def check(where: str) -> None:
+        serving = servings[-1]
+        serving.run(answered())  # the loop runs again
+        answer = answers[-1][0]
+        assert isinstance(answer, torch.Tensor), f"a Ctrl-C at {where}: {answer!r}"
+        assert torch.equal(answer, torch.arange(64.0)), f"a Ctrl-C at {where}: wrong value"
+        serving.settle()
+        assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
+        serving.close()
+        assert serving.pool.closed, f"a Ctrl-C at {where} left the pool open"
+
+    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
+    assert points > 20, "the miss made fewer points than expected: the test proves little"
 
 
 LOST = ("return ModuleStream.__init__", "return stream_modules", "call ModuleStream.__enter__")

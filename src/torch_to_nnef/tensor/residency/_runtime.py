@@ -3,8 +3,11 @@
 **Loop.** The actor runs on an asyncio event loop: the caller's (``async with pool``), or a
 private daemon thread's (``with pool`` or the first synchronous call), on uvloop when it is
 importable unless ``use_uvloop=False`` or ``T2N_RESIDENCY_UVLOOP=0``. Other backends (trio)
-are not supported. Requests from other threads reach the loop with ``call_soon_threadsafe``,
-which runs them in the order they were sent; there is no other queue.
+are not supported. Calls from other threads (requests, notifications, the ends of jobs) wait
+in the runtime's inbox, in the order they were posted; each post also schedules a serve
+(``call_soon_threadsafe``), which takes out and runs every call waiting. A Ctrl-C that cuts a
+serve off as it begins, on a loop of the caller's on the main thread, loses no call: the next
+serve runs it, that of the next post or of a waiting thread's next look at the loop.
 
 **Workers.** Disk jobs run on ``max_workers`` threads of the pool's own
 (:mod:`._workers`: a queue, no futures); each completion is posted to the loop as the actor's
@@ -447,6 +450,16 @@ def _consume(future: asyncio.Future[Any]) -> None:
         future.exception()  # retrieved: nobody waits for it any more
 
 
+class _Posted:
+    """A call waiting in a runtime's inbox (compared by identity)."""
+
+    __slots__ = ("args", "callback")
+
+    def __init__(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        self.callback = callback
+        self.args = args
+
+
 class Runtime:
     """The loop, the I/O workers and the driver of one pool's actor (see the module doc)."""
 
@@ -461,6 +474,8 @@ class Runtime:
         self._lock = owned_lock()  # the loop's publication, against posts
         self._start_lock = owned_lock()
         self._warned_inline = False
+        # Calls posted for the loop thread, in order (see _serve).
+        self._inbox: collections.deque[_Posted] = collections.deque()
         # Notifications sent without waiting (under _lock), and how many ran (loop thread).
         self._sent = 0
         self._ran = 0
@@ -704,10 +719,60 @@ class Runtime:
             loop = self.loop
             if loop is None:
                 raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-            try:
-                loop.call_soon_threadsafe(callback, *args)
-            except RuntimeError as error:  # loop closed underneath us
-                raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped") from error
+            if not self._send(loop, callback, args):
+                raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped")
+
+    def _send(
+        self, loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], args: tuple[Any, ...]
+    ) -> bool:
+        """Put ``callback(*args)`` in the inbox and schedule a serve on ``loop`` (any thread,
+        taking no lock). ``False`` when ``loop`` is closed: the call is taken back out."""
+        posted = _Posted(callback, args)
+        inbox = self._inbox
+        inbox.append(posted)
+        try:
+            loop.call_soon_threadsafe(self._serve)
+        except RuntimeError:  # the loop closed underneath us
+            for index in range(len(inbox) - 1, -1, -1):  # (by identity: no call compared)
+                if inbox[index] is posted:
+                    del inbox[index]
+                    break
+            return False
+        return True
+
+    def _serve(self) -> None:
+        """Run every call waiting in the inbox, in the order they were posted (loop thread).
+
+        A Ctrl-C on a loop of the caller's on the main thread is raised once they ran. One
+        landing as a serve begins, before its hold, takes no call out: the serve of the next
+        post runs it, or the one a waiting thread schedules as it looks at the loop
+        (:meth:`_serve_soon`), so that no call posted is lost to an interrupt. A call's error
+        goes to the loop's exception handler, as that of a callback of the loop's would.
+
+        A serve on a loop that stopped serving the pool runs them too (they find the pool
+        closed, or not running), unless another loop serves it now: that loop's serves run
+        them, never two threads at once."""
+        if self.loop is not None and self.thread_id != threading.get_ident():
+            return
+        inbox = self._inbox
+        with InterruptHold() as hold:
+            hold.start()
+            while inbox:
+                posted = inbox.popleft()
+                try:
+                    posted.callback(*posted.args)
+                except Exception as error:
+                    loop = asyncio.get_running_loop()  # (a serve runs on a running loop)
+                    loop.call_exception_handler(
+                        {"message": f"Exception in {posted.callback!r}", "exception": error}
+                    )
+
+    def _serve_soon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Schedule a serve on ``loop`` when calls wait in the inbox (any thread; what a
+        thread waiting on a loop of the caller's does between its looks at it)."""
+        if self._inbox:
+            with contextlib.suppress(RuntimeError):  # a closed loop serves nothing
+                loop.call_soon_threadsafe(self._serve)
 
     def _post_request(self, callback: Callable[..., Any], *args: Any) -> None:
         """:meth:`post` a request (a thread other than the loop's, after
@@ -733,21 +798,17 @@ class Runtime:
             loop = self.loop
             if loop is not None:
                 self._sent += 1
-                try:
-                    loop.call_soon_threadsafe(self._counted, callback, args)
-                except RuntimeError:  # loop closed underneath us
+                if not self._send(loop, self._counted, (callback, args)):
                     self._sent -= 1
                     loop = None
         if loop is None:
             callback(*args)  # the loop is gone: nothing runs concurrently any more
 
     def _counted(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
-        with InterruptHold() as hold:  # (as in drive)
-            hold.start()
-            try:
-                callback(*args)
-            finally:
-                self._ran += 1
+        try:
+            callback(*args)
+        finally:
+            self._ran += 1
 
     def wake(self) -> None:
         """Have the actor take note of other threads soon (any thread, at any moment)."""
@@ -760,11 +821,7 @@ class Runtime:
         loop = self.loop
         if loop is None or os.getpid() != self._pid:
             return False
-        try:
-            loop.call_soon_threadsafe(callback, *args)
-        except RuntimeError:  # the loop closed meanwhile
-            return False
-        return True
+        return self._send(loop, callback, args)
 
     def catch_up(self) -> None:
         """Wait until the notifications sent so far ran and a transition applying them ended
@@ -959,6 +1016,7 @@ class Runtime:
             with contextlib.suppress(TimeoutError):
                 return done.result(timeout=_WATCH_INTERVAL)
             watch.look(self.actor.closed)
+            self._serve_soon(loop)
 
     def count_stall(self, operation: Operation, started: float) -> None:
         """Count the time since ``started`` as stall when ``operation`` is a request that had
@@ -1027,6 +1085,7 @@ class Runtime:
                 if wrapped.done():
                     return wrapped.result()
                 watch.look(self.actor.closed)
+                self._serve_soon(loop)
         except BaseException as error:
             # Cancelled, it takes its callback off ``done``; settled, its error (if any) was
             # never retrieved. A coroutine closed after its loop leaves nothing to run there.
