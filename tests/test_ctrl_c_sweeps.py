@@ -10,7 +10,7 @@ import signal
 import sys
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +59,7 @@ def sweep(
     Python loses an interrupt whatever the code does. Not checked: a Ctrl-C at the entry to
     an ``__exit__`` method, where Python runs a pending handler before any of its code,
     which therefore cannot guard it."""
+    handler = signal.getsignal(signal.SIGINT)  # (Python's default one, or the test's)
     for n in itertools.count(1):
         before = left_in(directory)
         signal_at = signalled(n, within, run, finalizers=False)[0]  # the interrupt dropped
@@ -68,7 +69,7 @@ def sweep(
             assert left_in(directory) - before == set(), f"a Ctrl-C at {where} left them"
             check(where)
         assert _interrupts._replaced == [], f"a Ctrl-C at {where} left a stale handler"
-        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGINT) is handler
         if not signal_at.fired:
             return n - 1
     raise AssertionError("unreachable")
@@ -131,6 +132,40 @@ def test_a_ctrl_c_anywhere_in_a_hold_leaves_python_s_handler_and_no_stale_one(
             held.start()
 
     assert sweep(hold, tmp_path, within=_interrupts.__file__) > 3
+
+
+@pytest.mark.timeout(60)
+def test_a_hold_defers_a_handler_set_from_python_and_runs_it_once_per_sigint_as_it_ends() -> None:
+    """``asyncio.run``'s handler (cancel at the first Ctrl-C, raise at the second), or an
+    application's, is held as Python's default one is: it runs as the block ends, once per
+    SIGINT received meanwhile, and is in force again after."""
+    calls: list[int] = []
+
+    def counting(signum: int, frame: Any) -> None:
+        calls.append(signum)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, counting)
+    try:
+        with _interrupts.InterruptHold() as held:
+            held.start()
+            signal.raise_signal(signal.SIGINT)
+            signal.raise_signal(signal.SIGINT)
+            assert calls == []  # recorded, not run
+        assert calls == [signal.SIGINT, signal.SIGINT]
+        assert signal.getsignal(signal.SIGINT) is counting
+        with pytest.raises(KeyboardInterrupt), _interrupts.InterruptHold() as held:
+            held.start()
+            signal.raise_signal(signal.SIGINT)
+        assert len(calls) == 3 and signal.getsignal(signal.SIGINT) is counting
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no handler to hold: nothing changes
+        with _interrupts.InterruptHold() as held:
+            held.start()
+            assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert _interrupts._replaced == []
 
 
 # ---------------------------------------------------------------------------------------------
@@ -196,6 +231,8 @@ class _CallersLoop:
     def __init__(self, pool: TensorResidencyPool) -> None:
         self.pool = pool
         self.loop = asyncio.new_event_loop()
+        self.reported: list[dict[str, Any]] = []  # what the loop's exception handler got
+        self.loop.set_exception_handler(lambda loop, context: self.reported.append(context))
         self.loop.run_until_complete(pool.__aenter__())
 
     def run(self, coroutine: Any) -> None:
@@ -259,17 +296,39 @@ def test_a_ctrl_c_anywhere_in_an_async_read_write_lease_leaves_no_lease_even_kep
     assert pool.closed
 
 
+def _raising(signum: int, frame: Any) -> None:
+    """A SIGINT handler that raises ``KeyboardInterrupt``, as ``asyncio.run``'s does at the
+    second Ctrl-C."""
+    raise KeyboardInterrupt
+
+
+@pytest.fixture(params=["default handler", "asyncio.run's second Ctrl-C"])
+def sigint_handler(request: pytest.FixtureRequest) -> Iterator[str]:
+    """The SIGINT handler in force: Python's default one, or one set from Python that raises
+    (holds held only the default one once, and a second Ctrl-C under ``asyncio.run`` could
+    lose a job's end: the value's requests and the pool's close then waited for ever)."""
+    previous = signal.getsignal(signal.SIGINT)
+    if request.param != "default handler":
+        signal.signal(signal.SIGINT, _raising)
+    try:
+        yield request.param
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 @needs_proc
 @pytest.mark.timeout(300)
+@pytest.mark.usefixtures("sigint_handler")
 def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_usable(
     tmp_path: Path,
 ) -> None:
     """A Ctrl-C at each point of an async acquire that loads its value, on a loop of the
     caller's on the main thread, which runs the pool's steps and the ends of its jobs: the
-    cancelled task ends, the pool holds no lease, serves the value, and closes. (One in a
-    step once left a waiter count at -1, and the pool refused to close for good; one as the
-    loop began applying a load's end lost it, and every later request for the value, and
-    the pool's close, waited for ever.)"""
+    cancelled task ends, the pool holds no lease, serves the value, and closes, and the loop
+    reports no error. (One in a step once left a waiter count at -1, and the pool refused to
+    close for good; one as the loop began applying a load's end lost it, and every later
+    request for the value, and the pool's close, waited for ever; one raised as a step's
+    driver returned left the abandoned request's error in a future nobody awaited.)"""
     nothing = tmp_path / "nothing"  # files are not checked: loads may still run in workers
     nothing.mkdir()
     t = OffloadedTensor.from_original_tensor(torch.arange(64.0), "t", offload_dir=tmp_path)
@@ -295,6 +354,8 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
         serving.run(acquire())
         serving.close()
         assert serving.pool.closed, f"a Ctrl-C at {where} left the pool open"
+        gc.collect()
+        assert serving.reported == [], f"a Ctrl-C at {where}: {serving.reported}"
 
     points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
     assert points > 50, "the acquire made fewer points than expected: the test proves little"

@@ -1,15 +1,17 @@
 """Steps that Ctrl-C does not cut in half.
 
 Python's default SIGINT handler raises ``KeyboardInterrupt`` in the main thread between any
-two bytecodes. A step that must end once begun (a payload file renamed over the old one, then
-the tensor switched to the new file) runs in an :class:`InterruptHold`: from its
-:meth:`~InterruptHold.start` to the end of its ``with`` block, a SIGINT is recorded instead,
-and ``KeyboardInterrupt`` is raised as the block ends.
+two bytecodes, and so does ``asyncio.run``'s at a second Ctrl-C. A step that must end once
+begun (a payload file renamed over the old one, then the tensor switched to the new file)
+runs in an :class:`InterruptHold`: from its :meth:`~InterruptHold.start` to the end of its
+``with`` block, a SIGINT is recorded instead, and the handler it held runs as the block ends
+(Python's default one raises ``KeyboardInterrupt`` there).
 
-Only the main thread receives ``KeyboardInterrupt``, and only while Python's default handler is
-installed: in another thread, under a handler the application installed, or inside a hold
-already started, a hold changes nothing. A child forked (by another thread) while a hold is
-in force gets the handler the hold replaced back: the step it held goes on in the parent.
+Signal handlers run in the main thread only. A hold holds whatever handler was set from
+Python (the default one, ``asyncio.Runner``'s, an application's); in another thread, under a
+handler that is none (ignored, or the system's default), or inside a hold already started, it
+changes nothing. A child forked (by another thread) while a hold is in force gets the handler
+the hold replaced back: the step it held goes on in the parent.
 """
 
 from __future__ import annotations
@@ -75,13 +77,16 @@ class InterruptHold:
 
     :meth:`start` is called where the part that must not be cut begins (at the top of the
     block, or just before an irreversible step inside a callee); a ``KeyboardInterrupt`` before
-    it lands as usual. A SIGINT received after it is raised as ``KeyboardInterrupt`` when the
-    block ends, in place of any exception the block raised, as Ctrl-C would have been.
+    it lands as usual. Each SIGINT received after it runs the handler it held when the block
+    ends, which raises ``KeyboardInterrupt`` there, in place of any exception the block
+    raised, as Ctrl-C would have been (Python's default handler; ``asyncio.run``'s cancels
+    its main task at the first and raises at the second).
     """
 
     def __init__(self) -> None:
         self._holding = False
-        self._received = False
+        self._received = 0
+        self._previous: Any = None
 
     def __enter__(self) -> InterruptHold:
         return self
@@ -94,18 +99,20 @@ class InterruptHold:
     ) -> None:
         if not self._holding:
             return
-        restore_sigint(signal.default_int_handler)
+        previous = self._previous
+        restore_sigint(previous)
         self._holding = False
-        if self._received:
-            self._received = False
-            raise KeyboardInterrupt
+        received, self._received = self._received, 0
+        for _ in range(received):
+            previous(signal.SIGINT, None)
 
     def start(self) -> None:
-        """Hold SIGINT from now to the end of the block (in the main thread, under Python's
-        default handler; a no-op elsewhere, and when already holding)."""
-        if self._holding or _signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        """Hold SIGINT from now to the end of the block (in the main thread, under a handler
+        set from Python; a no-op elsewhere, inside a hold in force, and when already
+        holding)."""
+        if self._holding or _replaced or not callable(_signal.getsignal(signal.SIGINT)):
             return
-        self._holding = hold_sigint(self._record)[0]
+        self._holding, self._previous = hold_sigint(self._record)
 
     def _record(self, signum: int, frame: FrameType | None) -> None:
-        self._received = True
+        self._received += 1

@@ -1049,6 +1049,8 @@ class Runtime:
                 self.drive(operation, here)  # (a Ctrl-C it held is raised as it returns)
                 result = await here
             except BaseException as error:
+                if not here.cancel():  # settled: nobody retrieves what it holds but this
+                    _consume(here)
                 self._give_up(operation, error)
                 raise
             self.count_stall(operation, started)
