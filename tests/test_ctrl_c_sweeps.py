@@ -256,6 +256,23 @@ class _CallersLoop:
         self.loop.run_until_complete(asyncio.wait_for(self.pool.__aexit__(None, None, None), 10))
         self.loop.close()
 
+    @classmethod
+    def unswept(cls) -> _CallersLoop:
+        """One serving a new pool, made outside a sweep's profile: its start is not swept."""
+        profiler = sys.getprofile()
+        sys.setprofile(None)
+        try:
+            return cls(TensorResidencyPool())
+        finally:
+            sys.setprofile(profiler)
+
+    def close_checked(self, where: str) -> None:
+        """Close: the pool closes, and the loop reported no error meanwhile."""
+        self.close()
+        assert self.pool.closed, f"a Ctrl-C at {where} left the pool open"
+        gc.collect()
+        assert self.reported == [], f"a Ctrl-C at {where}: {self.reported}"
+
 
 @needs_proc
 @pytest.mark.timeout(120)
@@ -339,12 +356,7 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
             assert torch.equal(value, torch.arange(64.0))
 
     def miss() -> None:
-        profiler = sys.getprofile()
-        sys.setprofile(None)  # the pool's start is not swept
-        try:
-            servings.append(_CallersLoop(TensorResidencyPool()))
-        finally:
-            sys.setprofile(profiler)
+        servings.append(_CallersLoop.unswept())
         servings[-1].run(acquire())
 
     def check(where: str) -> None:
@@ -352,10 +364,7 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
         serving.settle()
         assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
         serving.run(acquire())
-        serving.close()
-        assert serving.pool.closed, f"a Ctrl-C at {where} left the pool open"
-        gc.collect()
-        assert serving.reported == [], f"a Ctrl-C at {where}: {serving.reported}"
+        serving.close_checked(where)
 
     points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
     assert points > 50, "the acquire made fewer points than expected: the test proves little"
@@ -389,12 +398,7 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
             answer.append(error)
 
     def miss() -> None:
-        profiler = sys.getprofile()
-        sys.setprofile(None)  # the pool's start is not swept
-        try:
-            servings.append(_CallersLoop(TensorResidencyPool()))
-        finally:
-            sys.setprofile(profiler)
+        servings.append(_CallersLoop.unswept())
         answers.append([])
         thread = threading.Thread(target=resolve, args=(servings[-1].pool, answers[-1]))
         thread.daemon = True  # (a lost request would keep it waiting)
@@ -409,8 +413,7 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
         assert torch.equal(answer, torch.arange(64.0)), f"a Ctrl-C at {where}: wrong value"
         serving.settle()
         assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
-        serving.close()
-        assert serving.pool.closed, f"a Ctrl-C at {where} left the pool open"
+        serving.close_checked(where)
 
     points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
     assert points > 20, "the miss made fewer points than expected: the test proves little"
