@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import signal
+import threading
 from collections.abc import Callable, Iterator, Mapping
 
 import pytest
@@ -12,6 +14,11 @@ try:
     import uvloop
 except ImportError:  # pragma: no cover - uvloop is a Linux/macOS dependency
     uvloop = None
+
+# The Ctrl-C tests need Python's own SIGINT handler. A shell starts a command run in the
+# background (``make test &``) with SIGINT ignored, and Python then installs none.
+if threading.current_thread() is threading.main_thread():
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_asyncio_loop_factories(
