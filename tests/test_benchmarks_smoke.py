@@ -96,6 +96,9 @@ def test_hit_latency_results(results: Path) -> None:
         figures = config["figures"]
         for name in ("dict lookup", "sync resolve", "sync acquire", "torch op in scope"):
             assert figures[name]["median_us"] > 0
+            per_pool = figures[name]["per_pool_us"]  # the figure: the median over fresh pools
+            assert len(per_pool) == document["config"]["pools"] >= 2
+            assert per_pool[0] <= figures[name]["median_us"] <= per_pool[-1]
         assert figures["async acquire (asyncio)"]["median_us"] > 0
         assert figures["misses_while_timed"] == 0, "hit latency was timed on misses"
 
