@@ -18,9 +18,9 @@ sequence of the pool's entries; a sync figure is the median of that over five fr
 (their range is reported), as pools doing the same work differ by up to half. Beside the sync
 figures, the calling thread's CPU time per call (``time.thread_time``), which time spent
 waiting for a core on a busy machine does not inflate (a hit runs on the calling thread
-only). Targets: sync resolve hit <= 3 us, and within
-1.5x from 10 to 10,000 entries, budget or not; sync acquire enter+exit <= 3 us at 10 entries
-and <= 4 us at 10,000; async acquire <= 10 us.
+only). Targets: sync resolve hit <= 3 us, and within 1.5x from 10 to 10,000 entries, budget
+or not; sync acquire enter+exit <= 3 us at 10 entries and <= 4 us at 10,000; async acquire
+<= 10 us.
 
 ``--part churn`` (``churn.json``): reads through an LRU pool whose budget holds a tenth of the
 tensors (2,000 tensors of 4 KiB, budget of 200; then 20,000 with a budget of 2,000), for a
