@@ -1728,6 +1728,89 @@ def test_read_write_leases_held_at_once_make_one_change_never_seen_half_made(
     assert bool((on_disk(u) == 5.0).all())
 
 
+def test_a_read_write_lease_entered_as_another_ends_is_never_seen_half_made(
+    tmp_path: Path,
+) -> None:
+    """The last ``read_write`` lease on a value ends and is paused before it notes its change;
+    another is entered on the value meanwhile and changes half of it. Reads outside the pool
+    (``reload``, another pool) never see that half change: the first lease's note, decided
+    before the second was entered, would publish the value under way (it once did, and a
+    second pool loaded the half-made value and wrote it back as the latest write)."""
+    t = _tensor(tmp_path, "t")
+    code = OffloadedTensor._note_unsaved.__code__
+    other = TensorResidencyPool()
+    with paused_in_new_threads(code, on="call") as point, TensorResidencyPool() as pool:
+
+        def first() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+
+        point.armed.set()
+        thread = threading.Thread(target=first)
+        thread.start()
+        assert point.paused.wait(30)
+        second = pool.acquire(t, mode="read_write")
+        value = second.__enter__()
+        value[: NUMEL // 2] += 10.0  # the second change, half made
+        point.go()
+        thread.join(30)
+        assert not thread.is_alive()
+        for seen in (t.reload(), other.resolve(t)):
+            assert bool((seen == seen[0]).all()), f"seen half made: {sorted(set(seen.tolist()))}"
+        value[NUMEL // 2 :] += 10.0
+        second.__exit__(None, None, None)
+        assert bool((t.reload() == 11.0).all())
+        assert _leased(pool) == 0
+    other.close()
+    assert bool((on_disk(t) == 11.0).all())
+
+
+def test_a_read_write_lease_entered_as_another_notes_its_change_keeps_a_whole_copy(
+    tmp_path: Path,
+) -> None:
+    """A ``read_write`` lease noting its change is paused as it publishes the value (the
+    tensor's lock held); another lease entered on the value then must keep a copy of the
+    published value for reads outside the pool before it changes anything, not take the
+    value for one that holds no unsaved change yet."""
+    t = _tensor(tmp_path, "t")
+    note = OffloadedTensor._note_unsaved
+    code, line = note.__code__, line_of(note, "self._unsaved = (owner")
+    half_done = threading.Event()
+    finish = threading.Event()
+    with paused_in_new_threads(code, on="line", line=line) as point, TensorResidencyPool() as pool:
+
+        def first() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+
+        def second() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value[: NUMEL // 2] += 10.0  # half made
+                half_done.set()
+                finish.wait(30)
+                value[NUMEL // 2 :] += 10.0
+
+        pool.resolve(t)  # resident: both leases are granted without the loop thread
+        point.armed.set()
+        noting = threading.Thread(target=first)
+        noting.start()
+        assert point.paused.wait(30)
+        point.armed.clear()
+        entering = threading.Thread(target=second)
+        entering.start()
+        half_done.wait(0.5)  # (with the tensor's lock held, it waits for the note instead)
+        point.go()
+        noting.join(30)
+        assert half_done.wait(30)
+        seen = t.reload()
+        finish.set()
+        entering.join(30)
+        assert not noting.is_alive() and not entering.is_alive()
+        assert bool((seen == 1.0).all()), f"a change seen half made: {sorted(set(seen.tolist()))}"
+        assert bool((t.reload() == 11.0).all())
+    assert bool((on_disk(t) == 11.0).all())
+
+
 @pytest.mark.parametrize("entered_after", [False, True])
 def test_a_read_write_lease_granted_and_not_entered_holds_back_no_change(
     tmp_path: Path, entered_after: bool

@@ -8,7 +8,7 @@ manages any :class:`PoolSource`, and the tensor finds the pool serving its reloa
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Protocol
@@ -80,10 +80,13 @@ class PoolSource:
       load of another pool's worker that reads it).
     - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
       the same :attr:`storage_key` may reuse, or ``None``.
-    - ``_note_unsaved(owner, value, version)``: a pool changed the value it read at
+    - ``_note_unsaved(owner, value, version, alone)``: a pool changed the value it read at
       ``version`` (a ``read_write`` lease ends); unless another write came since (then it
       returns ``False``), it is the latest write of the tensor until written back or
-      superseded, and reads outside the pool, other pools included, see it.
+      superseded, and reads outside the pool, other pools included, see it. ``alone()`` is
+      asked first, under the lock ``_shelter_unsaved`` takes: ``False`` (another lease was
+      entered on the value since the pool decided to note) notes nothing and returns
+      ``None``.
     - ``_shelter_unsaved(owner, value)``: a ``read_write`` lease is entered on ``value``;
       when it is the tensor's unsaved latest write, reads outside the pool keep seeing it
       as it was (a copy) while the lease changes it.
@@ -132,7 +135,9 @@ class PoolSource:
     def _reads_rows_on_demand(self, device: torch.device) -> bool:
         raise NotImplementedError
 
-    def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
+    def _note_unsaved(
+        self, owner: object, value: torch.Tensor, version: object, alone: Callable[[], bool]
+    ) -> bool | None:
         raise NotImplementedError
 
     def _shelter_unsaved(self, owner: object, value: torch.Tensor) -> None:

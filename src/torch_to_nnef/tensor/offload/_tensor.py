@@ -1241,14 +1241,22 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             unsaved = self._unsaved
             return None if unsaved is None else _copy_of(unsaved[2], device)
 
-    def _note_unsaved(self, owner: object, value: torch.Tensor, version: object) -> bool:
+    def _note_unsaved(
+        self, owner: object, value: torch.Tensor, version: object, alone: Callable[[], bool]
+    ) -> bool | None:
         """The pool ``owner`` changed its value, read at ``version`` as it sees it (a
         ``read_write`` lease ends): the change becomes the latest write of the tensor, unless
         another write came since (the later write stands; returns ``False``). Reads outside
         that pool, other pools included, see it; an older unsaved value of another pool is
-        superseded (its write-back will not happen)."""
+        superseded (its write-back will not happen).
+
+        ``alone()``, asked under the lock that :meth:`_shelter_unsaved` takes, says that no
+        other lease of ``owner`` entered on ``value`` since the caller decided to note: when
+        one did, it may be changing the value already, and nothing is noted (``None``)."""
         state = self._hit_state
         with self._pending_lock:
+            if not alone():
+                return None
             if state.version_for(owner) is not version or self._deriving is state.latest[0]:
                 return False  # (or a direct write derived from the older value is under way)
             state.count_write(owner)
@@ -1259,14 +1267,16 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """A ``read_write`` lease of the pool ``owner`` is entered on ``value``: when that is
         the tensor's latest write (a change of an earlier lease, not written yet), reads
         outside the pool go on seeing it as it was, a copy, and never the change under way,
-        which becomes the latest write only when the lease ends (``_note_unsaved``)."""
-        unsaved = self._unsaved
-        if unsaved is None or unsaved[0] is not owner or unsaved[2] is not value:
-            return
-        copy = _copy_of(value, value.device)
+        which becomes the latest write only when the lease ends (``_note_unsaved``).
+
+        Looked at and copied under the lock the note takes (never without it, even to find
+        no unsaved value): a note under way when the lease was entered either saw it entered
+        (and noted nothing) or ends before this look."""
         with self._pending_lock:
-            if self._unsaved is unsaved:
-                self._unsaved = (owner, unsaved[1], copy)
+            unsaved = self._unsaved
+            if unsaved is None or unsaved[0] is not owner or unsaved[2] is not value:
+                return
+            self._unsaved = (owner, unsaved[1], _copy_of(value, value.device))
 
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: copies of the

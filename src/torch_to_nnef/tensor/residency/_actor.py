@@ -195,6 +195,7 @@ class Actor:
             if slot is not None and not holder.entered:
                 holder.entered = True
                 slot.changing += 1
+                slot.enters += 1
 
     def changed_under_read_lease(self, slot: Slot, version: int | None) -> bool:
         """Whether the holder of a read lease on ``slot`` (a streamed forward, which got the
@@ -228,6 +229,11 @@ class Actor:
         was read stands instead (the change is dropped). While other entered ``read_write``
         leases hold the value, the change is theirs too: the last of them to end notes it. A
         lease never entered (an abandoned acquire's) changed nothing and notes nothing.
+
+        The last lease decides to note under the lock and notes under the tensor's; a lease
+        entered in between (``slot.enters`` moved) may be changing the value already, so the
+        note does not happen: the change is handed to that lease, or, if it ended meanwhile
+        and handed it back, noted again.
         """
         slot = holder.slot
         if slot is None:
@@ -246,8 +252,9 @@ class Actor:
                     slot.unnoted = slot.unnoted or changed
                     return self._ended(slot, holder, changed=False)
                 changed, slot.unnoted = changed or slot.unnoted, False
+                enters = slot.enters
         dropped = False
-        if changed:
+        while changed:
             source = slot.entry.source
             if slot.reshaped():  # a lease ended without its exit, which puts the value back
                 changed, dropped = False, True
@@ -257,15 +264,26 @@ class Actor:
                     "dropped, and the pool loads the latest write again",
                     source.name,
                 )
-            else:
-                changed = source._note_unsaved(self, slot.value, slot.version)
-                dropped = not changed
+                break
+            noted = source._note_unsaved(
+                self, slot.value, slot.version, partial(slot.none_entered_since, enters)
+            )
+            if noted is not None:
+                changed, dropped = noted, not noted
                 if dropped:
                     LOGGER.warning(
                         "%r was written while a read_write lease held its older value: "
                         "the lease's change is dropped, the later write stands",
                         source.name,
                     )
+                break
+            with self.lock:  # a lease entered since: its change now, or back to this one
+                if holder.slot is None:  # released meanwhile by another thread
+                    return False
+                if slot.changing > 1:
+                    slot.unnoted = True
+                    return self._ended(slot, holder, changed=False)
+                slot.unnoted, enters = False, slot.enters
         with self.lock:
             if dropped:
                 # The value holds the dropped change, which is no write of the tensor (the

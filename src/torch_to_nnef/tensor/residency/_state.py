@@ -182,6 +182,7 @@ class Slot:
         "dirty",
         "dropped",
         "dtype",
+        "enters",
         "entry",
         "hit_state",
         "key",
@@ -227,6 +228,7 @@ class Slot:
         # last to note.
         self.changing = 0
         self.unnoted = False
+        self.enters = 0  # read_write leases entered so far (see ``Actor.release``)
         self.dirty = False  # a read_write lease ended since the actor last looked
         # A read_write lease's change to the value was dropped (a later direct write stands):
         # the value holds a change that is no write of the tensor, and is served no more.
@@ -235,6 +237,11 @@ class Slot:
         self.writing = False  # a write-back runs: read_write leases go to the actor
         self.changed = False  # queued for the actor's next look at its leases
         self.used = False  # a hit without the actor served it (the entry's ``used``)
+
+    def none_entered_since(self, enters: int) -> bool:
+        """Whether no ``read_write`` lease was entered on the value since ``enters`` counted
+        them (any thread, no lock: the count only grows)."""
+        return self.enters == enters
 
     def reshaped(self) -> bool:
         """Whether the value was reshaped or retyped in place since it was read (under a
