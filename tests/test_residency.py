@@ -1064,7 +1064,45 @@ held.wait()
     )
     # The daemon's change under way is not whole: dropped; the change before it is written.
     assert values == [7.0, 2.0, 3.0]
-    assert "still had values leased by threads still running" in result.stderr
+    assert "still had values under leases that never ended" in result.stderr
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("holder", ["generator", "lease"])
+def test_a_read_write_lease_the_main_thread_never_ended_at_exit_writes_every_other_change(
+    tmp_path: Path, holder: str
+) -> None:
+    """A ``read_write`` lease of the main thread that never ended at exit (a generator
+    suspended in its ``acquire`` block, a lease entered without its exit): its change is not
+    known to be whole, so it is dropped as a running thread's is; every other change is
+    written, and the log names the lease that never ended, not a running thread only."""
+    hold = {
+        "generator": """
+def changes():
+    with pool.acquire(ts[0], mode="read_write") as value:
+        value.fill_(100.0)
+        yield
+suspended = changes()
+next(suspended)
+""",
+        "lease": """
+held = pool.acquire(ts[0], mode="read_write")  # kept: a lease collected ends, kept whole
+held.__enter__().fill_(100.0)
+""",
+    }[holder]
+    values, result = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+for i, t in enumerate(ts):
+    with pool.acquire(t, mode="read_write") as value:
+        value.fill_(float(i + 1))
+"""
+        + hold,
+    )
+    assert values == [1.0, 2.0, 3.0]
+    assert "still had values under leases that never ended" in result.stderr
+    assert "an `acquire` block never left" in result.stderr
 
 
 @pytest.mark.timeout(120)
@@ -1096,7 +1134,7 @@ if {loop_closed}:
 """,
     )
     assert values == [1.0, 2.0, 3.0]
-    assert "still had values leased by threads still running" in result.stderr
+    assert "still had values under leases that never ended" in result.stderr
 
 
 @pytest.mark.timeout(120)

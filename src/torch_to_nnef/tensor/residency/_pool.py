@@ -814,7 +814,7 @@ class _Unclosed:
                     runtime.call(Close(runtime.actor, _nothing))
                 finally:
                     runtime.stop_private()
-        except T2NErrorMisuse as error:  # leased by a thread still running (a daemon)
+        except T2NErrorMisuse as error:  # leased: by a daemon thread, or a block never left
             self._flush_unleased(error, runtime.call)
         except T2NError as error:  # a write failed
             _log_unwritten("open at interpreter exit", error)
@@ -834,9 +834,11 @@ class _Unclosed:
             _log_unwritten("open at interpreter exit", error)
             return
         LOGGER.error(
-            "a TensorResidencyPool open at interpreter exit still had values leased by "
-            "threads still running (%s); the other changes were written back, those made "
-            "under read_write leases still held are lost",
+            "a TensorResidencyPool open at interpreter exit still had values under leases "
+            "that never ended, held by a thread still running or by an `acquire` block never "
+            "left (a generator suspended inside it, a lease entered without its exit) (%s); "
+            "the other changes were written back, those made under read_write leases still "
+            "held are lost",
             refused,
         )
 
