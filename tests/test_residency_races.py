@@ -101,15 +101,22 @@ def _suspended_inside_with_pool(
 def _collected_amid_the_pools_code(pool: TensorResidencyPool, close: Callable[[], Any]) -> bool:
     """Run ``close`` (a coroutine's or generator's, as a garbage collection would) in a
     thread holding the pool's lock, as a collection landing amid the pool's code; return
-    whether it ended. Stuck, that thread keeps the lock: the pool cannot be closed then."""
+    whether it ended. Stuck, that thread keeps the lock: the pool cannot be closed then.
+    ``close`` must not raise (a collection would report the error and skip the rest)."""
+    errors: list[BaseException] = []
 
     def collect() -> None:
         with pool._actor.lock:
-            close()
+            try:
+                close()
+            except BaseException as error:
+                errors.append(error)
 
     collector = threading.Thread(target=collect, daemon=True)
     collector.start()
     collector.join(10)
+    if errors:
+        raise AssertionError(f"closing it raised {errors[0]!r}") from errors[0]
     return not collector.is_alive()
 
 

@@ -1049,8 +1049,10 @@ class Runtime:
                 self.drive(operation, here)  # (a Ctrl-C it held is raised as it returns)
                 result = await here
             except BaseException as error:
-                if not here.cancel():  # settled: nobody retrieves what it holds but this
+                if here.done():  # settled: nobody retrieves what it holds but this
                     _consume(here)
+                elif not here.get_loop().is_closed():  # (a coroutine its closed loop left
+                    here.cancel()  # pending, closed by a collection: it schedules nothing)
                 self._give_up(operation, error)
                 raise
             self.count_stall(operation, started)
