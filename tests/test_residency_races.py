@@ -1662,6 +1662,23 @@ def test_a_read_write_lease_is_never_granted_while_a_write_back_starts(tmp_path:
     assert bool((on_disk(t) == 4.0).all())
 
 
+def _lease_paused_at(
+    point: Breakpoint, pool: TensorResidencyPool, t: OffloadedTensor, change: Callable[..., Any]
+) -> threading.Thread:
+    """Start a thread that applies ``change`` to ``t``'s value under a ``read_write`` lease
+    of ``pool``; return it once paused at ``point`` (armed here)."""
+
+    def owner() -> None:
+        with pool.acquire(t, mode="read_write") as value:
+            change(value)
+
+    point.armed.set()
+    thread = threading.Thread(target=owner)
+    thread.start()
+    assert point.paused.wait(30)
+    return thread
+
+
 def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path) -> None:
     """The owner of a read_write lease is paused as its change becomes the tensor's latest
     write; an eviction then must not write back (or drop) the value without that change."""
@@ -1671,15 +1688,7 @@ def test_a_change_is_never_lost_to_a_write_back_as_its_lease_ends(tmp_path: Path
         with pool.acquire(t, mode="read_write") as value:
             value.fill_(1.0)
         pool.flush()
-
-        def owner() -> None:
-            with pool.acquire(t, mode="read_write") as value:
-                value.fill_(2.0)
-
-        point.armed.set()
-        thread = threading.Thread(target=owner)
-        thread.start()
-        assert point.paused.wait(30)
+        thread = _lease_paused_at(point, pool, t, lambda value: value.fill_(2.0))
         with suppress(T2NErrorMisuse):  # the lease still holds the value
             pool.evict(t)
         point.go()
@@ -1747,15 +1756,7 @@ def test_a_read_write_lease_entered_as_another_ends_is_never_seen_half_made(
     code = OffloadedTensor._note_unsaved.__code__
     other = TensorResidencyPool()
     with paused_in_new_threads(code, on="call") as point, TensorResidencyPool() as pool:
-
-        def first() -> None:
-            with pool.acquire(t, mode="read_write") as value:
-                value.add_(1.0)
-
-        point.armed.set()
-        thread = threading.Thread(target=first)
-        thread.start()
-        assert point.paused.wait(30)
+        thread = _lease_paused_at(point, pool, t, lambda value: value.add_(1.0))
         second = pool.acquire(t, mode="read_write")
         value = second.__enter__()
         value[: NUMEL // 2] += 10.0  # the second change, half made
@@ -1786,10 +1787,6 @@ def test_a_read_write_lease_entered_as_another_notes_its_change_keeps_a_whole_co
     finish = threading.Event()
     with paused_in_new_threads(code, on="line", line=line) as point, TensorResidencyPool() as pool:
 
-        def first() -> None:
-            with pool.acquire(t, mode="read_write") as value:
-                value.add_(1.0)
-
         def second() -> None:
             with pool.acquire(t, mode="read_write") as value:
                 value[: NUMEL // 2] += 10.0  # half made
@@ -1798,11 +1795,7 @@ def test_a_read_write_lease_entered_as_another_notes_its_change_keeps_a_whole_co
                 value[NUMEL // 2 :] += 10.0
 
         pool.resolve(t)  # resident: both leases are granted without the loop thread
-        point.armed.set()
-        noting = threading.Thread(target=first)
-        noting.start()
-        assert point.paused.wait(30)
-        point.armed.clear()
+        noting = _lease_paused_at(point, pool, t, lambda value: value.add_(1.0))
         entering = threading.Thread(target=second)
         entering.start()
         half_done.wait(0.5)  # (with the tensor's lock held, it waits for the note instead)
