@@ -1051,8 +1051,10 @@ class Runtime:
             except BaseException as error:
                 if here.done():  # settled: nobody retrieves what it holds but this
                     _consume(here)
-                elif not here.get_loop().is_closed():  # (a coroutine its closed loop left
-                    here.cancel()  # pending, closed by a collection: it schedules nothing)
+                elif not here.get_loop().is_closed():
+                    # (A cancel schedules the task's wake-up, which a closed loop refuses:
+                    # a coroutine it left pending, closed by a collection, just gives up.)
+                    here.cancel()
                 self._give_up(operation, error)
                 raise
             self.count_stall(operation, started)
