@@ -35,6 +35,9 @@ SOURCE = str(Path(storage.__file__).parents[1])  # the package's tensor code
 
 needs_proc = pytest.mark.skipif(not Path("/proc/self/fd").exists(), reason="needs /proc")
 
+# Each point ends with full collections: they walk only what the sweep made.
+pytestmark = pytest.mark.usefixtures("young_collections")
+
 
 def left_in(directory: Path) -> set[str]:
     """The files under ``directory``, and what the process's descriptors open in it (or of
@@ -48,12 +51,13 @@ def sweep(
     directory: Path,
     check: Callable[[str], None] = lambda where: None,
     within: str = SOURCE,
+    tidy: Callable[[], None] = lambda: None,
 ) -> int:
     """Run ``run`` with a Ctrl-C at its n-th point, for n = 1, 2, ... until one runs without
     it. After each, with the KeyboardInterrupt dropped and a collection made: no file or
     descriptor is left in ``directory`` that was not there before, Python's SIGINT handler is
-    in force with no stale one recorded, and ``check(where)`` holds. Return the number of
-    points interrupted.
+    in force with no stale one recorded, and ``check(where)`` holds; then ``tidy()`` ends
+    what the run began (checked or not). Return the number of points interrupted.
 
     Not counted: the points of finalizers (a file's removal as its tensor dies), where
     Python loses an interrupt whatever the code does. Not checked: a Ctrl-C at the entry to
@@ -68,6 +72,7 @@ def sweep(
         if not signal_at.exit_entry:
             assert left_in(directory) - before == set(), f"a Ctrl-C at {where} left them"
             check(where)
+        tidy()
         assert _interrupts._replaced == [], f"a Ctrl-C at {where} left a stale handler"
         assert signal.getsignal(signal.SIGINT) is handler
         if not signal_at.fired:
@@ -266,6 +271,15 @@ class _CallersLoop:
         finally:
             sys.setprofile(profiler)
 
+    def tidy(self) -> None:
+        """Close the pool and the loop if a check did not (the Ctrl-C was at an exit's
+        entry, which keeps the lease until its task, referenced by the loop's pending steps,
+        goes): the pending steps run, and no pool outlives its point."""
+        if not self.loop.is_closed():
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.settle()
+            self.close()
+
     def close_checked(self, where: str) -> None:
         """Close: the pool closes, and the loop reported no error meanwhile."""
         self.close()
@@ -366,7 +380,8 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
         serving.run(acquire())
         serving.close_checked(where)
 
-    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
+    tidy = lambda: servings[-1].tidy()  # noqa: E731
+    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent), tidy=tidy)
     assert points > 50, "the acquire made fewer points than expected: the test proves little"
 
 
@@ -415,7 +430,8 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
         assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
         serving.close_checked(where)
 
-    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent))
+    tidy = lambda: servings[-1].tidy()  # noqa: E731
+    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent), tidy=tidy)
     assert points > 20, "the miss made fewer points than expected: the test proves little"
 
 

@@ -170,6 +170,7 @@ def test_a_ctrl_c_anywhere_in_the_unmap_of_a_dead_mapping_leaves_it_to_a_sweep(
 
 
 @_NEEDS_KERNEL_AND_PROC
+@pytest.mark.usefixtures("young_collections")  # a collection per point
 @pytest.mark.parametrize("numel", [3000, 3 << 20], ids=["small", "huge-page-sized"])
 def test_a_ctrl_c_anywhere_in_a_map_leaks_no_mapping_and_is_raised(
     tmp_path: Path, numel: int
