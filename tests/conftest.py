@@ -33,6 +33,20 @@ def pytest_asyncio_loop_factories(
     return factories
 
 
+@pytest.fixture(autouse=True)
+def _grouped_as_marked(request: pytest.FixtureRequest) -> None:
+    """Under ``--dist loadgroup``, the tests of an ``xdist_group`` carry the group in their
+    ids, which is how pytest-xdist sends them to one worker (their module fixtures built
+    once): fail if a pytest and pytest-xdist pair drops it (pytest-dev/pytest-xdist#1386)."""
+    item = request.node
+    grouped = getattr(request.config.option, "loadgroup", False)
+    if grouped and item.get_closest_marker("xdist_group") and "@" not in item.nodeid:
+        pytest.fail(
+            "--dist loadgroup did not group this test: install the pytest and "
+            "pytest-xdist versions pyproject.toml allows"
+        )
+
+
 @pytest.fixture
 def buffered_reads() -> Iterator[None]:
     """CPU loads read into buffers (reused by the pool) instead of mapping the file."""
