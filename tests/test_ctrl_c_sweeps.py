@@ -380,8 +380,8 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
         serving.run(acquire())
         serving.close_checked(where)
 
-    tidy = lambda: servings[-1].tidy()  # noqa: E731
-    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent), tidy=tidy)
+    within = str(Path(_handles.__file__).parent)
+    points = sweep(miss, nothing, check, within, tidy=lambda: servings[-1].tidy())
     assert points > 50, "the acquire made fewer points than expected: the test proves little"
 
 
@@ -430,8 +430,8 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
         assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
         serving.close_checked(where)
 
-    tidy = lambda: servings[-1].tidy()  # noqa: E731
-    points = sweep(miss, nothing, check, within=str(Path(_handles.__file__).parent), tidy=tidy)
+    within = str(Path(_handles.__file__).parent)
+    points = sweep(miss, nothing, check, within, tidy=lambda: servings[-1].tidy())
     assert points > 20, "the miss made fewer points than expected: the test proves little"
 
 
