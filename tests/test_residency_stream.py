@@ -624,6 +624,65 @@ def test_a_forward_interrupted_in_another_thread_holds_its_leases_until_its_stre
         thread.join(10)
 
 
+def test_a_pool_whose_async_exit_a_forward_outlived_closes_once_the_forward_ended(
+    tmp_path: Path,
+) -> None:
+    """``async with pool`` left with an error while another thread's forward holds leases:
+    the close is refused and logged, and the pool stays open. The forward ends as the exit
+    logs it (a slow log handler) and its stream begins the next forward's leases; once no
+    loop serves the pool, ``close()`` gives those back as a served close does. (It refused
+    them for good: only closing the stream let the pool close.)"""
+    _dense, model = offloaded_blocks(tmp_path, count=3)
+    x = torch.randn(2, WIDTH)
+    paused, resume, ended = threading.Event(), threading.Event(), threading.Event()
+
+    def pause(module: torch.nn.Module, args: object) -> None:
+        if not ended.is_set():
+            paused.set()
+            assert resume.wait(10)
+
+    class ForwardEndsAsTheRefusalIsLogged(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "stays open" in record.getMessage():
+                resume.set()
+                assert ended.wait(10)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(x)
+        ended.set()
+
+    threads: list[threading.Thread] = []
+
+    async def serve(pool: TensorResidencyPool) -> None:
+        async with pool:
+            stream_modules(pool, model.blocks, depth=1)
+            await anyio.to_thread.run_sync(forward)  # every value resident: hits from now on
+            ended.clear()
+            model.blocks[1].register_forward_pre_hook(pause)
+            threads.append(threading.Thread(target=forward))
+            threads[0].start()
+            await anyio.to_thread.run_sync(paused.wait, 10)
+            raise RuntimeError("the request failed")
+
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    handler = ForwardEndsAsTheRefusalIsLogged()
+    logger.addHandler(handler)
+    pool = TensorResidencyPool()
+    try:
+        with pytest.raises(RuntimeError, match="the request failed"):
+            anyio.run(serve, pool)
+    finally:
+        logger.removeHandler(handler)
+        resume.set()
+        for thread in threads:
+            thread.join(10)
+    assert ended.is_set() and not pool.closed
+    assert "leased: 2," in repr(pool)  # the next forward's first module, begun ahead
+    pool.close()
+    assert pool.closed and "leased: 0," in repr(pool)
+
+
 def test_a_thread_that_ends_after_an_interrupted_forward_drops_its_leases(tmp_path: Path) -> None:
     probe, weight = offloaded_probe(tmp_path)
     expected = weight.reload()

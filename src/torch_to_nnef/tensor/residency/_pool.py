@@ -573,19 +573,19 @@ class TensorResidencyPool(Uncopyable):
             self._let_go()  # a close that an interrupt cut short stopped nothing
             return
         self._end_interrupted_forwards()
+        request = self._close_request()
         if self._runtime.stranded_here():  # its loop of the caller's is gone: close it here
-            self._runtime.close_stranded(self._close_request())
+            self._runtime.close_stranded(request)
         else:
             try:
-                self._call_blocking(self._close_request())
+                self._call_blocking(request)
             except T2NErrorMisuse:
                 # The loop stopped while this close waited for it; its own thread may have
                 # closed the pool meanwhile (a stranded pool's close): then nothing is left.
                 if not self._actor.closed:
                     raise
-        if not self._actor.closed:  # nothing was loaded: nothing to write
-            self._actor.begin_close()
-            self._actor.finish_close()
+        if not self._actor.closed:  # no loop serves it, nothing to write: its steps run here
+            self._runtime.call_stranded(request)
         try:
             self._warn_if_left_out()
         finally:

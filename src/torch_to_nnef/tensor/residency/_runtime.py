@@ -607,9 +607,10 @@ class Runtime:
             self._attach(asyncio.get_running_loop())
 
     def call_stranded(self, operation: Operation) -> Any:
-        """Run ``operation`` to its end on the calling thread, for a stranded pool that only
-        this thread drives (:meth:`stranded_here`, or the exiting thread): as the loop
-        thread would, its jobs on the workers. The actor's transitions run here, where no
+        """Run ``operation`` to its end on the calling thread, for a pool that only this
+        thread drives (:meth:`stranded_here`, the exiting thread, or a close with no loop
+        serving the pool and nothing to write): as the loop thread would, its jobs on the
+        workers. The actor's transitions run here, where no
         Ctrl-C may cut one in half: it is raised once the operation ended (a close, a
         flush: the pool then stands as they left it)."""
         self._refuse_a_wait_for_itself()
