@@ -716,6 +716,29 @@ async def test_cancelled_waiters_leave_no_lease_and_the_pool_keeps_serving(tmp_p
                 assert float(value[0]) == float(i)
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_an_async_with_pool_block_an_anyio_scope_cancels_still_closes_the_pool(
+    tmp_path: Path,
+) -> None:
+    """An anyio cancel scope cancels every await inside it, the close of the block's exit
+    included: the end of ``async with pool`` still closes the pool, its changes written.
+    (The close was cancelled in turn: the pool stayed open, silently.)"""
+    ts = make_tensors(tmp_path, 8, numel=1 << 16)
+    pool = TensorResidencyPool()
+    with anyio.CancelScope() as scope:
+        async with pool:
+            for t in ts:
+                async with pool.acquire(t, mode="read_write") as value:
+                    value.fill_(7.0)
+            scope.cancel()  # a request's deadline, a server's shutdown
+            await anyio.sleep(10)
+    assert scope.cancelled_caught
+    assert pool.closed and "leased: 0," in repr(pool)
+    for t in ts:
+        assert torch.equal(t.reload(), torch.full((1 << 16,), 7.0))
+
+
 def test_unclosed_sync_pool_does_not_hang_interpreter_exit(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -18,6 +18,7 @@ from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
 
+import anyio
 import torch
 
 from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse
@@ -258,7 +259,10 @@ class TensorResidencyPool(Uncopyable):
             return
         try:
             if not self._actor.closed:
-                await self.aclose()
+                # Shielded: an anyio cancel scope cancels every await inside it, and the end
+                # of a cancelled block would leave the pool open with its changes unwritten.
+                with anyio.CancelScope(shield=True):
+                    await self.aclose()
         except Exception:
             # The pool stays open with its values (dirty ones included): a later `close()`
             # or `flush()` serves it again from a private loop thread.
