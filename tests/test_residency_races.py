@@ -737,6 +737,67 @@ def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
     assert pool.closed
 
 
+def test_a_threads_request_waiting_as_an_async_with_exit_fails_is_served_after_it(
+    tmp_path: Path,
+) -> None:
+    """The same with the request sent as the exit fails (its refusal is being logged): the
+    request waits in the loop's inbox, which the loop runs once it stopped serving the pool.
+    The pool is open: the request goes to a private loop, served, instead of failing with
+    "not running; it may be closed"."""
+    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
+    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+    leased, release = threading.Event(), threading.Event()
+    outcome: list[object] = []
+
+    def hold() -> None:
+        with pool.acquire(ts[0]):
+            leased.set()
+            release.wait(30)
+
+    def request() -> None:
+        try:
+            outcome.append(pool.resolve(ts[1]).clone())
+        except T2NErrorMisuse as error:
+            outcome.append(error)
+
+    holder, requester = threading.Thread(target=hold), threading.Thread(target=request)
+
+    class RequestAsTheRefusalIsLogged(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "stays open" in record.getMessage():
+                point.armed.set()
+                requester.start()  # sends the request, then pauses as it waits
+                assert point.paused.wait(10)
+
+    async def serve() -> None:
+        async with pool:
+            holder.start()
+            while not leased.is_set():
+                await asyncio.sleep(0.01)
+            raise RuntimeError("the request failed")
+
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    handler = RequestAsTheRefusalIsLogged()
+    logger.addHandler(handler)
+    try:
+        with (
+            paused_in_new_threads(_runtime.Runtime.wait.__code__, on="call") as point,
+            pytest.raises(RuntimeError, match="the request failed"),
+        ):
+            asyncio.run(serve())
+    finally:
+        logger.removeHandler(handler)
+    point.go()
+    requester.join(10)
+    release.set()
+    holder.join(10)
+    assert not requester.is_alive() and not holder.is_alive()
+    assert len(outcome) == 1 and isinstance(outcome[0], torch.Tensor), outcome
+    assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
+    pool.close()
+    assert pool.closed
+
+
 def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does_not_block_it(
     tmp_path: Path,
 ) -> None:

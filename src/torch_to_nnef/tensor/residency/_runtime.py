@@ -610,9 +610,9 @@ class Runtime:
         """Run ``operation`` to its end on the calling thread, for a pool that only this
         thread drives (:meth:`stranded_here`, the exiting thread, or a close with no loop
         serving the pool and nothing to write): as the loop thread would, its jobs on the
-        workers. The actor's transitions run here, where no
-        Ctrl-C may cut one in half: it is raised once the operation ended (a close, a
-        flush: the pool then stands as they left it)."""
+        workers. The actor's transitions run here, where no Ctrl-C may cut one in half: it
+        is raised once the operation ended (a close, a flush: the pool then stands as they
+        left it)."""
         self._refuse_a_wait_for_itself()
         done = Reply()
         with InterruptHold() as hold:
@@ -750,10 +750,17 @@ class Runtime:
         (:meth:`_serve_soon`), so that no call posted is lost to an interrupt. A call's error
         goes to the loop's exception handler, as that of a callback of the loop's would.
 
-        A serve on a loop that stopped serving the pool runs them too (they find the pool
-        closed, or not running), unless another loop serves it now: that loop's serves run
-        them, never two threads at once."""
-        if self.loop is not None and self.thread_id != threading.get_ident():
+        A serve on a loop that stopped serving the pool leaves them to the loop that serves
+        it now (never two threads at once): one that serves already, or the private loop it
+        starts when the pool stays open (an ``async with`` exit that could not close it).
+        Once the pool closed, it runs them: they find it closed."""
+        if self.loop is None and self._inbox and not self.actor.closed:
+            with contextlib.suppress(Exception):  # (refused: they run here, and say why)
+                self.ensure_running()
+        loop = self.loop
+        if loop is not None and self.thread_id != threading.get_ident():
+            if loop is not asyncio.get_running_loop():
+                self._serve_soon(loop)
             return
         inbox = self._inbox
         with InterruptHold() as hold:
