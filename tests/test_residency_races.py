@@ -686,6 +686,49 @@ def test_a_load_under_way_when_an_async_with_exit_fails_still_answers_its_waiter
     assert pool.closed
 
 
+class _LeaseHeldAndRequestSent:
+    """A pool whose ``async with`` exit fails: one thread holds a lease on ``ts[0]`` from
+    inside the block; another asks for ``ts[1]`` (a miss) at a point the test chooses."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
+        self.pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
+        self.leased, self.release = threading.Event(), threading.Event()
+        self.outcome: list[object] = []
+        self.holder = threading.Thread(target=self._hold)
+        self.requester = threading.Thread(target=self._request)
+
+    def _hold(self) -> None:
+        with self.pool.acquire(self.ts[0]):
+            self.leased.set()
+            self.release.wait(30)
+
+    def _request(self) -> None:
+        try:
+            self.outcome.append(self.pool.resolve(self.ts[1]).clone())
+        except T2NErrorMisuse as error:
+            self.outcome.append(error)
+
+    async def hold(self) -> None:
+        """Start the holder, from the block; return once it holds its lease."""
+        self.holder.start()
+        while not self.leased.is_set():
+            await asyncio.sleep(0.01)
+
+    def check_served(self, point: Breakpoint) -> None:
+        """Let the requester go: it got its value; then the pool closes."""
+        point.go()
+        self.requester.join(10)
+        self.release.set()
+        self.holder.join(10)
+        assert not self.requester.is_alive() and not self.holder.is_alive()
+        outcome = self.outcome
+        assert len(outcome) == 1 and isinstance(outcome[0], torch.Tensor), outcome
+        assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
+        self.pool.close()
+        assert self.pool.closed
+
+
 def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
     tmp_path: Path,
 ) -> None:
@@ -693,31 +736,13 @@ def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
     then fails (another thread holds a lease) and stops serving before the request reaches
     it: the pool stays open, usable from threads, and the request is served from a private
     loop instead of failing with "not running; it may be closed"."""
-    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
-    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
-    leased, release = threading.Event(), threading.Event()
-    outcome: list[object] = []
-
-    def hold() -> None:
-        with pool.acquire(ts[0]):
-            leased.set()
-            release.wait(30)
-
-    def request() -> None:
-        try:
-            outcome.append(pool.resolve(ts[1]).clone())
-        except T2NErrorMisuse as error:
-            outcome.append(error)
-
-    holder, requester = threading.Thread(target=hold), threading.Thread(target=request)
+    race = _LeaseHeldAndRequestSent(tmp_path)
 
     async def serve() -> None:
-        async with pool:
-            holder.start()
-            while not leased.is_set():
-                await asyncio.sleep(0.01)
+        async with race.pool:
+            await race.hold()
             point.armed.set()
-            requester.start()  # found the loop serving: paused before it sends the request
+            race.requester.start()  # found the loop serving: paused before it sends the request
             while not point.paused.is_set():
                 await asyncio.sleep(0.01)
 
@@ -726,15 +751,7 @@ def test_a_threads_request_sent_as_an_async_with_exit_fails_is_served_after_it(
         pytest.raises(T2NErrorMisuse, match="cannot close"),
     ):
         asyncio.run(serve())
-    point.go()
-    requester.join(10)
-    release.set()
-    holder.join(10)
-    assert not requester.is_alive() and not holder.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], torch.Tensor), outcome
-    assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
-    pool.close()
-    assert pool.closed
+    race.check_served(point)
 
 
 def test_a_threads_request_waiting_as_an_async_with_exit_fails_is_served_after_it(
@@ -744,36 +761,18 @@ def test_a_threads_request_waiting_as_an_async_with_exit_fails_is_served_after_i
     request waits in the loop's inbox, which the loop runs once it stopped serving the pool.
     The pool is open: the request goes to a private loop, served, instead of failing with
     "not running; it may be closed"."""
-    ts = [_tensor(tmp_path, f"t{i}", float(i)) for i in range(2)]
-    pool = TensorResidencyPool(max_cached_bytes=4 * NBYTES)
-    leased, release = threading.Event(), threading.Event()
-    outcome: list[object] = []
-
-    def hold() -> None:
-        with pool.acquire(ts[0]):
-            leased.set()
-            release.wait(30)
-
-    def request() -> None:
-        try:
-            outcome.append(pool.resolve(ts[1]).clone())
-        except T2NErrorMisuse as error:
-            outcome.append(error)
-
-    holder, requester = threading.Thread(target=hold), threading.Thread(target=request)
+    race = _LeaseHeldAndRequestSent(tmp_path)
 
     class RequestAsTheRefusalIsLogged(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             if "stays open" in record.getMessage():
                 point.armed.set()
-                requester.start()  # sends the request, then pauses as it waits
+                race.requester.start()  # sends the request, then pauses as it waits
                 assert point.paused.wait(10)
 
     async def serve() -> None:
-        async with pool:
-            holder.start()
-            while not leased.is_set():
-                await asyncio.sleep(0.01)
+        async with race.pool:
+            await race.hold()
             raise RuntimeError("the request failed")
 
     logger = logging.getLogger("torch_to_nnef.tensor.residency")
@@ -787,15 +786,7 @@ def test_a_threads_request_waiting_as_an_async_with_exit_fails_is_served_after_i
             asyncio.run(serve())
     finally:
         logger.removeHandler(handler)
-    point.go()
-    requester.join(10)
-    release.set()
-    holder.join(10)
-    assert not requester.is_alive() and not holder.is_alive()
-    assert len(outcome) == 1 and isinstance(outcome[0], torch.Tensor), outcome
-    assert torch.equal(outcome[0], torch.full((NUMEL,), 1.0))
-    pool.close()
-    assert pool.closed
+    race.check_served(point)
 
 
 def test_a_task_collected_on_a_worker_during_the_close_of_its_stranded_pool_does_not_block_it(
