@@ -739,6 +739,33 @@ async def test_an_async_with_pool_block_an_anyio_scope_cancels_still_closes_the_
         assert torch.equal(t.reload(), torch.full((1 << 16,), 7.0))
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_a_cancel_of_asyncio_s_own_during_the_exit_s_close_is_raised_once_it_closed(
+    tmp_path: Path,
+) -> None:
+    """A ``task.cancel()`` (an ``asyncio.timeout`` deadline, a failed sibling) landing while
+    the end of ``async with pool`` closes the pool: the close runs to its end, then the
+    cancellation goes on. (It cut the close: the pool stayed open, silently.)"""
+    ts = make_tensors(tmp_path, 8, numel=1 << 16)
+    pool = TensorResidencyPool(max_workers=1)
+
+    async def serve() -> None:
+        async with pool:
+            for t in ts:
+                async with pool.acquire(t, mode="read_write") as value:
+                    value.fill_(7.0)
+            task = asyncio.current_task()
+            assert task is not None
+            asyncio.get_running_loop().call_soon(task.cancel)  # at the close's first await
+
+    with pytest.raises(asyncio.CancelledError):
+        await asyncio.create_task(serve())
+    assert pool.closed and "leased: 0," in repr(pool)
+    for t in ts:
+        assert torch.equal(t.reload(), torch.full((1 << 16,), 7.0))
+
+
 def test_unclosed_sync_pool_does_not_hang_interpreter_exit(tmp_path: Path) -> None:
     import subprocess
     import sys

@@ -8,12 +8,13 @@ the face the caller needs (sync, async, or started without waiting).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -261,8 +262,9 @@ class TensorResidencyPool(Uncopyable):
             if not self._actor.closed:
                 # Shielded: an anyio cancel scope cancels every await inside it, and the end
                 # of a cancelled block would leave the pool open with its changes unwritten.
+                # A cancellation of asyncio's own is raised once the close ended.
                 with anyio.CancelScope(shield=True):
-                    await self.aclose()
+                    await _to_its_end(self.aclose())
         except Exception:
             # The pool stays open with its values (dirty ones included): a later `close()`
             # or `flush()` serves it again from a private loop thread.
@@ -886,6 +888,23 @@ _ORPHANS: set[_Unclosed] = set()
 
 _EXIT_WRITE_TIMEOUT = 300.0
 """Seconds interpreter exit waits for the write-backs of a collected pool."""
+
+
+async def _to_its_end(coroutine: Coroutine[Any, Any, None]) -> None:
+    """Await ``coroutine`` to its end in a task of its own: a cancellation of the caller's
+    (asyncio's own; the caller shields it from anyio's) is raised once it ended."""
+    task = asyncio.ensure_future(coroutine)
+    cancelled: asyncio.CancelledError | None = None
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError as error:
+            if task.done():
+                raise
+            cancelled = error
+    if cancelled is not None:
+        raise cancelled
 
 
 def _nothing() -> None:
