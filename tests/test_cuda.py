@@ -32,6 +32,10 @@ def filled(path: Path, value: float, numel: int) -> storage.PayloadLayout:
 
 def test_a_copy_does_not_wait_for_queued_compute() -> None:  # pragma: no cover - GPU
     host = torch.randn(1 << 20)
+    # The process's first side stream (the copy stream, made on the first copy) waits for the
+    # queued kernels once, whoever makes it: make it before queuing any.
+    storage.to_device(host, DEVICE)
+    torch.cuda.synchronize()
     torch.cuda._sleep(20 * SLEEP_CYCLES)
     compute_done = torch.cuda.Event()
     compute_done.record()

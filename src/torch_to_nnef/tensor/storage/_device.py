@@ -137,7 +137,12 @@ def _index(device: torch.device) -> int:
 
 
 def copy_stream(index: int) -> Any:
-    """The dedicated host-to-device copy stream of CUDA device ``index`` (one per device)."""
+    """The dedicated host-to-device copy stream of CUDA device ``index`` (one per device).
+
+    It is made on the first copy to the device. Making a process's first CUDA side stream
+    waits for every kernel already queued on the device (PyTorch sets up its stream pool then),
+    so that first copy waits for them too; later copies never do.
+    """
     with _STREAMS_LOCK:
         stream = _STREAMS.get(index)
         if stream is None:
@@ -386,7 +391,8 @@ def to_device(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     A CPU target returns ``host`` itself. For a CUDA target (``"cuda"`` is the calling
     thread's current device), the copy runs on the device's dedicated copy stream, directly
     from a pinned ``host`` or staged chunk by chunk through the device's bounded ring of
-    pinned chunks; it does not wait for work queued on other streams. The function waits for
+    pinned chunks; it does not wait for work queued on other streams (but for the first
+    copy to the device in the process: see :func:`copy_stream`). The function waits for
     its own copy only, then records the result on the calling thread's current stream, where
     it is safe to use (on another stream, call ``Tensor.record_stream`` on it first). Other
     devices (and a ``host`` that is not a dense CPU tensor) use a plain ``Tensor.to``.
