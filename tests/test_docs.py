@@ -317,6 +317,7 @@ def _bench_hook(results: Path) -> ModuleType:
     spec.loader.exec_module(hook)
     hook.SUMMARY = results / "summary.md"
     hook.TIMELINE = results / "timeline.png"
+    hook.GPU_CHECK = results / "gpu_check.md"
     return hook
 
 
@@ -337,6 +338,8 @@ def test_benchmark_marks_without_results(tmp_path: Path) -> None:
     out = hook.on_page_markdown(text, page, config=None, files=None)
     assert "<!--" not in out
     assert out.count("make bench") == 3  # each mark says how to produce its figures
+    gpu = hook.on_page_markdown("<!-- bench:gpu -->", page, config=None, files=None)
+    assert "<!--" not in gpu and "gpu_check.py --markdown" in gpu
 
 
 def test_benchmark_marks_with_results(tmp_path: Path) -> None:
@@ -351,6 +354,9 @@ def test_benchmark_marks_with_results(tmp_path: Path) -> None:
     assert "](../assets/bench/timeline.png)" in out
     collapsed = hook.on_page_markdown("<!-- bench:summary:collapsed -->", guide, None, None)
     assert collapsed.startswith("??? info") and "    | 1 | 2 |" in collapsed
+    (tmp_path / "gpu_check.md").write_text("# GPU check\n\n| CUDA tests | 9 passed |\n")
+    gpu = hook.on_page_markdown("<!-- bench:gpu -->", guide, None, None)
+    assert gpu.startswith("### GPU check") and "| CUDA tests | 9 passed |" in gpu
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,15 +1,17 @@
 """MkDocs hook: put the latest ``make bench`` results into the pages that mark a place for them.
 
 ``make bench`` writes ``benchmarks/results/summary.md`` (tables, with the machine they were
-measured on) and ``benchmarks/results/timeline.png`` (the overlap of disk reads and compute).
-Neither needs to exist: a page marks where they go with an HTML comment, and the hook puts there
-the file's content, or a note saying how to produce it, so that the strict build passes before
-and after the first benchmark run.
+measured on) and ``benchmarks/results/timeline.png`` (the overlap of disk reads and compute);
+``benchmarks/gpu_check.py --markdown``, run on a CUDA machine, writes
+``benchmarks/results/gpu_check.md``. None needs to exist: a page marks where they go with an
+HTML comment, and the hook puts there the file's content, or a note saying how to produce it, so
+that the strict build passes before and after the first benchmark run.
 
 - ``<!-- bench:summary -->``: the summary, as written.
 - ``<!-- bench:summary:collapsed -->``: the summary in a collapsed block.
 - ``<!-- bench:timeline -->``: the timeline chart; the PNG is added to the built site as
   ``assets/bench/timeline.png`` (MkDocs only serves files it knows of).
+- ``<!-- bench:gpu -->``: the latest GPU check's table.
 """
 
 from __future__ import annotations
@@ -23,11 +25,13 @@ from mkdocs.structure.files import File, Files
 RESULTS = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 SUMMARY = RESULTS / "summary.md"
 TIMELINE = RESULTS / "timeline.png"
+GPU_CHECK = RESULTS / "gpu_check.md"
 TIMELINE_URI = "assets/bench/timeline.png"
 
 SUMMARY_MARK = "<!-- bench:summary -->"
 COLLAPSED_MARK = "<!-- bench:summary:collapsed -->"
 TIMELINE_MARK = "<!-- bench:timeline -->"
+GPU_MARK = "<!-- bench:gpu -->"
 
 _NO_SUMMARY = (
     '!!! note "No benchmark results in this build"\n'
@@ -38,6 +42,11 @@ _NO_TIMELINE = (
     '!!! note "No timeline chart in this build"\n'
     "    `make bench` draws `benchmarks/results/timeline.png`; rebuild the site (`make docs`)\n"
     "    afterwards to show it here.\n"
+)
+_NO_GPU_CHECK = (
+    '!!! note "No GPU check results in this build"\n'
+    "    `python benchmarks/gpu_check.py --markdown`, run on a CUDA machine, writes\n"
+    "    `benchmarks/results/gpu_check.md`; rebuild the site (`make docs`) to show it here.\n"
 )
 
 
@@ -57,6 +66,9 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Files, **kwar
         markdown = markdown.replace(SUMMARY_MARK, _summary(uri) or _NO_SUMMARY)
     if TIMELINE_MARK in markdown:
         markdown = markdown.replace(TIMELINE_MARK, _timeline(uri))
+    if GPU_MARK in markdown:
+        gpu = _demote_headings(GPU_CHECK.read_text(encoding="utf-8")) if GPU_CHECK.is_file() else ""
+        markdown = markdown.replace(GPU_MARK, gpu or _NO_GPU_CHECK)
     return markdown
 
 
