@@ -1424,6 +1424,50 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
     gc.collect()
 
 
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.timeout(60)
+def test_a_close_after_ctrl_c_cut_the_async_exit_s_close_ends_that_close(tmp_path: Path) -> None:
+    """Ctrl-C (a real SIGINT) lands in a loop run without a Runner while the `async with pool`
+    exit's close waits for its write-back: that close stays under way, its loop gone. A
+    `pool.close()` on the same thread then joins it, applying its jobs' ends itself (nothing
+    else would), instead of waiting for ever for the mark of a close no one drives."""
+    from torch_to_nnef.tensor.storage import _io
+
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    t = _tensor(tmp_path, "t")
+    pool = TensorResidencyPool()
+
+    async def main() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(3.0)
+            point.armed.set()  # the exit's write-back pauses
+
+    def ctrl_c_then_let_the_write_end() -> None:
+        if point.paused.wait(10):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.3)  # the main thread closes the pool meanwhile
+        point.go()
+
+    loop = asyncio.new_event_loop()
+    try:
+        with paused_in_new_threads(_io.write_payload.__code__) as point:
+            sender = threading.Thread(target=ctrl_c_then_let_the_write_end, daemon=True)
+            sender.start()
+            with pytest.raises(KeyboardInterrupt):
+                loop.run_until_complete(main())
+            assert not pool.closed  # the exit's close was cut while it waited
+            pool.close()
+            sender.join(10)
+        assert pool.closed
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), 3.0))
+    finally:
+        with suppress(BaseException):
+            loop.run_until_complete(loop.shutdown_asyncgens())
+        loop.close()
+        gc.collect()
+
+
 @pytest.mark.asyncio
 async def test_an_async_generator_closed_on_its_loop_closes_the_pool_it_served(
     tmp_path: Path,

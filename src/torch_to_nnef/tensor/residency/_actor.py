@@ -30,7 +30,15 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPolicy
 from torch_to_nnef.tensor.residency._spares import SpareBuffers
-from torch_to_nnef.tensor.residency._state import Entry, Holder, Job, PoolStats, Slot, Ticket
+from torch_to_nnef.tensor.residency._state import (
+    CLOSE_UNDER_WAY,
+    Entry,
+    Holder,
+    Job,
+    PoolStats,
+    Slot,
+    Ticket,
+)
 
 __all__ = ["Actor", "SubmitJob"]
 
@@ -1082,7 +1090,7 @@ class Actor:
             ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
             if not leased:
                 self.closing = True
-                self.close_ended = Job("close", _nothing, (), _nothing)
+                self.close_ended = Job(CLOSE_UNDER_WAY, _nothing, (), _nothing)
                 for slot in self.published.values():
                     slot.open = False
                 self.published.clear()

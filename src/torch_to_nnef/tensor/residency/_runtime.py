@@ -57,7 +57,7 @@ from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef._owned import collecting_here, held_here, owned_lock
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
-from torch_to_nnef.tensor.residency._state import Job
+from torch_to_nnef.tensor.residency._state import CLOSE_UNDER_WAY, Job
 from torch_to_nnef.tensor.residency._workers import (
     Workers,
     exit_interrupts,
@@ -483,6 +483,7 @@ class Runtime:
         # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
         self._ended: collections.deque[Job] = collections.deque()
         self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
+        self._an_end = threading.Condition(fork_safe_lock())  # notified as a job ends
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
@@ -872,6 +873,8 @@ class Runtime:
         thread, and the loop told to apply it. When the loop stopped serving meanwhile, the
         thread that stopped it applies it once the workers ended: its waiters are answered."""
         self._ended.append(job)
+        with self._an_end:
+            self._an_end.notify_all()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._apply_ended)
 
@@ -969,10 +972,26 @@ class Runtime:
                 "`await anyio.to_thread.run_sync(...)`",
                 operation.inline,
             )
+        if job.kind == CLOSE_UNDER_WAY:
+            self._apply_ends_until(job)
+            return
         workers = self._workers
         if workers is not None:
             workers.wait(job)
         job.complete()
+
+    def _apply_ends_until(self, mark: Job) -> None:
+        """Wait inline for ``mark``, the close under way that a new close joins: no worker
+        runs it; it ends with that close, which waits for its jobs' ends. Those ends are
+        applied here as they come, since this thread alone drives the actor (a close that a
+        Ctrl-C cut off its loop would otherwise wait for ever)."""
+        while True:
+            self._apply_ended()
+            if mark.done:
+                return
+            with self._an_end:
+                if not self._ended:
+                    self._an_end.wait()
 
     def call(self, operation: Operation) -> Any:
         """The sync face: run ``operation`` and block until it ends (any thread). On the

@@ -12,7 +12,16 @@ import torch
 from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 
-__all__ = ["Entry", "Holder", "Job", "PoolStats", "Slot", "Ticket", "as_storage_error"]
+__all__ = [
+    "CLOSE_UNDER_WAY",
+    "Entry",
+    "Holder",
+    "Job",
+    "PoolStats",
+    "Slot",
+    "Ticket",
+    "as_storage_error",
+]
 
 
 class PoolStats(NamedTuple):
@@ -66,6 +75,11 @@ def as_storage_error(error: BaseException) -> BaseException:
     wrapped = T2NErrorStorage(f"loading an offloaded tensor failed: {error!r}")
     wrapped.__cause__ = error
     return wrapped
+
+
+CLOSE_UNDER_WAY = "close under way"
+"""The kind of the job that marks a close under way: no worker runs it; the close finishes it
+as it ends (closed or aborted), and a second close waits for it."""
 
 
 class Job:
