@@ -59,12 +59,29 @@ def paused_in_new_threads(
 ) -> Iterator[Breakpoint]:
     """A :class:`Breakpoint` in the threads started inside the block."""
     point = Breakpoint(code, on, caller, line)
-    threading.settrace(point._trace)
-    try:
+    with breakpoints_in_new_threads(point):
         yield point
+
+
+@contextmanager
+def breakpoints_in_new_threads(*points: Breakpoint) -> Iterator[None]:
+    """Several :class:`Breakpoint` (of different functions) in the threads started inside
+    the block; each is released as the block ends."""
+
+    def trace(frame: FrameType, event: str, arg: Any) -> Any:
+        for point in points:
+            local = point._trace(frame, event, arg)
+            if local is not None:
+                return local
+        return None
+
+    threading.settrace(trace)
+    try:
+        yield
     finally:
         threading.settrace(None)  # type: ignore[arg-type]
-        point.go()
+        for point in points:
+            point.go()
 
 
 def line_of(function: Any, text: str) -> int:

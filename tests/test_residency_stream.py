@@ -7,6 +7,7 @@ import gc
 import logging
 import os
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
@@ -14,7 +15,7 @@ from types import CodeType
 import anyio
 import pytest
 import torch
-from breakpoints import line_of, paused_in_new_threads
+from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import in_forked_child
 from residency_checks import settle
 
@@ -622,6 +623,98 @@ def test_a_forward_interrupted_in_another_thread_holds_its_leases_until_its_stre
     finally:
         leave.set()
         thread.join(10)
+
+
+class _Gate(torch.nn.Module):
+    """A module (no tensors of its own) that the first forward through it waits inside."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inside, self.leave = threading.Event(), threading.Event()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.inside.is_set():
+            self.inside.set()
+            assert self.leave.wait(10)
+        return x
+
+
+def test_a_refused_close_leaves_a_forward_between_two_modules_what_it_began_ahead(
+    tmp_path: Path,
+) -> None:
+    """A close while one forward is inside a module is refused, and gives back nothing that
+    another forward began for the modules ahead. Here that forward was between two modules
+    as the close looked at the threads (nothing held: it looked idle), then entered the next
+    module: a close that dropped what it began then made it fail ("this lease was dropped
+    before it was entered"); it now ends with the dense model's output."""
+    dense, model = offloaded_blocks(tmp_path, count=4)
+    gate = _Gate()
+    x = torch.randn(2, WIDTH)
+    expected = torch.nn.Sequential(dense.blocks[0], torch.nn.Identity(), *dense.blocks[1:])(x)
+    layers = torch.nn.Sequential(model.blocks[0], gate, *model.blocks[1:])
+    pool = TensorResidencyPool(max_cached_bytes=2 * LAYER_BYTES, max_workers=2)
+    stream = stream_modules(pool, list(layers), depth=2)
+    outputs: dict[str, torch.Tensor] = {}
+    errors: list[BaseException] = []
+    refusals: list[BaseException] = []
+    left = Breakpoint(ModuleStream._after.__code__, "return")
+    entering = Breakpoint(
+        ModuleStream._before.__code__,
+        "line",
+        line=line_of(ModuleStream._before, "lease.__enter__()"),
+    )
+    releasing = Breakpoint(
+        ModuleStream._release_next_forward.__code__,
+        "line",
+        line=line_of(ModuleStream._release_next_forward, "for leases in next_forward"),
+    )
+
+    def forward(name: str) -> None:
+        try:
+            outputs[name] = layers(x)
+        except BaseException as error:
+            errors.append(error)
+
+    def close() -> None:
+        try:
+            pool.close()
+        except T2NErrorMisuse as error:
+            refusals.append(error)
+
+    try:
+        with breakpoints_in_new_threads(left, entering, releasing):
+            inside = threading.Thread(target=forward, args=("inside",))
+            inside.start()  # waits in the gate, holding what its modules began
+            assert gate.inside.wait(10)
+            left.armed.set()  # the next forward pauses as it leaves its first module
+            between = threading.Thread(target=forward, args=("between",))
+            between.start()
+            assert left.paused.wait(10)
+            releasing.armed.set()
+            closer = threading.Thread(target=close)
+            closer.start()
+            deadline = time.monotonic() + 10
+            while not releasing.paused.is_set() and closer.is_alive():
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            entering.armed.set()  # that forward goes on to its next module's leases
+            left.go()
+            assert entering.paused.wait(10)
+            releasing.go()
+            closer.join(10)
+            entering.go()
+            gate.leave.set()
+            between.join(10)
+            inside.join(10)
+        assert len(refusals) == 1 and "leased" in str(refusals[0])
+        assert errors == []
+        assert torch.allclose(outputs["between"], expected, atol=1e-6)
+        assert torch.allclose(outputs["inside"], expected, atol=1e-6)
+    finally:
+        gate.leave.set()
+        stream.close()
+        pool.close()
+    assert pool.closed
 
 
 def test_a_pool_whose_async_exit_a_forward_outlived_closes_once_the_forward_ended(

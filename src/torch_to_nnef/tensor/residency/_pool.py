@@ -567,8 +567,11 @@ class TensorResidencyPool(Uncopyable):
         """Write dirty values back, release every value and stop the pool.
 
         A forward through :func:`stream_modules` that Ctrl-C interrupted in the calling thread
-        gives back what it held first, as closing its stream would. A stream through the pool
-        that its caller did not keep then goes, with its hooks.
+        gives back what it held first, as closing its stream would. The leases streams began
+        ahead (the next forward's first modules) are given back too, unless a forward is
+        inside a streamed module: the close is then refused, and leaves them to the forwards
+        they were begun for. A stream through the pool that its caller did not keep then goes,
+        with its hooks.
 
         Raises:
             T2NErrorMisuse: values are still leased (the pool stays usable), or called on the
@@ -645,7 +648,12 @@ class TensorResidencyPool(Uncopyable):
 
     def _close_request(self) -> Close:
         def release_streams() -> None:
-            for stream in list(self._streams):
+            streams = list(self._streams)
+            if any(stream._forward_inside() for stream in streams):
+                # The close is refused (that forward's leases count): what the streams
+                # began ahead stays with the forwards it was begun for.
+                return
+            for stream in streams:
                 stream._release_next_forward()
             if self.read_ahead is not None:
                 self.read_ahead.release()

@@ -654,6 +654,12 @@ class ModuleStream(Uncopyable):
                         with contextlib.suppress(ValueError):  # its own hook took it already
                             stack.remove(held)
 
+    def _forward_inside(self) -> bool:
+        """Whether a forward of some thread is inside one of the modules (from its pre-hook
+        on: it holds, or is taking, that module's leases)."""
+        with self._lock:
+            return any(any(state.held.values()) for state in self._threads)
+
     def _release_next_forward(self) -> None:
         """Drop the leases begun for forwards not running now: the next forward's first
         modules, and those an early-stopped forward began (the pool does before it closes)."""
