@@ -639,19 +639,22 @@ class _Gate(torch.nn.Module):
         return x
 
 
+@pytest.mark.parametrize("held_by", ["a forward inside a module", "a plain lease"])
 def test_a_refused_close_leaves_a_forward_between_two_modules_what_it_began_ahead(
-    tmp_path: Path,
+    tmp_path: Path, held_by: str
 ) -> None:
-    """A close while one forward is inside a module is refused, and gives back nothing that
-    another forward began for the modules ahead. Here that forward was between two modules
-    as the close looked at the threads (nothing held: it looked idle), then entered the next
-    module: a close that dropped what it began then made it fail ("this lease was dropped
-    before it was entered"); it now ends with the dense model's output."""
+    """A close refused because something is leased (another forward inside a module, or a
+    plain lease) leaves intact a forward that was between two modules as the close looked at
+    the threads (nothing held: it looked idle), then went on into the next module. Seeing a
+    forward inside, the close gives back nothing the streams began ahead; seeing none, it
+    does, and the forward takes again what the close dropped. It failed: "this lease was
+    dropped before it was entered"."""
     dense, model = offloaded_blocks(tmp_path, count=4)
     gate = _Gate()
     x = torch.randn(2, WIDTH)
     expected = torch.nn.Sequential(dense.blocks[0], torch.nn.Identity(), *dense.blocks[1:])(x)
     layers = torch.nn.Sequential(model.blocks[0], gate, *model.blocks[1:])
+    other = OffloadedTensor.from_original_tensor(torch.ones(4), "other", offload_dir=tmp_path)
     pool = TensorResidencyPool(max_cached_bytes=2 * LAYER_BYTES, max_workers=2)
     stream = stream_modules(pool, list(layers), depth=2)
     outputs: dict[str, torch.Tensor] = {}
@@ -681,14 +684,20 @@ def test_a_refused_close_leaves_a_forward_between_two_modules_what_it_began_ahea
         except T2NErrorMisuse as error:
             refusals.append(error)
 
+    threads: list[threading.Thread] = []
+    lease = pool.acquire(other)
     try:
         with breakpoints_in_new_threads(left, entering, releasing):
-            inside = threading.Thread(target=forward, args=("inside",))
-            inside.start()  # waits in the gate, holding what its modules began
-            assert gate.inside.wait(10)
+            if held_by == "a plain lease":
+                lease.__enter__()
+                gate.inside.set()  # forwards pass through the gate
+            else:
+                threads.append(threading.Thread(target=forward, args=("inside",)))
+                threads[-1].start()  # waits in the gate, holding what its modules began
+                assert gate.inside.wait(10)
             left.armed.set()  # the next forward pauses as it leaves its first module
-            between = threading.Thread(target=forward, args=("between",))
-            between.start()
+            threads.append(threading.Thread(target=forward, args=("between",)))
+            threads[-1].start()
             assert left.paused.wait(10)
             releasing.armed.set()
             closer = threading.Thread(target=close)
@@ -700,18 +709,20 @@ def test_a_refused_close_leaves_a_forward_between_two_modules_what_it_began_ahea
             entering.armed.set()  # that forward goes on to its next module's leases
             left.go()
             assert entering.paused.wait(10)
-            releasing.go()
+            releasing.go()  # (a close that saw no forward inside drops what it began)
             closer.join(10)
             entering.go()
             gate.leave.set()
-            between.join(10)
-            inside.join(10)
+            for thread in threads:
+                thread.join(10)
         assert len(refusals) == 1 and "leased" in str(refusals[0])
         assert errors == []
-        assert torch.allclose(outputs["between"], expected, atol=1e-6)
-        assert torch.allclose(outputs["inside"], expected, atol=1e-6)
+        for name in outputs:
+            assert torch.allclose(outputs[name], expected, atol=1e-6)
+        assert len(outputs) == len(threads)
     finally:
         gate.leave.set()
+        lease.__exit__(None, None, None)
         stream.close()
         pool.close()
     assert pool.closed

@@ -251,6 +251,10 @@ class TensorResidencyLease(Holder, Uncopyable):
         """``"read"`` or ``"read_write"``."""
         return "read_write" if self.read_write else "read"
 
+    def _dropped(self) -> bool:
+        """Whether it was cancelled (:meth:`_cancel`) before it was entered."""
+        return self._begun is _CANCELLED
+
     def _check_unused(self) -> None:
         if self._used:
             if self._begun is _CANCELLED:  # by a close, from another thread perhaps

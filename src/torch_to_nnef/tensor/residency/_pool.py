@@ -570,8 +570,9 @@ class TensorResidencyPool(Uncopyable):
         gives back what it held first, as closing its stream would. The leases streams began
         ahead (the next forward's first modules) are given back too, unless a forward is
         inside a streamed module: the close is then refused, and leaves them to the forwards
-        they were begun for. A stream through the pool that its caller did not keep then goes,
-        with its hooks.
+        they were begun for (a forward finding a lease it began dropped by a close that was
+        refused takes it again). A stream through the pool that its caller did not keep then
+        goes, with its hooks.
 
         Raises:
             T2NErrorMisuse: values are still leased (the pool stays usable), or called on the

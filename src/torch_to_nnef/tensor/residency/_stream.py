@@ -417,7 +417,16 @@ class ModuleStream(Uncopyable):
             # The begun leases stay in ``begun`` until all are entered: whatever stops
             # this (a failed load, Ctrl-C while waiting), the rest are dropped below.
             for lease in begun.get(index, ()):
-                lease.__enter__()
+                try:
+                    lease.__enter__()
+                except T2NErrorMisuse:
+                    # Dropped meanwhile by a close of the pool that was then refused (a lease
+                    # held elsewhere): taken again, only what it read ahead is lost. (A
+                    # closing pool's check raises as it would.)
+                    if not lease._dropped() or not self._handles:
+                        raise
+                    lease = self.pool.acquire(cast("OffloadedTensor", lease._source), self.device)
+                    lease.__enter__()
                 entry.leases.append(lease)
                 if lease.slot is not None:  # (else a close ended it: nothing is bound)
                     slots[id(lease._source)] = lease.slot
