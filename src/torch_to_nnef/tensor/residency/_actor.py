@@ -426,7 +426,10 @@ class Actor:
         if self.closed:
             raise T2NErrorMisuse("the TensorResidencyPool is closed; create a new pool")
         if self.closing:
-            raise T2NErrorMisuse("the TensorResidencyPool is closing; create a new pool")
+            raise T2NErrorMisuse(
+                "the TensorResidencyPool is closing; create a new pool (a close that Ctrl-C "
+                "stopped with its loop ends with the next `pool.close()`)"
+            )
 
     def is_pinned(self, source: PoolSource) -> bool:
         entry = self.entries.get(id(source))
