@@ -1055,6 +1055,7 @@ for i, t in enumerate(ts):
         value.fill_(float(i + 1))
 spare = OffloadedTensor.from_original_tensor(torch.ones(4), "spare", offload_dir=directory)
 refusals = []
+refused = threading.Event()
 def churn():
     while True:
         try:
@@ -1062,8 +1063,10 @@ def churn():
                 other.resolve(spare)
         except Exception as error:
             refusals.append(error)
+            refused.set()
             return
 def report():  # a finalizer: after the pools' exit work
+    refused.wait(10)  # a busy machine may not have run the daemon since the exit work began
     print("daemon:", refusals[0] if refusals else "never refused", flush=True)
     try:
         pool.resolve(ts[0])
