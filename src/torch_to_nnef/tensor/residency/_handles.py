@@ -257,7 +257,7 @@ class TensorResidencyLease(Holder, Uncopyable):
 
     def _check_unused(self) -> None:
         if self._used:
-            if self._begun is _CANCELLED:  # by a close, from another thread perhaps
+            if self._dropped():  # by a close, from another thread perhaps
                 self._pool._actor.check_open()  # (a pool's close: says it is closing)
                 raise T2NErrorMisuse(
                     "this lease was dropped before it was entered (a close of the stream "
