@@ -1457,7 +1457,7 @@ def test_a_close_after_ctrl_c_cut_the_async_exit_s_close_ends_that_close(tmp_pat
             with pytest.raises(KeyboardInterrupt):
                 loop.run_until_complete(main())
             assert not pool.closed  # the exit's close was cut while it waited
-            with pytest.raises(T2NErrorMisuse, match=r"closing; .* ends with the next `pool.close"):
+            with pytest.raises(T2NErrorMisuse, match=r"closing; .* `pool.close\(\)` finishes it"):
                 pool.resolve(t)
             pool.close()
             sender.join(10)

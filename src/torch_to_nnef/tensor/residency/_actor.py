@@ -427,8 +427,8 @@ class Actor:
             raise T2NErrorMisuse("the TensorResidencyPool is closed; create a new pool")
         if self.closing:
             raise T2NErrorMisuse(
-                "the TensorResidencyPool is closing; create a new pool (a close that Ctrl-C "
-                "stopped with its loop ends with the next `pool.close()`)"
+                "the TensorResidencyPool is closing; create a new pool (if Ctrl-C stopped "
+                "that close with its loop, `pool.close()` finishes it)"
             )
 
     def is_pinned(self, source: PoolSource) -> bool:
