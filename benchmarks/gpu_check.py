@@ -492,8 +492,26 @@ def device_line() -> str:
     )
 
 
+def source_revision() -> str:
+    """The checkout's commit (``+ changes`` when its tracked files differ), or ``unknown``."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+        changed = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+    except OSError:
+        return "unknown"
+    return f"{commit} + changes" if commit and changed else commit or "unknown"
+
+
 def markdown(rows: list[Row], device: str, details: list[list[str]]) -> str:
-    lines = ["# GPU check", "", f"Device: {device}", ""]
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    lines = ["# GPU check", "", f"Device: {device}", "", f"Run: {when}, {source_revision()}", ""]
     lines += [
         "| figure | value | reference (same run) | target | status |",
         "|---|---|---|---|---|",
