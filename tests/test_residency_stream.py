@@ -297,6 +297,36 @@ def test_a_change_in_place_during_a_streamed_forward_is_written_back(tmp_path: P
     assert probe.weight is weight
 
 
+def test_a_model_half_after_a_forward_interrupted_inside_a_module_converts_it_whole(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C inside a streamed module leaves its place bound to the pool's value until the
+    stream closes; ``model.half()`` meanwhile assigns ``.data`` there. That must not change
+    the pool's value under the tensor (it turned it float16 while the tensor said float32,
+    and every read through the pool saw it), and the conversion must reach the tensor once
+    the place gets it back (it was dropped, and the next forward mixed dtypes)."""
+    probe, weight = offloaded_probe(tmp_path)
+    expected = weight.reload().half()
+    probe.interrupt = True
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe])
+    with pytest.raises(KeyboardInterrupt):
+        probe(torch.randn(2, WIDTH))
+    probe.interrupt = False
+    assert probe.weight is not weight  # still bound: the post-hook does not run on Ctrl-C
+    probe.half()
+    assert pool.resolve(weight).dtype == torch.float32  # the pool's value is left alone
+    assert weight.reload().dtype == torch.float32
+    stream.close()
+    assert probe.weight is weight
+    assert weight.dtype == torch.float16  # the conversion reached the tensor
+    assert torch.equal(weight.reload(), expected)
+    x = torch.randn(2, WIDTH).half()
+    assert torch.equal(probe(x), x @ expected.t())
+    pool.close()
+    assert torch.equal(weight.reload(), expected)
+
+
 def _forward_paused_while(
     probe: Probe, x: torch.Tensor, meanwhile: Callable[[Callable[[], None]], None]
 ) -> torch.Tensor:

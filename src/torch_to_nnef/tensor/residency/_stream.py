@@ -68,6 +68,12 @@ _Place = tuple[dict[str, Any], str, "OffloadedTensor"]
 """Where a module holds an offloaded tensor: ``table[name]`` is the tensor, ``table`` the
 ``_parameters`` or ``_buffers`` of the module or of one of its submodules."""
 
+_Bound = tuple[_Place, torch.Tensor, torch.Tensor]
+"""A place holding a value in place of its tensor: the place, the alias it holds, the value."""
+
+_Changed = tuple["OffloadedTensor", torch.Tensor]
+"""A tensor whose place's alias got a new ``.data`` while bound, and that alias."""
+
 
 _Watched = tuple["OffloadedTensor", "Slot", int | None]
 """A value bound for a forward (the slot of the lease that holds it: ``slot.value``), with
@@ -89,6 +95,39 @@ def _running_stats(modules: Sequence[torch.nn.Module]) -> dict[int, _BatchNorm]:
                     if isinstance(buffer, PoolSource):
                         found[id(buffer)] = norm
     return found
+
+
+def _alias(value: torch.Tensor) -> torch.Tensor:
+    """What a place holds for the pool's ``value``: the same memory and version counter
+    (changes in place are the value's), its own tensor object, so that assigning ``.data``
+    there (``model.half()`` on a module inside a forward that Ctrl-C left bound) replaces
+    that alias only, never the pool's value under its tensor."""
+    return value.view_as(value) if value.requires_grad else value.detach()
+
+
+def _give_back(
+    bound: dict[tuple[int, str], _Bound], keys: Iterable[tuple[int, str]]
+) -> list[_Changed]:
+    """Give the places of ``keys`` their tensors back, each forgotten once undone (under the
+    stream's lock); return the tensors whose alias got a new ``.data`` meanwhile, with it."""
+    changed: list[_Changed] = []
+    for key in keys:
+        found = bound.get(key)
+        if found is None:
+            continue
+        (table, name, tensor), alias, value = found
+        if table.get(name) is alias:
+            table[name] = tensor
+            if alias.data_ptr() != value.data_ptr() or alias.dtype != value.dtype:
+                changed.append((tensor, alias))  # (a new shape comes with new memory)
+        del bound[key]
+    return changed
+
+
+def _carry_over(changed: list[_Changed]) -> None:
+    """Assign each alias's new ``.data`` to its tensor, as the place's owner did (a write)."""
+    for tensor, alias in changed:
+        tensor.data = alias.detach()
 
 
 def _places(module: torch.nn.Module, tensors: list[OffloadedTensor]) -> list[_Place]:
@@ -254,8 +293,9 @@ class ModuleStream(Uncopyable):
         self.groups = [_offloaded_tensors(m, self.device) for m in modules]
         self._running_stats = _running_stats(modules)
         self._places = [_places(m, g) for m, g in zip(modules, self.groups, strict=True)]
-        # The places that hold a value in place of their tensor now, and that value.
-        self._bound: dict[tuple[int, str], tuple[_Place, torch.Tensor]] = {}
+        # The places that hold a value in place of their tensor now: the alias of the value
+        # they hold, and the value.
+        self._bound: dict[tuple[int, str], _Bound] = {}
         self._local = threading.local()
         self._lock = fork_safe_lock()  # a forked child's forward says it was forked
         # The state of each thread that ran a forward, while the thread lives.
@@ -539,11 +579,12 @@ class ModuleStream(Uncopyable):
                 # Each change is recorded before it is made and forgotten after it is undone:
                 # an interrupt in between leaves nothing bound that the stream cannot undo.
                 if current is tensor:
-                    bound[key] = (place, value)
-                    table[name] = value
+                    alias = _alias(value)
+                    bound[key] = (place, alias, value)
+                    table[name] = alias
                 elif key not in bound or bound[key][1] is not current:
                     continue  # replaced by its owner: no longer the stream's to bind
-                elif current is not value:
+                elif bound[key][2] is not value:
                     table[name] = tensor
                     del bound[key]
                 # Running statistics a batch norm in training mode updates in its kernel,
@@ -557,15 +598,9 @@ class ModuleStream(Uncopyable):
         """Give module ``index``'s places their tensors back (a forward leaving it: another
         one still inside reads through the tensors from now on)."""
         with self._lock:
-            bound = self._bound
-            for place in self._places[index]:
-                table, name, tensor = place
-                key = (id(table), name)
-                found = bound.get(key)
-                if found is not None:
-                    if table.get(name) is found[1]:
-                        table[name] = tensor
-                    del bound[key]
+            keys = [(id(table), name) for table, name, _tensor in self._places[index]]
+            changed = _give_back(self._bound, keys)
+        _carry_over(changed)
 
     def _keep_changes(self, watched: list[_Watched]) -> None:
         """Keep what the forward changed in place in the values bound for it, as a
@@ -614,9 +649,7 @@ class ModuleStream(Uncopyable):
                 handle.remove()
         with self._lock:  # a forward interrupted where its module's hook could not run
             bound, self._bound = self._bound, {}
-            for (table, name, tensor), value in bound.values():
-                if table.get(name) is value:
-                    table[name] = tensor
+            changed = _give_back(bound, list(bound))
         for state in threads:
             _cancel_begun(state.begun, keep=())
             self._end_held(state)
@@ -626,6 +659,7 @@ class ModuleStream(Uncopyable):
         # it in its own thread only: that module's post-hook stays until it has.
         for index in list(self._post_handles):
             self._drop_post_hook(index)
+        _carry_over(changed)  # last: a failed write leaves the stream closed all the same
 
     def _end_interrupted_forward(self) -> None:
         """Give back what a forward of the calling thread, interrupted inside modules, still
@@ -720,7 +754,9 @@ def stream_modules(
     the pool releases them.
 
     While a module runs, the places where it (or a submodule) holds its offloaded tensors
-    hold the plain values its leases hold instead, and get their tensors back when it returns:
+    hold the plain values its leases hold instead (an alias of each: a ``.data`` assigned
+    there, as ``model.half()`` does after Ctrl-C left a module bound, is assigned to the
+    tensor as the place gets it back), and get their tensors back when it returns:
     its operations run on plain tensors, without an offloaded tensor's dispatch on each
     (about 9 µs). What a forward changes in place in such a value is kept as a ``read_write``
     lease keeps it, seen by the value's version counter (what a ``read_write`` lease of the
