@@ -186,6 +186,10 @@ def parse_arguments(argv: list[str] | None) -> argparse.Namespace:
 # ---------------------------------------------------------------------------------------------
 # Running
 # ---------------------------------------------------------------------------------------------
+FAILED_OUTPUT_LINES = 30
+"""Lines of a failed benchmark's output that the summary shows (when it was captured)."""
+
+
 @dataclass
 class Outcome:
     benchmark: Benchmark
@@ -193,6 +197,7 @@ class Outcome:
     seconds: float
     document: dict[str, Any] | None
     load_average: float | None  # 1-minute load average when it ended
+    output_tail: str = ""  # the last lines it printed, kept when it failed and was captured
 
 
 def load_average() -> float | None:
@@ -278,7 +283,10 @@ def run_benchmark(
         except (OSError, ValueError) as error:
             status = f"failed (no readable result file: {error})"
     print(f"=== {benchmark.name}: {status} in {seconds:.1f} s", flush=True)
-    return Outcome(benchmark, status, seconds, document, load_average())
+    tail = ""
+    if status != "ok" and isinstance(output_text, str):
+        tail = "\n".join(output_text.rstrip().splitlines()[-FAILED_OUTPUT_LINES:])
+    return Outcome(benchmark, status, seconds, document, load_average(), tail)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -429,6 +437,8 @@ def summary_markdown(
             lines += [benchmark.about, ""]
         if outcome.document is None:
             lines += [f"**{outcome.status}** after {outcome.seconds:.0f} s.", ""]
+            if outcome.output_tail:  # why, in the summary itself
+                lines += ["Its last lines:", "", "```text", outcome.output_tail, "```", ""]
             sections.append("\n".join(lines))
             continue
         rows, details = rows_of(benchmark.name, outcome.document)

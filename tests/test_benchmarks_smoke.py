@@ -8,6 +8,7 @@ draws its timeline), in a temporary results directory.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -227,6 +228,27 @@ def test_gpu_check_says_it_needs_a_device_and_fails_without_one() -> None:
     )
     assert done.returncode == 2, done.stdout + done.stderr
     assert done.stdout.startswith("no CUDA device")
+
+
+@pytest.mark.timeout(60)
+def test_the_summary_shows_why_a_captured_benchmark_failed(tmp_path: Path) -> None:
+    """A benchmark that fails (here: one that runs no benchmark and exits 1) has its last
+    lines in the summary, under its status, so a failure says why where it is read."""
+    script = tmp_path / "failing.py"
+    script.write_text("for i in range(50):\n    print(f'line {i}')\nraise SystemExit(1)\n")
+    sys.path.insert(0, str(RUN_ALL.parent))
+    try:
+        import run_all
+    finally:
+        sys.path.remove(str(RUN_ALL.parent))
+    benchmark = dataclasses.replace(run_all.BENCHMARKS[0], name="failing", script=str(script))
+    outcome = run_all.run_benchmark(benchmark, tmp_path, quick=True, capture=True)
+    assert outcome.status == "failed (exit code 1)"
+    machine = {**run_all.machine_description(), "load_average": "-", "parallel_speedup": "-"}
+    text = run_all.summary_markdown([outcome], True, 1.0, machine)
+    assert "**failed (exit code 1)**" in text
+    assert "```text\nline 20\n" in text and "line 49\n```" in text
+    assert "line 19\n" not in text  # the last 30 lines only
 
 
 @pytest.mark.timeout(300)
