@@ -483,7 +483,9 @@ class Runtime:
         # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
         self._ended: collections.deque[Job] = collections.deque()
         self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
-        self._an_end = threading.Condition(fork_safe_lock())  # notified as a job ends
+        # Notified as a job ends, while an inline wait for a close under way listens.
+        self._an_end = threading.Condition(fork_safe_lock())
+        self._listening = False
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
@@ -873,8 +875,9 @@ class Runtime:
         thread, and the loop told to apply it. When the loop stopped serving meanwhile, the
         thread that stopped it applies it once the workers ended: its waiters are answered."""
         self._ended.append(job)
-        with self._an_end:
-            self._an_end.notify_all()
+        if self._listening:  # (read after the append: see _apply_ends_until)
+            with self._an_end:
+                self._an_end.notify_all()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._apply_ended)
 
@@ -984,14 +987,20 @@ class Runtime:
         """Wait inline for ``mark``, the close under way that a new close joins: no worker
         runs it; it ends with that close, which waits for its jobs' ends. Those ends are
         applied here as they come, since this thread alone drives the actor (a close that a
-        Ctrl-C cut off its loop would otherwise wait for ever)."""
-        while True:
-            self._apply_ended()
-            if mark.done:
-                return
-            with self._an_end:
-                if not self._ended:
-                    self._an_end.wait()
+        Ctrl-C cut off its loop would otherwise wait for ever). Workers notify only while
+        this listens: one that appended its job before the flag was up, and did not notify,
+        left the job where the check under the lock finds it."""
+        self._listening = True
+        try:
+            while True:
+                self._apply_ended()
+                if mark.done:
+                    return
+                with self._an_end:
+                    if not self._ended:
+                        self._an_end.wait()
+        finally:
+            self._listening = False
 
     def call(self, operation: Operation) -> Any:
         """The sync face: run ``operation`` and block until it ends (any thread). On the

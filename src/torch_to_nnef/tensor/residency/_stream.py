@@ -118,8 +118,12 @@ def _give_back(
         (table, name, tensor), alias, value = found
         if table.get(name) is alias:
             table[name] = tensor
-            if alias.data_ptr() != value.data_ptr() or alias.dtype != value.dtype:
-                changed.append((tensor, alias))  # (a new shape comes with new memory)
+            if (
+                alias.dtype is not value.dtype
+                or alias.data_ptr() != value.data_ptr()
+                or alias.shape != value.shape
+            ):
+                changed.append((tensor, alias))
         del bound[key]
     return changed
 
