@@ -29,7 +29,7 @@ import ctypes
 import math
 import mmap
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -200,8 +200,7 @@ def allocate(
     }
 
 
-@dataclass(frozen=True)
-class ReadPlan:
+class ReadPlan(NamedTuple):
     """What a read produces and where each byte goes."""
 
     result: dict[str, torch.Tensor]  # by entry name, in the requested order
@@ -221,29 +220,33 @@ def plan_read(
             match its entry (dtype, shape, CPU, contiguity).
     """
     specs = select_entries(layout, names)
-    provided = dict(out) if out is not None else {}
-    wanted = {spec.name for spec in specs}
-    unexpected = sorted(name for name in provided if name not in wanted)
-    if unexpected:
-        raise T2NErrorMisuse(
-            f"out holds buffers for {unexpected}, which are not read from '{layout.path}' "
-            f"(reading {sorted(wanted)}); pass only buffers for the requested entries"
-        )
+    provided = dict(out) if out else {}  # (every load of a pool plans here: kept lean)
+    if provided:
+        wanted = {spec.name for spec in specs}
+        unexpected = sorted(name for name in provided if name not in wanted)
+        if unexpected:
+            raise T2NErrorMisuse(
+                f"out holds buffers for {unexpected}, which are not read from '{layout.path}' "
+                f"(reading {sorted(wanted)}); pass only buffers for the requested entries"
+            )
+    result: dict[str, torch.Tensor] = {}
+    jobs: list[tuple[int, memoryview]] = []
     for spec in specs:
         if spec.name in provided:
-            _check_out_buffer(layout, spec, provided[spec.name])
-    result = {
-        spec.name: provided[spec.name]
-        if spec.name in provided
-        else empty_buffer(spec.shape, spec.dtype)
-        for spec in specs
-    }
-    jobs = [
-        (spec.start, byte_view(result[spec.name]))
-        for spec in sorted(specs, key=lambda spec: spec.start)
-        if spec.nbytes
-    ]
+            buffer = provided[spec.name]
+            _check_out_buffer(layout, spec, buffer)
+        else:
+            buffer = empty_buffer(spec.shape, spec.dtype)
+        result[spec.name] = buffer
+        if spec.nbytes:
+            jobs.append((spec.start, byte_view(buffer)))
+    if len(jobs) > 1:
+        jobs.sort(key=_offset)
     return ReadPlan(result, jobs)
+
+
+def _offset(job: tuple[int, memoryview]) -> int:
+    return job[0]
 
 
 def _check_out_buffer(layout: PayloadLayout, spec: EntrySpec, buffer: object) -> None:
