@@ -6,8 +6,10 @@ import copy
 import gc
 import logging
 import os
+import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import CodeType
@@ -257,6 +259,13 @@ class Probe(torch.nn.Module):
         if self.interrupt:
             raise KeyboardInterrupt
         return x @ self.weight.t()
+
+
+def leased(pool: TensorResidencyPool) -> int:
+    """How many values of ``pool`` are leased, as its ``repr`` says."""
+    found = re.search(r"leased: (\d+),", repr(pool))
+    assert found is not None, repr(pool)
+    return int(found.group(1))
 
 
 def offloaded_probe(tmp_path: Path) -> tuple[Probe, OffloadedTensor]:
@@ -539,6 +548,114 @@ def test_closing_the_stream_gives_back_what_an_interrupted_forward_held(tmp_path
     assert active_tensor_residency() is None
     pool.close()
     assert pool.closed
+
+
+def test_the_next_forward_ends_what_forwards_interrupted_inside_a_module_held(
+    tmp_path: Path,
+) -> None:
+    """Ctrl-C inside a streamed module, again and again, as in a notebook: the next forward
+    of the thread gives back what each interrupted one still held (torch skipped its
+    post-hook), keeping its change in place, instead of holding it until the stream closes
+    (a lease more, and its value out of the budget, per interrupt)."""
+    probe, weight = offloaded_probe(tmp_path)
+    before = weight.reload()
+    x = torch.randn(2, WIDTH)
+    probe.add_in_place = 1.0
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [probe]):
+        probe.interrupt = True
+        inputs = []  # what the interrupted calls' frames held
+        for _ in range(3):
+            given = torch.randn(2, WIDTH)
+            inputs.append(weakref.ref(given))
+            with pytest.raises(KeyboardInterrupt):
+                probe(given)
+            del given
+            assert "leased: 1," in repr(pool)  # the last one's, until the next forward
+            assert active_tensor_residency() is not None  # the scope it opened
+            assert type(probe.weight) is torch.Tensor  # still bound
+        probe.interrupt = False
+        probe.add_in_place = 0.0
+        expected = before + 1 + 1 + 1  # (in that order, as the forwards added)
+        assert torch.equal(probe(x), x @ expected.t())  # each interrupted change was kept
+        assert "leased: 0," in repr(pool)
+        assert active_tensor_residency() is None
+        assert probe.weight is weight
+        gc.collect()
+        assert [ref() for ref in inputs] == [None] * 3  # no frame of theirs is kept
+    assert torch.equal(weight.reload(), expected)
+
+
+@pytest.mark.parametrize("depth", [0, 1])
+def test_a_forward_after_one_interrupted_in_a_middle_layer_holds_what_a_whole_one_does(
+    tmp_path: Path, depth: int
+) -> None:
+    dense, model = offloaded_blocks(tmp_path, count=4)
+    x = torch.randn(2, WIDTH)
+    middle = model.blocks[2]
+
+    def interrupt(module: torch.nn.Module, args: object) -> None:
+        raise KeyboardInterrupt
+
+    with TensorResidencyPool(max_cached_bytes=LAYER_BYTES) as pool:
+        with stream_modules(pool, list(model.blocks), depth=depth):
+            assert torch.allclose(model(x), dense(x), atol=1e-6)
+            settle(pool)
+            whole = (leased(pool), pool.resident_bytes)
+            handle = middle.register_forward_pre_hook(interrupt)  # once the stream's bound it
+            for _ in range(3):
+                with pytest.raises(KeyboardInterrupt):
+                    model(x)
+            handle.remove()
+            assert torch.allclose(model(x), dense(x), atol=1e-6)
+            settle(pool)
+            assert (leased(pool), pool.resident_bytes) == whole
+            assert active_tensor_residency() is None
+        assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+        assert "leased: 0," in repr(pool)
+
+
+class _Outer(torch.nn.Module):
+    """A streamed module that calls another streamed module inside its forward, and records
+    whether its own weight was still bound (a plain tensor) once the inner one returned."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(2)
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH), requires_grad=False)
+        self.inner = inner
+        self.bound_after_inner: list[bool] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.inner(x @ self.weight.t())
+        self.bound_after_inner.append(type(self.weight) is torch.Tensor)
+        return y @ self.weight.t()
+
+
+def test_a_module_streamed_inside_another_leaves_the_outer_call_what_it_holds(
+    tmp_path: Path,
+) -> None:
+    """The inner module's pre-hook finds the outer call's entry: that call is running (its
+    frame is on the stack), not interrupted, so its values stay bound and leased; after an
+    interrupt inside the inner module, the next forward ends both calls."""
+    inner = Probe()
+    outer = _Outer(inner)
+    expected_outer, expected_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
+    offload_module(outer, tmp_path)
+    x = torch.randn(2, WIDTH)
+    expected = (x @ expected_outer.t() @ expected_inner.t()) @ expected_outer.t()
+    with TensorResidencyPool() as pool, stream_modules(pool, [outer, inner], depth=0):
+        assert torch.allclose(outer(x), expected, atol=1e-5)
+        assert outer.bound_after_inner == [True]
+        inner.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            outer(x)
+        assert "leased: 2," in repr(pool)  # both calls', until the next forward
+        inner.interrupt = False
+        assert torch.allclose(outer(x), expected, atol=1e-5)
+        assert outer.bound_after_inner == [True, True]
+        assert "leased: 0," in repr(pool)
+        assert active_tensor_residency() is None
+    assert isinstance(outer.weight, OffloadedTensor) and isinstance(inner.weight, OffloadedTensor)
 
 
 def test_a_stream_not_kept_streams_while_its_pool_is_open_then_goes_with_its_hooks(

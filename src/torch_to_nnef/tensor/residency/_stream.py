@@ -8,7 +8,7 @@ import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from types import TracebackType
+from types import FrameType, TracebackType
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -151,14 +151,55 @@ def _places(module: torch.nn.Module, tensors: list[OffloadedTensor]) -> list[_Pl
 
 class _Held:
     """What a forward holds while one module runs: the leases it entered, the values bound
-    for it that it may change in place, and the residency scope it opened (if any)."""
+    for it that it may change in place, the residency scope it opened (if any), and the
+    identity of the frame of the module's call (see :func:`_module_call`), which the stream
+    holds (``ModuleStream._calls``) while this lasts."""
 
-    __slots__ = ("leases", "token", "watched")
+    __slots__ = ("call", "leases", "token", "watched")
 
-    def __init__(
-        self, token: Any, leases: list[TensorResidencyLease], watched: list[_Watched]
-    ) -> None:
-        self.token, self.leases, self.watched = token, leases, watched
+    def __init__(self, call: int | None) -> None:
+        self.call = call
+        self.token: Any = None
+        self.leases: list[TensorResidencyLease] = []
+        self.watched: list[_Watched] = []
+
+
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
+
+
+def _module_call() -> FrameType | None:
+    """The frame of the module call whose pre-hook calls this (``Module._call_impl``, which
+    runs the hooks and the forward), looked for a few frames up; ``None`` where torch calls
+    hooks another way. It is on its thread's stack exactly while that module runs: once it
+    is not, the forward ended, if without its post-hook (Ctrl-C: torch runs it on
+    ``Exception`` only). Held by the stream while the forward's entry lasts, it cannot be
+    freed and its identity given to another frame meanwhile (held by the thread's state,
+    which its thread keeps, it would keep the module, and with it the stream, from ever
+    being collected)."""
+    for depth in _CALL_DEPTHS:
+        try:
+            frame = sys._getframe(depth)
+        except ValueError:  # the stack is not that deep
+            return None
+        if frame.f_code is _CALL_IMPL:
+            return frame
+    return None
+
+
+_CALL_DEPTHS = (4, 3, 5, 6)
+"""Where :func:`_module_call` looks for the module call, counted from itself (it, then
+``ModuleStream._before``, its ``_Hook``): torch 2.13 calls hooks from a closure of
+``Module._call_impl`` (depth 3), which is at 4. Each look makes one frame object only."""
+
+
+def _frames_running() -> set[int]:
+    """The identities of the frames on the calling thread's stack."""
+    running: set[int] = set()
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        running.add(id(frame))
+        frame = frame.f_back
+    return running
 
 
 class _ThreadState:
@@ -183,15 +224,21 @@ def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[i
 
 
 def _forget_thread(
-    begun: dict[int, list[TensorResidencyLease]], held: dict[int, list[_Held]]
+    begun: dict[int, list[TensorResidencyLease]],
+    held: dict[int, list[_Held]],
+    stream: weakref.ref[ModuleStream],
 ) -> None:
     """A thread's state was collected: its thread ended, or the stream was dropped (with its
     modules) without close. The leases it began are dropped (those a forward interrupted
-    inside a module still held end as they are collected), and, collected in that forward's
-    own context, it leaves the scope the stream opened for it."""
+    inside a module still held end as they are collected), the frames of its module calls
+    let go, and, collected in that forward's own context, it leaves the scope the stream
+    opened for it."""
     _cancel_begun(begun, ())
+    alive = stream()
     for stack in held.values():
         for entry in reversed(stack):
+            if alive is not None:
+                alive._calls.pop(entry.call, None)
             _leave_scope(entry)
 
 
@@ -314,6 +361,9 @@ class ModuleStream(Uncopyable):
         self._post_handles: dict[int, Any] = {}
         self._lingering: weakref.WeakSet[_ThreadState] = weakref.WeakSet()
         self._hooks: list[_Hook] = []  # to let go of the stream once the pool closed
+        # The frames of the module calls that forwards hold something for, by identity (see
+        # _module_call): a call whose frame left its thread's stack is over.
+        self._calls: dict[int | None, FrameType] = {}
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
         # Every hook registered, to take off when the stream goes (see ``_Hook``).
@@ -350,7 +400,7 @@ class ModuleStream(Uncopyable):
             state = self._local.state = _ThreadState()
             with self._lock:
                 self._threads.add(state)
-            weakref.finalize(state, _forget_thread, state.begun, state.held)
+            weakref.finalize(state, _forget_thread, state.begun, state.held, weakref.ref(self))
         return state
 
     def _begin(
@@ -428,6 +478,8 @@ class ModuleStream(Uncopyable):
             return  # the stream closed as this forward began: it reads through the tensors
         state = self._state()
         held, begun = state.held, state.begun
+        if any(held.values()) and self._end_interrupted_calls(state):
+            scope = ACTIVE_RESIDENCY.get()  # (the one an interrupted forward opened is left)
         if index <= state.last and not any(held.values()):
             # A new forward in this thread: the last one stopped before its end (an early
             # exit); drop what it began for modules this one does not start with.
@@ -435,7 +487,11 @@ class ModuleStream(Uncopyable):
         state.last = index
         # Recorded before it holds anything: whatever interrupts this forward, the leases
         # it entered and the scope it opened are where the stream's close finds them.
-        entry = _Held(None, [], [])
+        call = _module_call()
+        entry = _Held(None if call is None else id(call))
+        if call is not None:
+            self._calls[id(call)] = call
+        del call
         stack = held.setdefault(index, [])
         stack.append(entry)
         slots: dict[int, Slot] = {}
@@ -496,6 +552,7 @@ class ModuleStream(Uncopyable):
                 for lease in leases:
                     lease._cancel()  # (nothing for those entered)
             _leave_scope(entry)
+            self._calls.pop(entry.call, None)
             with contextlib.suppress(ValueError):  # a close from another thread took it
                 stack.remove(entry)
             if closed is None and not self._handles and isinstance(error, Exception):
@@ -540,6 +597,7 @@ class ModuleStream(Uncopyable):
             self._keep_changes(ended.watched)
         finally:
             ended.watched = []
+            self._calls.pop(ended.call, None)
             for lease in ended.leases:
                 lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
             _leave_scope(ended)
@@ -633,7 +691,8 @@ class ModuleStream(Uncopyable):
         A forward that Ctrl-C interrupted inside a module (torch runs the hooks that end its
         leases on errors only) has its leases ended, its modules given their tensors back,
         and, closed from its thread, the residency scope the stream opened for it reset.
-        Closing the pool from that thread does the same for that forward.
+        Closing the pool from that thread does the same for that forward, and so does the
+        thread's next forward through the stream.
         """
         # A Ctrl-C is raised once the close is done: each step takes what it ends out of the
         # stream first, so a close cut midway would leave hooks or leases no later close finds.
@@ -657,6 +716,7 @@ class ModuleStream(Uncopyable):
         for state in threads:
             _cancel_begun(state.begun, keep=())
             self._end_held(state)
+        self._calls.clear()  # (a forward still inside a module leaves it without them)
         self._release_next_forward()
         self.pool._streams.discard(self)
         # A forward of another thread inside a module leaves the scope the stream opened for
@@ -688,18 +748,47 @@ class ModuleStream(Uncopyable):
         context variable belongs to its context)."""
         for stack in list(state.held.values()):
             for held in list(stack):
-                watched, held.watched = held.watched, []
-                leases, held.leases = held.leases, []
-                try:
-                    self._keep_changes(watched)
-                finally:
-                    for lease in leases:
-                        lease.__exit__(None, None, None)
-                    _leave_scope(held)
-                    # Else only its thread can leave that scope: it does as it ends.
-                    if held.token is None:
-                        with contextlib.suppress(ValueError):  # its own hook took it already
-                            stack.remove(held)
+                self._end_entry(stack, held)
+
+    def _end_entry(self, stack: list[_Held], held: _Held) -> None:
+        """End what ``held`` holds (see :meth:`_end_held`), and take it off ``stack`` once the
+        scope it opened was left."""
+        watched, held.watched = held.watched, []
+        leases, held.leases = held.leases, []
+        self._calls.pop(held.call, None)
+        held.call = None
+        try:
+            self._keep_changes(watched)
+        finally:
+            for lease in leases:
+                lease.__exit__(None, None, None)
+            _leave_scope(held)
+            # Else only its thread can leave that scope: it does as it ends.
+            if held.token is None:
+                with contextlib.suppress(ValueError):  # its own hook took it already
+                    stack.remove(held)
+
+    def _end_interrupted_calls(self, state: _ThreadState) -> bool:
+        """At a forward's pre-hook: end what module calls of this thread that are over still
+        hold, so that each Ctrl-C inside a module leaves nothing held past the next forward.
+        A call is over once its frame left the stack (see :func:`_module_call`); one inside
+        which this forward runs (a module listed inside another) is not. Its module gets its
+        tensors back (unless this thread is inside it still), its change is kept and its
+        leases end, as the stream's close would. Return whether one was over."""
+        running = _frames_running()
+        ended = False
+        with InterruptHold() as hold:  # (as in close)
+            hold.start()
+            for index, stack in list(state.held.items()):
+                over = [h for h in stack if h.call is not None and h.call not in running]
+                if not over:
+                    continue
+                ended = True
+                if len(over) == len(stack):
+                    self._unbind(index)  # another forward inside it reads through the tensors
+                for held in over:
+                    self._end_entry(stack, held)
+        return ended
 
     def _forward_inside(self) -> bool:
         """Whether a forward of some thread is inside one of the modules (from its pre-hook
