@@ -96,6 +96,8 @@ class Actor:
         # Bytes of values in use whose last lease other threads ended since the last sync:
         # back in the cache as far as those threads can tell.
         self._released_bytes = 0
+        # An eviction due once the request the driver runs is answered (see enforce_soon).
+        self.enforce_due = False
         # Leased slots of values a direct write superseded: their holders keep them; new
         # requests get the new payload (see _supersede). Dropped once their leases ended.
         self.superseded: set[Slot] = set()
@@ -641,7 +643,7 @@ class Actor:
                     self._grant(slot, ticket.holder)
                 if ticket.waiting:  # its reservation ends with the grant
                     self._hold(entry, waiters=-1)
-                    self.enforce()
+                    self.enforce_soon()
             else:  # a value on its way out (a write-back runs): the lease takes it back
                 with self.lock:
                     self._grant(slot, ticket.holder, note=False)
@@ -858,6 +860,7 @@ class Actor:
 
     def enforce(self) -> None:
         """Evict what the policy names so that unheld values fit the budget."""
+        self.enforce_due = False
         budget = self.policy.budget
         cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
         excess = 0 if budget is None else cached - budget
@@ -865,6 +868,13 @@ class Actor:
             entry = self.entries.get(key)
             if entry is not None and entry.value is not None and not entry.held:
                 self._evict(entry)
+
+    def enforce_soon(self) -> None:
+        """:meth:`enforce` once the driver answered the request whose step calls this, in the
+        same transition: the caller's wake-up, which takes a while to land, goes first, and
+        the eviction runs meanwhile instead of before it (a lease granted on a value just
+        loaded then costs no more than a ``resolve`` of it)."""
+        self.enforce_due = True
 
     def _note_active(self) -> None:
         """After values or loads were added: raise the peak in use, shrink the spares' room."""

@@ -919,7 +919,19 @@ class Runtime:
             self._apply_ended()
         with InterruptHold() as hold:
             hold.start()
-            self._drive(operation, done, inline)
+            try:
+                self._drive(operation, done, inline)
+            finally:
+                if self.actor.enforce_due:  # (see Actor.enforce_soon)
+                    self._enforce()
+
+    def _enforce(self) -> None:
+        """The eviction a step left due once its request was answered (loop thread): its
+        failure is the pool's, not that request's (as a job's transition's)."""
+        try:
+            self.actor.enforce()
+        except Exception:
+            LOGGER.exception("evicting values over a TensorResidencyPool's budget failed")
 
     def _drive_here(self, operation: Operation, done: Reply, inline: bool) -> None:
         """:meth:`drive` on the loop thread for a caller given ``done`` once it returns: one
