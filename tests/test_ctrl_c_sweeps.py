@@ -19,6 +19,7 @@ import safetensors.torch
 import torch
 from interrupts import signalled
 from open_files import open_descriptors
+from residency_checks import settle
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.tensor import storage
@@ -186,6 +187,11 @@ def offloaded_model(directory: Path, layers: int = 3) -> tuple[torch.nn.Module, 
             )
             setattr(layer, name, torch.nn.Parameter(offloaded, requires_grad=False))
     return model, torch.randn(2, 16)
+
+
+def leased(pool: TensorResidencyPool) -> str:
+    """How many values of ``pool`` are leased, as its ``repr`` says."""
+    return repr(pool).split("leased: ")[1].split(",")[0]
 
 
 def hooks_on(model: torch.nn.Module) -> int:
@@ -567,3 +573,57 @@ def test_a_ctrl_c_anywhere_in_a_streamed_forward_leaves_no_scope_hook_or_lease(
 
     points = sweep(forward, nothing, check, within=_stream.__file__)
     assert points > 100, "the forward made fewer points than expected: the test proves little"
+
+
+class _Adds(torch.nn.Module):
+    """A layer that adds one to its weight in place each forward, and counts the adds (the
+    add and its count in one hold: a Ctrl-C lands before or after both)."""
+
+    def __init__(self, weight: OffloadedTensor) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(weight, requires_grad=False)
+        self.adds = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad(), _interrupts.InterruptHold() as hold:
+            hold.start()
+            self.weight.add_(1)
+            self.adds += 1
+        return x
+
+
+@needs_proc
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_anywhere_in_a_streamed_forward_is_ended_by_the_next_and_keeps_its_change(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of a forward through an open stream, its layers changing a
+    weight in place: the thread's next forward ends what the interrupted one left (leases,
+    bound places, the scope), and every change made is kept once. (One in the module's exit,
+    which may wait for a lease to keep the change, once gave the values back unkept; one
+    there or in the pre-hook's error path once left an entry no later forward ended.)"""
+    model, x = offloaded_model(tmp_path, layers=2)
+    weight = OffloadedTensor.from_original_tensor(torch.zeros(16, 16), "w", offload_dir=tmp_path)
+    adds = _Adds(weight)
+    model.insert(1, adds)
+    nothing = tmp_path / "nothing"  # files are not checked: loads may still run in workers
+    nothing.mkdir()
+    with TensorResidencyPool(max_cached_bytes=0) as pool:
+        with stream_modules(pool, list(model), depth=1):
+            model(x)
+            settle(pool)
+            clean = leased(pool)  # what it read ahead for the next forward
+
+            def check(where: str) -> None:
+                model(x)  # the next forward
+                settle(pool)
+                assert leased(pool) == clean, f"a Ctrl-C at {where} left {pool!r}"
+                assert active_tensor_residency() is None, f"a Ctrl-C at {where} left the scope"
+                assert adds.weight is weight, f"a Ctrl-C at {where} left the value bound"
+                assert torch.equal(weight.reload(), torch.full((16, 16), float(adds.adds))), (
+                    f"a Ctrl-C at {where} lost or doubled a change"
+                )
+
+            points = sweep(lambda: model(x), nothing, check, within=_stream.__file__)
+        assert points > 50, "the forward made fewer points than expected: the test proves little"
+    assert torch.equal(weight.reload(), torch.full((16, 16), float(adds.adds)))

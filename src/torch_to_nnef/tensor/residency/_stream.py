@@ -439,26 +439,29 @@ class ModuleStream(Uncopyable):
     def _begin_next_forward(self, index: int) -> None:
         """Begin leases on module ``index`` for the next forward, unless they are begun."""
         leases: list[TensorResidencyLease] = []
-        with self._lock:
-            if index in self._next_forward:
-                return
-            # Claimed (no other thread begins them too), and where a close finds them.
-            self._next_forward[index] = leases
-            self._filling.add(index)
         try:
+            with self._lock:
+                if index in self._next_forward:
+                    return
+                # Claimed (no other thread begins them too), and where a close finds them.
+                self._next_forward[index] = leases
+                self._filling.add(index)
             self._begin_leases(index, leases)
+            with self._lock:
+                self._filling.discard(index)
+                if self._handles:
+                    return
         except BaseException:
+            # Whatever it was cut at (a Ctrl-C right after the claim once left it claimed,
+            # and filling, for good: no later forward read that module ahead), a claim of
+            # its own goes.
             with self._lock:
                 if self._next_forward.get(index) is leases:
                     del self._next_forward[index]
-                self._filling.discard(index)
+                    self._filling.discard(index)
             for lease in leases:
                 lease._cancel()
             raise
-        with self._lock:
-            self._filling.discard(index)
-            if self._handles:
-                return
         for lease in leases:  # the stream closed meanwhile
             lease._cancel()
 
@@ -488,16 +491,16 @@ class ModuleStream(Uncopyable):
         # Recorded before it holds anything: whatever interrupts this forward, the leases
         # it entered and the scope it opened are where the stream's close finds them.
         call = _module_call()
-        entry = _Held(None if call is None else id(call))
-        if call is not None:
-            self._calls[id(call)] = call
-        del call
+        entry = _Held(None)
         stack = held.setdefault(index, [])
         stack.append(entry)
         slots: dict[int, Slot] = {}
         closed: T2NErrorMisuse | None = None
         mine: list[list[TensorResidencyLease]] = []  # what this forward began
         try:
+            if call is not None:  # (recorded, then held: see the except clause)
+                entry.call = id(call)
+                self._calls[entry.call] = call
             if scope is None:  # a forward outside `pool.scope()`
                 try:
                     entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
@@ -542,19 +545,24 @@ class ModuleStream(Uncopyable):
             if closed is not None:
                 raise closed
         except BaseException as error:
-            self._unbind(index)
-            for lease in entry.leases:
-                lease.__exit__(None, None, None)
-            # The forward is failing: nothing it began ahead will run (and its traceback
-            # would keep what it began alive), whether or not a close took it from `begun`.
-            _cancel_begun(begun, keep=())
-            for leases in mine:
-                for lease in leases:
-                    lease._cancel()  # (nothing for those entered)
-            _leave_scope(entry)
-            self._calls.pop(entry.call, None)
-            with contextlib.suppress(ValueError):  # a close from another thread took it
-                stack.remove(entry)
+            # Whole: a second Ctrl-C is raised once all is given back (cut midway, the entry
+            # would stay, and with it what it holds, until the stream's close).
+            with InterruptHold() as hold:
+                hold.start()
+                self._unbind(index)
+                for lease in entry.leases:
+                    lease.__exit__(None, None, None)
+                # The forward is failing: nothing it began ahead will run (and its traceback
+                # would keep what it began alive), whether or not a close took it from
+                # `begun`.
+                _cancel_begun(begun, keep=())
+                for leases in mine:
+                    for lease in leases:
+                        lease._cancel()  # (nothing for those entered)
+                _leave_scope(entry)
+                with contextlib.suppress(ValueError):  # a close from another thread took it
+                    stack.remove(entry)
+                self._calls.pop(entry.call, None)
             if closed is None and not self._handles and isinstance(error, Exception):
                 raise self._closed_under_forward() from error  # e.g. a lease it dropped
             raise
@@ -589,20 +597,24 @@ class ModuleStream(Uncopyable):
         stack = held.get(index)
         if not stack:
             return  # the pre-hook failed, or the stream was closed: nothing is held
-        # It leaves the stack once its leases ended: whatever interrupts this, what it
-        # holds stays where the stream's close (or the pool's) finds it.
+        # It leaves the stack once its leases ended, and the frame of its call is let go
+        # last, so that a call cut anywhere in here stays where the thread's next forward
+        # (or a close) finds it. Whole: a Ctrl-C is raised once it is done (one in
+        # _keep_changes, which may wait for a lease, would give the values back unkept).
         ended = stack[-1]
-        try:
-            self._unbind(index)
-            self._keep_changes(ended.watched)
-        finally:
-            ended.watched = []
-            self._calls.pop(ended.call, None)
-            for lease in ended.leases:
-                lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-            _leave_scope(ended)
-            with contextlib.suppress(ValueError):  # a close from another thread took it
-                stack.remove(ended)
+        with InterruptHold() as hold:
+            hold.start()
+            try:
+                self._unbind(index)
+                self._keep_changes(ended.watched)
+            finally:
+                ended.watched = []
+                for lease in ended.leases:
+                    lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
+                _leave_scope(ended)
+                with contextlib.suppress(ValueError):  # a close from another thread took it
+                    stack.remove(ended)
+                self._calls.pop(ended.call, None)
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
@@ -755,8 +767,6 @@ class ModuleStream(Uncopyable):
         scope it opened was left."""
         watched, held.watched = held.watched, []
         leases, held.leases = held.leases, []
-        self._calls.pop(held.call, None)
-        held.call = None
         try:
             self._keep_changes(watched)
         finally:
@@ -767,6 +777,7 @@ class ModuleStream(Uncopyable):
             if held.token is None:
                 with contextlib.suppress(ValueError):  # its own hook took it already
                     stack.remove(held)
+                self._calls.pop(held.call, None)
 
     def _end_interrupted_calls(self, state: _ThreadState) -> bool:
         """At a forward's pre-hook: end what module calls of this thread that are over still
@@ -788,6 +799,13 @@ class ModuleStream(Uncopyable):
                     self._unbind(index)  # another forward inside it reads through the tensors
                 for held in over:
                     self._end_entry(stack, held)
+                    if held.token is not None:
+                        # Set in another context (an asyncio task, a notebook cell's own):
+                        # that context's forward is over, its scope stays set there.
+                        held.token = None
+                        with contextlib.suppress(ValueError):
+                            stack.remove(held)
+                        self._calls.pop(held.call, None)
         return ended
 
     def _forward_inside(self) -> bool:
