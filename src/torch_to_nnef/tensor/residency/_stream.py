@@ -762,9 +762,12 @@ class ModuleStream(Uncopyable):
             for held in list(stack):
                 self._end_entry(stack, held)
 
-    def _end_entry(self, stack: list[_Held], held: _Held) -> None:
+    def _end_entry(self, stack: list[_Held], held: _Held, over: bool = False) -> None:
         """End what ``held`` holds (see :meth:`_end_held`), and take it off ``stack`` once the
-        scope it opened was left."""
+        scope it opened was left. ``over``: its call is over (see
+        :meth:`_end_interrupted_calls`): it leaves the stack even where that scope, set in
+        another context (an asyncio task's, a notebook cell's), cannot be left from here: it
+        stays set there."""
         watched, held.watched = held.watched, []
         leases, held.leases = held.leases, []
         try:
@@ -773,6 +776,8 @@ class ModuleStream(Uncopyable):
             for lease in leases:
                 lease.__exit__(None, None, None)
             _leave_scope(held)
+            if over:
+                held.token = None
             # Else only its thread can leave that scope: it does as it ends.
             if held.token is None:
                 with contextlib.suppress(ValueError):  # its own hook took it already
@@ -798,14 +803,7 @@ class ModuleStream(Uncopyable):
                 if len(over) == len(stack):
                     self._unbind(index)  # another forward inside it reads through the tensors
                 for held in over:
-                    self._end_entry(stack, held)
-                    if held.token is not None:
-                        # Set in another context (an asyncio task, a notebook cell's own):
-                        # that context's forward is over, its scope stays set there.
-                        held.token = None
-                        with contextlib.suppress(ValueError):
-                            stack.remove(held)
-                        self._calls.pop(held.call, None)
+                    self._end_entry(stack, held, over=True)
         return ended
 
     def _forward_inside(self) -> bool:
