@@ -157,8 +157,8 @@ class _Held:
 
     __slots__ = ("call", "leases", "token", "watched")
 
-    def __init__(self, call: int | None) -> None:
-        self.call = call
+    def __init__(self) -> None:
+        self.call: int | None = None  # set once the frame is held
         self.token: Any = None
         self.leases: list[TensorResidencyLease] = []
         self.watched: list[_Watched] = []
@@ -491,7 +491,7 @@ class ModuleStream(Uncopyable):
         # Recorded before it holds anything: whatever interrupts this forward, the leases
         # it entered and the scope it opened are where the stream's close finds them.
         call = _module_call()
-        entry = _Held(None)
+        entry = _Held()
         stack = held.setdefault(index, [])
         stack.append(entry)
         slots: dict[int, Slot] = {}

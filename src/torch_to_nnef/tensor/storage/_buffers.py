@@ -29,6 +29,7 @@ import ctypes
 import math
 import mmap
 from collections.abc import Iterable, Iterator, Mapping
+from operator import itemgetter
 from typing import NamedTuple
 
 import torch
@@ -240,13 +241,8 @@ def plan_read(
         result[spec.name] = buffer
         if spec.nbytes:
             jobs.append((spec.start, byte_view(buffer)))
-    if len(jobs) > 1:
-        jobs.sort(key=_offset)
+    jobs.sort(key=itemgetter(0))
     return ReadPlan(result, jobs)
-
-
-def _offset(job: tuple[int, memoryview]) -> int:
-    return job[0]
 
 
 def _check_out_buffer(layout: PayloadLayout, spec: EntrySpec, buffer: object) -> None:
