@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import copy
 import gc
@@ -645,6 +646,52 @@ def test_a_forward_interrupted_in_another_context_is_ended_by_the_next_one(
     assert pool.closed and leased(pool) == 0
     stream.close()
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
+
+
+class _Refining(torch.nn.Module):
+    """A streamed module whose forward calls itself once, and treats a KeyboardInterrupt in
+    that inner call as "stop refining": it catches it and returns normally."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(4)
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH), requires_grad=False)
+        self.interrupt_inner = False
+
+    def forward(self, x: torch.Tensor, inner: bool = False) -> torch.Tensor:
+        if inner:
+            if self.interrupt_inner:
+                raise KeyboardInterrupt
+            return x + self.weight.sum()
+        with contextlib.suppress(KeyboardInterrupt):
+            x = self(x, inner=True)
+        return x @ self.weight.t()
+
+
+@pytest.mark.parametrize("interrupt_inner", [False, True])
+def test_a_module_that_calls_itself_leaves_nothing_held_when_its_outer_call_returns(
+    tmp_path: Path, interrupt_inner: bool
+) -> None:
+    """The inner call's post-hook is skipped when a Ctrl-C cuts it (torch runs it on errors
+    only); the outer call's post-hook then ends the outer call's entry, and the inner one's
+    (it once ended the inner one's only, the last on the stack: the outer lease and the scope
+    stayed held after the forward returned)."""
+    module = _Refining()
+    offload_module(module, tmp_path)
+    weight = module.weight
+    assert isinstance(weight, OffloadedTensor)
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    expected = (x if interrupt_inner else x + dense.sum()) @ dense.t()
+    with TensorResidencyPool(max_cached_bytes=0) as pool, stream_modules(pool, [module]):
+        module.interrupt_inner = interrupt_inner
+        for _ in range(3):
+            assert torch.allclose(module(x), expected, atol=1e-5)
+            assert leased(pool) == 0
+            assert active_tensor_residency() is None
+            assert module.weight is weight
+        assert pool.resident_bytes == 0
+    assert torch.equal(weight.reload(), dense)
 
 
 class _Outer(torch.nn.Module):

@@ -189,7 +189,8 @@ def _module_call() -> FrameType | None:
 _CALL_DEPTHS = (4, 3, 5, 6)
 """Where :func:`_module_call` looks for the module call, counted from itself (it, then
 ``ModuleStream._before``, its ``_Hook``): torch 2.13 calls hooks from a closure of
-``Module._call_impl`` (depth 3), which is at 4. Each look makes one frame object only."""
+``Module._call_impl`` (depth 3), which is at 4; from the post-hook (``_leave`` under
+``_after``) it is at 5. Each look makes one frame object only."""
 
 
 def _frames_running() -> set[int]:
@@ -601,9 +602,19 @@ class ModuleStream(Uncopyable):
         # last, so that a call cut anywhere in here stays where the thread's next forward
         # (or a close) finds it. Whole: a Ctrl-C is raised once it is done (one in
         # _keep_changes, which may wait for a lease, would give the values back unkept).
-        ended = stack[-1]
+        ended, cut = stack[-1], []
+        call = _module_call() if len(stack) > 1 else None
+        if call is not None:
+            # The module runs inside itself: a call of it that a Ctrl-C cut, and this call
+            # caught, left its entry above this call's own, which its frame tells.
+            for position, entry in enumerate(stack):
+                if entry.call == id(call):
+                    ended, cut = entry, stack[position + 1 :]
+                    break
         with InterruptHold() as hold:
             hold.start()
+            for entry in reversed(cut):
+                self._end_entry(stack, entry, over=True)
             try:
                 self._unbind(index)
                 self._keep_changes(ended.watched)
