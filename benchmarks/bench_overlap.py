@@ -24,6 +24,11 @@ a server runs them); medians kept:
   ``pool.prefetch(w[i + 1])`` then ``with pool.acquire(w[i]) as v: F.linear(x, v)``, the last
   layer prefetching the next forward's first, through a pool with a budget of three layers
   (LRU). Target: efficiency >= 0.8 on 16 x 2048x2048, >= 0.5 on 6 x 4096x4096;
+- ``prefetch ahead, copying reads`` (context): the same through a pool of its own while
+  mapped reads are off (``storage.set_mapped_reads(False)``): each load copies the layer into
+  a reused buffer, as the hand pipeline does, instead of mapping its pages. Which of the two
+  runs faster depends on the machine: a copy costs the reader memory bandwidth, and leaves
+  the weight in the processor's cache, where the compute then finds it (see below);
 - ``hand pipeline`` (reference, no pool): one reader thread fills two reused buffers a layer
   ahead of the compute, each forward starting with a read;
 - ``naive reload()`` (context): each weight reloaded into fresh memory, then used, as code
@@ -396,10 +401,21 @@ MODES = (
     "pool_pipeline",
     "pool_pipeline_cached",
     "prefetch_ahead",
+    "prefetch_ahead_copying",
     "naive_reload",
     "compute_alone",
     "compute_under_reads",
 )
+
+
+PIPELINES = (
+    "pool_pipeline",
+    "pool_pipeline_cached",
+    "prefetch_ahead",
+    "prefetch_ahead_copying",
+    "hand_pipeline",
+)
+"""The modes whose efficiency is measured against the sequential forward of their round."""
 
 
 def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, Any]:
@@ -431,6 +447,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
     pool = TensorResidencyPool(max_cached_bytes=0)
     cached_pool = TensorResidencyPool(max_cached_bytes=CACHED_LAYERS * workload.layer_bytes)
     ahead_pool = TensorResidencyPool(max_cached_bytes=AHEAD_BUDGET_LAYERS * workload.layer_bytes)
+    copying_pool = TensorResidencyPool(max_cached_bytes=AHEAD_BUDGET_LAYERS * workload.layer_bytes)
     samples: dict[str, list[float]] = {name: [] for name in MODES}
 
     kept = False
@@ -445,6 +462,29 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
             if kept:
                 samples[name].append(time.perf_counter() - start)
 
+    copying_ahead = functools.partial(prefetch_ahead, copying_pool, weights, x)
+
+    @contextmanager
+    def copying_reads() -> Iterator[None]:
+        """Mapped reads off for ``copying_pool``'s forwards. The reads of the next forward's
+        first layer that the last forwards started end before the switch turns, and the
+        evictions they make (a pool's ``flush`` reaches its loop after them), so that every
+        load of that pool is a copy, none of the others' is, and only that pool keeps the
+        buffers of its evicted values for reuse."""
+
+        def settle(pools: tuple[TensorResidencyPool, ...]) -> None:
+            for started in pools:
+                started.prefetch(weights[0]).wait()
+                started.flush()
+
+        settle((pool, cached_pool, ahead_pool))
+        mapped = storage.set_mapped_reads(False)
+        try:
+            yield
+            settle((copying_pool,))
+        finally:
+            storage.set_mapped_reads(mapped)
+
     def sequential() -> None:
         phases = [0.0, 0.0]
         sequential_forward(reader, x, phases)
@@ -456,6 +496,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         pool,
         cached_pool,
         ahead_pool,
+        copying_pool,
         stream_modules(pool, layers, depth=1),
         stream_modules(cached_pool, cached_layers, depth=1),
         torch.no_grad(),
@@ -467,6 +508,9 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         ):
             if not torch.equal(check(), expected):
                 raise AssertionError(f"the {name}'s pipelined forward computed a wrong value")
+        with copying_reads():
+            if not torch.equal(copying_ahead(), expected):
+                raise AssertionError("the copying pool's forward computed a wrong value")
         for round_index in range(repeat + 1):
             keep = round_index > 0  # the first round warms up
             timed("sequential", sequential, keep)
@@ -474,6 +518,8 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
             timed("pool_pipeline", functools.partial(model, x), keep)
             timed("pool_pipeline_cached", functools.partial(cached_model, x), keep)
             timed("prefetch_ahead", functools.partial(prefetch_ahead, ahead_pool, weights, x), keep)
+            with copying_reads():
+                timed("prefetch_ahead_copying", copying_ahead, keep)
             timed("naive_reload", functools.partial(naive_forward, weights, x), keep)
             timed("compute_alone", functools.partial(compute_only, dense, x), keep)
             gc.collect()
@@ -490,6 +536,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         stats = pool.stats()
         cached_stats = cached_pool.stats()
         ahead_stats = ahead_pool.stats()
+        copying_stats = copying_pool.stats()
 
     seconds = {name: statistics.median(values) for name, values in samples.items()}
     seconds["ideal"] = max(seconds["sequential_load"], seconds["sequential_compute"])
@@ -505,7 +552,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
                 strict=True,
             )
         ]
-        for mode in ("pool_pipeline", "pool_pipeline_cached", "prefetch_ahead", "hand_pipeline")
+        for mode in PIPELINES
     }
     paired = {mode: paired_efficiency(values) for mode, values in per_round.items()}
     recorded = timeline.as_json()
@@ -524,6 +571,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         "overlap_efficiency": paired["pool_pipeline"]["median"],
         "cached_pool_efficiency": paired["pool_pipeline_cached"]["median"],
         "prefetch_ahead_efficiency": paired["prefetch_ahead"]["median"],
+        "prefetch_ahead_copying_efficiency": paired["prefetch_ahead_copying"]["median"],
         "hand_pipeline_efficiency": paired["hand_pipeline"]["median"],
         "efficiency_per_sample": per_round,
         "efficiency_spread": paired,
@@ -553,6 +601,7 @@ def run_workload(workload: Workload, directory: Path, repeat: int) -> dict[str, 
         "pool_stats": stats._asdict(),
         "cached_pool_stats": cached_stats._asdict(),
         "prefetch_ahead_stats": ahead_stats._asdict(),
+        "prefetch_ahead_copying_stats": copying_stats._asdict(),
         "timeline": recorded,
     }
 
@@ -686,6 +735,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 >= AHEAD_TARGETS.get(run["width"], EFFICIENCY_TARGET),
             ),
             summary_row(
+                f"overlap efficiency, sync prefetch(i+1) + acquire(i), copying reads, "
+                f"{run['workload']}",
+                f"{run['prefetch_ahead_copying_efficiency']:.2f} "
+                f"({s['prefetch_ahead_copying'] * 1e3:.0f} ms; quartiles "
+                f"{spread(run, 'prefetch_ahead_copying')})",
+                f"mapped reads (the default) {run['prefetch_ahead_efficiency']:.2f}",
+            ),
+            summary_row(
                 f"speed-up over naive reload(), {run['workload']}",
                 f"{run['speedup_over_naive_reload']:.2f}x",
                 f"naive reload() then compute {s['naive_reload'] * 1e3:.0f} ms",
@@ -725,6 +782,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         "pool_pipeline",
                         "pool_pipeline_cached",
                         "prefetch_ahead",
+                        "prefetch_ahead_copying",
                         "naive_reload",
                     )
                 ),
@@ -745,6 +803,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "pool pipeline",
             f"pool, LRU cache of {CACHED_LAYERS}",
             "prefetch ahead (sync)",
+            "prefetch ahead, copying reads",
             "naive reload()",
             "efficiency",
             "stall (recorded)",

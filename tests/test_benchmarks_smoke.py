@@ -136,6 +136,10 @@ def test_overlap_results_and_timeline(results: Path) -> None:
         }
         assert isinstance(run["overlap_efficiency"], float)
         assert isinstance(run["cached_pool_efficiency"], float)
+        assert isinstance(run["prefetch_ahead_copying_efficiency"], float)
+        # Copying reads land in the buffers of evicted layers; mapped ones have none.
+        assert run["prefetch_ahead_copying_stats"]["reused_buffers"] > 0
+        assert run["prefetch_ahead_stats"]["reused_buffers"] == 0
         # The ceiling replaces the ideal's compute by that on weights read long before.
         seconds = run["seconds"]
         slower = max(seconds["sequential_load"], seconds["compute_alone"])
