@@ -648,6 +648,36 @@ def test_a_forward_interrupted_in_another_context_is_ended_by_the_next_one(
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
+def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_that_pools(
+    tmp_path: Path,
+) -> None:
+    """A forward interrupted inside a module streamed through pool A leaves pool A's scope
+    set; a model streamed through pool B, run next in the thread, ends that call and is
+    served by pool B (its stream took the leftover scope for a forward of pool A's: pool A
+    served B's weights, and B's stream bound nothing, until A's next forward)."""
+    probe_a, weight_a = offloaded_probe(tmp_path / "a")
+    probe_b, weight_b = offloaded_probe(tmp_path / "b")
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight_b.reload().t()
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_b,
+        stream_modules(pool_a, [probe_a]),
+        stream_modules(pool_b, [probe_b]),
+    ):
+        probe_a.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            probe_a(x)
+        assert active_tensor_residency() is not None  # pool A's, left set
+        assert torch.equal(probe_b(x), expected)
+        assert probe_b.seen == [torch.Tensor]  # bound by its own stream
+        assert pool_b.stats().misses == 1
+        assert pool_a.stats().misses == 1  # probe A's load only
+        assert leased(pool_a) == 0
+        assert probe_a.weight is weight_a
+        assert active_tensor_residency() is None
+
+
 class _Refining(torch.nn.Module):
     """A streamed module whose forward calls itself once, and treats a KeyboardInterrupt in
     that inner call as "stop refining": it catches it and returns normally."""

@@ -471,7 +471,15 @@ class ModuleStream(Uncopyable):
         pool = self.pool
         scope = ACTIVE_RESIDENCY.get()
         if scope is not None and scope[0] is not pool:
-            return  # a forward in another pool's scope is that pool's (its own stream's)
+            # A forward in another pool's scope is that pool's (its own stream's), unless a
+            # call of that pool's stream that is over left the scope set (a Ctrl-C inside
+            # its module): that call ends here, as at its own stream's next forward.
+            streams = list(getattr(scope[0], "_streams", ()))  # (a pool's, always)
+            if not any([other._end_calls_over() for other in streams]):
+                return
+            scope = ACTIVE_RESIDENCY.get()
+            if scope is not None and scope[0] is not pool:
+                return
         if pool.closed:
             raise T2NErrorMisuse(
                 "this module is streamed (stream_modules) through a TensorResidencyPool "
@@ -817,6 +825,12 @@ class ModuleStream(Uncopyable):
                     self._end_entry(stack, held, over=True)
         return ended
 
+    def _end_calls_over(self) -> bool:
+        """:meth:`_end_interrupted_calls` for the calling thread, from another stream's
+        pre-hook; whether a call was over."""
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        return state is not None and any(state.held.values()) and self._end_interrupted_calls(state)
+
     def _forward_inside(self) -> bool:
         """Whether a forward of some thread is inside one of the modules (from its pre-hook
         on: it holds, or is taking, that module's leases)."""
@@ -892,8 +906,10 @@ def stream_modules(
     The access order is declared to the pool, so ``ResidencyStrategy.SCHEDULED`` knows it from
     the first pass. A forward outside a ``pool.scope()`` is served by the pool too; a forward
     inside another pool's scope is that pool's alone (the stream takes nothing for it), so one
-    model may be streamed through several pools. Works for sync forwards, forwards in
-    ``anyio.to_thread.run_sync`` workers and several concurrent forwards. Close the stream
+    model may be streamed through several pools (a scope that pool's stream left set, a
+    Ctrl-C having cut one of its modules, ends as this stream's module is entered). Works
+    for sync forwards, forwards in ``anyio.to_thread.run_sync`` workers and several
+    concurrent forwards. Close the stream
     once the forwards through it have ended: one running in another thread as it closes
     either fails with ``T2NErrorMisuse`` or ends reading through its tensors; either way it
     holds nothing once it ended, and its thread leaves the scope the stream opened for it.
