@@ -769,6 +769,35 @@ def test_a_module_streamed_inside_another_leaves_the_outer_call_what_it_holds(
     assert isinstance(outer.weight, OffloadedTensor) and isinstance(inner.weight, OffloadedTensor)
 
 
+def test_a_module_streamed_through_another_pool_inside_a_streamed_one_is_the_outer_pools(
+    tmp_path: Path,
+) -> None:
+    """A module of pool B's stream run inside one of pool A's: the forward is in pool A's
+    scope, and the outer call is not over, so pool A serves both (B's stream, seeing that
+    scope, ends nothing of A's)."""
+    inner = Probe()
+    outer = _Outer(inner)
+    expected_outer, expected_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
+    offload_module(outer, tmp_path)
+    inner_weight = inner.weight
+    x = torch.randn(2, WIDTH)
+    expected = (x @ expected_outer.t() @ expected_inner.t()) @ expected_outer.t()
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_b,
+        stream_modules(pool_a, [outer]),
+        stream_modules(pool_b, [inner]),
+    ):
+        for _ in range(2):
+            assert torch.allclose(outer(x), expected, atol=1e-5)
+        assert outer.bound_after_inner == [True, True]
+        assert pool_b.stats().loads == 0
+        assert pool_a.stats().loads == 2  # the outer weight, and the inner one in its scope
+        assert leased(pool_a) == leased(pool_b) == 0
+        assert active_tensor_residency() is None
+    assert inner.weight is inner_weight
+
+
 def test_a_stream_not_kept_streams_while_its_pool_is_open_then_goes_with_its_hooks(
     tmp_path: Path,
 ) -> None:
