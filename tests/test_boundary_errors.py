@@ -33,6 +33,24 @@ def test_stream_modules_given_one_module_asks_for_its_layers(tmp_path: Path) -> 
             pass  # a Sequential and a list of one module are layers
 
 
+def test_stream_modules_given_a_module_twice_asks_for_each_once(tmp_path: Path) -> None:
+    """Listed twice, a module had each of its calls hooked twice, with one call for two
+    entries: after a Ctrl-C inside it, leases stayed held past later forwards."""
+    model = offload_module(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4)), tmp_path)
+    hooks = len(model[1]._forward_pre_hooks)
+    with TensorResidencyPool() as pool:
+        with pytest.raises(T2NErrorMisuse) as raised:
+            stream_modules(pool, [model[0], model[1], model[1]])
+        message = str(raised.value)
+        for words in ("same Linear twice (at 1 and 2)", "list each module once", "each call"):
+            assert words in message, message
+        assert len(model[1]._forward_pre_hooks) == hooks  # nothing was hooked
+        x = torch.ones(1, 4)
+        expected = model(x)  # (read through the tensors)
+        with stream_modules(pool, list(model)):
+            assert torch.equal(model(x), expected)
+
+
 def test_prefetch_of_a_module_names_its_tensors(tmp_path: Path) -> None:
     layer = nn.Linear(4, 4)
     with TensorResidencyPool() as pool, pytest.raises(T2NErrorMisuse) as raised:

@@ -929,7 +929,8 @@ def stream_modules(
 
     Raises:
         T2NErrorMisuse: ``pool`` is not a pool, ``modules`` is not an iterable of modules
-            (a single layer, say), ``depth`` is not an int >= 0, or the pool is closed.
+            (a single layer, say) or lists one twice, ``depth`` is not an int >= 0, or the
+            pool is closed.
     """
     return ModuleStream(pool, _module_list(modules), depth, device)
 
@@ -951,4 +952,14 @@ def _module_list(modules: Iterable[torch.nn.Module]) -> list[torch.nn.Module]:
             f"them (list(model), model.layers); got {got}: to stream one module, pass "
             "[module]"
         )
+    first: dict[int, int] = {}
+    for position, module in enumerate(listed):
+        # Both of its places would hook each of its calls, with one frame for two entries.
+        earlier = first.setdefault(id(module), position)
+        if earlier != position:
+            raise T2NErrorMisuse(
+                f"stream_modules got the same {type(module).__name__} twice (at {earlier} "
+                f"and {position}): list each module once, in the order of its first call "
+                "(a module called more than once in a forward is streamed at each call)"
+            )
     return listed
