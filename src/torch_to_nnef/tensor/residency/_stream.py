@@ -475,7 +475,7 @@ class ModuleStream(Uncopyable):
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
             # its module): that call ends here, as at its own stream's next forward.
             streams = list(getattr(scope[0], "_streams", ()))  # (a pool's, always)
-            if not any([other._end_calls_over() for other in streams]):
+            if not any([other._end_calls_over() for other in streams]):  # (each stream's)
                 return
             scope = ACTIVE_RESIDENCY.get()
             if scope is not None and scope[0] is not pool:
@@ -909,10 +909,10 @@ def stream_modules(
     model may be streamed through several pools (a scope that pool's stream left set, a
     Ctrl-C having cut one of its modules, ends as this stream's module is entered). Works
     for sync forwards, forwards in ``anyio.to_thread.run_sync`` workers and several
-    concurrent forwards. Close the stream
-    once the forwards through it have ended: one running in another thread as it closes
-    either fails with ``T2NErrorMisuse`` or ends reading through its tensors; either way it
-    holds nothing once it ended, and its thread leaves the scope the stream opened for it.
+    concurrent forwards. Close the stream once the forwards through it have ended: one
+    running in another thread as it closes either fails with ``T2NErrorMisuse`` or ends
+    reading through its tensors; either way it holds nothing once it ended, and its thread
+    leaves the scope the stream opened for it.
     A stream its caller does not keep (``stream_modules(pool, layers)`` inside ``with pool:``)
     is held by the model while the pool is open, and goes with its hooks once the pool
     closed; a stream kept past its pool's close makes forwards fail with ``T2NErrorMisuse``
