@@ -10,7 +10,13 @@ import pytest
 import torch
 from torch import nn
 
-from torch_to_nnef.tensor import ResidencyStrategy, TensorResidencyPool, offload_module, storage
+from torch_to_nnef.tensor import (
+    OffloadedTensor,
+    ResidencyStrategy,
+    TensorResidencyPool,
+    offload_module,
+    storage,
+)
 
 
 def mappings_under(directory: Path) -> int:
@@ -63,3 +69,38 @@ def test_switched_off_the_pool_reads_into_reused_buffers(tmp_path: Path) -> None
             assert torch.equal(model(x), dense(x))
         assert pool.stats().reused_buffers > 0
         assert mappings_under(tmp_path) == 0
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.timeout(60)
+def test_switching_mapped_reads_while_a_pool_holds_values_reads_into_none_of_their_pages(
+    tmp_path: Path,
+) -> None:
+    """Mapped reads switched off, then on, while a pool holds values loaded the other way:
+    a value that maps its file is never read into (the pool once took its pages, evicted
+    while mapped reads were off, for the next load's buffer: the pages turned into private
+    copies of the next tensor's values, and the mapping stayed), and one read into buffers
+    before mapped reads came on is not read into after (loads map then)."""
+    layer = 256 * 256 * 4
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.full((256, 256), float(i)), f"w{i}", tmp_path)
+        for i in range(4)
+    ]
+    with TensorResidencyPool(max_cached_bytes=layer) as pool:
+        assert storage.mapped_reads()
+        pool.resolve(tensors[0])  # mapped
+        assert mappings_under(tmp_path) == 1
+        previous = storage.set_mapped_reads(False)
+        try:
+            pool.resolve(tensors[1])  # read into a buffer; evicts the mapped value
+            pool.resolve(tensors[2])  # into a new buffer: tensors[1]'s is still in use
+            gc.collect()
+            assert mappings_under(tmp_path) == 0  # tensors[0]'s mapping ended with its value
+            assert pool.stats().reused_buffers == 0
+            assert torch.equal(pool.resolve(tensors[3]), torch.full((256, 256), 3.0))
+            assert pool.stats().reused_buffers == 1  # tensors[1]'s buffer
+        finally:
+            storage.set_mapped_reads(previous)
+        assert torch.equal(pool.resolve(tensors[0]), torch.full((256, 256), 0.0))
+        assert pool.stats().reused_buffers == 1  # mapped: tensors[2]'s buffer is not read into
+        assert mappings_under(tmp_path) == 1

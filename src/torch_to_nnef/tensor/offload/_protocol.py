@@ -73,13 +73,14 @@ class PoolSource:
       ``version_for(owner)`` is the version of the value as the pool ``owner`` sees it, an
       object replaced by every write that ``owner`` did not make (a direct write, another
       pool's change; compared by identity): a value ``owner`` read at an older one is stale.
-    - ``_reload_unmanaged(device, out)``: read the payload (into ``out`` host buffers when
-      given) and bring it to ``device``; blocking, run on the pool's I/O workers. It reads the
+    - ``_reload_unmanaged(device, out, mapped=None)``: read the payload (into ``out`` host
+      buffers when given; into new ones, not mapping the file, with ``mapped=False``) and
+      bring it to ``device``; blocking, run on the pool's I/O workers. It reads the
       latest write: a pool's unsaved change (a copy), else the file, without waiting for
       announced write-backs (one writes only the unsaved change, and may be queued behind the
       load of another pool's worker that reads it).
-    - ``_host_buffers(value)``: the host buffers backing a loaded value that a later load of
-      the same :attr:`storage_key` may reuse, or ``None``.
+    - ``_host_buffers(value)``: the host buffers backing a value read into host buffers that
+      a later load of the same :attr:`storage_key` may reuse, or ``None``.
     - ``_note_unsaved(owner, value, version, alone)``: a pool changed the value it read at
       ``version`` (a ``read_write`` lease ends); unless another write came since (then it
       returns ``False``), it is the latest write of the tensor until written back or
@@ -125,7 +126,10 @@ class PoolSource:
         raise NotImplementedError
 
     def _reload_unmanaged(
-        self, device: torch.device | None = None, out: Mapping[str, torch.Tensor] | None = None
+        self,
+        device: torch.device | None = None,
+        out: Mapping[str, torch.Tensor] | None = None,
+        mapped: bool | None = None,
     ) -> torch.Tensor:
         raise NotImplementedError
 

@@ -1150,6 +1150,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         self,
         device: DeviceLike | None = None,
         out: Mapping[str, torch.Tensor] | None = None,
+        mapped: bool | None = None,
         on_demand: bool = False,
     ) -> torch.Tensor:
         """Read the value from the file and bring it to ``device`` (blocking; no pool).
@@ -1162,6 +1163,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             out: host buffers to read into, by logical entry name (as in :attr:`storage_key`);
                 when ``None``, a plain value for the CPU maps the file (see
                 ``storage.set_mapped_reads``), other values get new buffers.
+            mapped: whether a plain value for the CPU without ``out`` maps the file (``False``:
+                it is read into new host buffers, which a pool may reuse); ``None``: as
+                ``storage.set_mapped_reads`` says.
             on_demand: a mapping reads no page before the value is read, then only the pages
                 read (``storage.load_payload``).
         """
@@ -1188,7 +1192,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     binding.layout,
                     out=targets,
                     names=binding.file_names,
-                    mapped=None if targets is None and not binding.opaque else False,
+                    mapped=mapped if targets is None and not binding.opaque else False,
                     on_demand=on_demand,
                 )
             except T2NErrorStorage as error:
@@ -1341,16 +1345,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         For a plain payload loaded on the CPU, the value is its own host buffer: it is
         returned as ``{"tensor": value}`` when it is a whole, dense CPU tensor of the
         payload's dtype and shape. ``None`` otherwise: a value on another device (a copy of
-        the host buffer), an opaque value, whose decoding may keep views of the read buffers
-        or transform them, so that no buffer can be safely handed out, or any value while
-        ``storage.mapped_reads()`` is on (large loads map the file and have no buffer; small
-        ones are read into heap memory, which reuse would not save). The caller may
-        reuse the buffers for another load (see :meth:`_reload_unmanaged`) once nothing else
-        references them.
+        the host buffer), or an opaque value, whose decoding may keep views of the read
+        buffers or transform them, so that no buffer can be safely handed out. The caller
+        asks only for a value read into host buffers (``out``, or ``mapped=False``: a mapped
+        value's pages are the file's), and may reuse them for another load (see
+        :meth:`_reload_unmanaged`) once nothing else references them.
         """
         binding = self._binding
-        if storage.mapped_reads():  # large loads map the file; small ones are cheap to allocate
-            return None
         if binding.opaque or not _is_whole_host_buffer(value, binding.spec(_PLAIN_ENTRY)):
             return None
         return {_PLAIN_ENTRY: value}

@@ -708,11 +708,18 @@ class Actor:
     def _start_load(self, entry: Entry) -> None:
         source = entry.source
         version = source._hit_state.version_for(self)  # the load reads this version or a newer one
-        out = self.spares.take(source.storage_key) if entry.device.type == "cpu" else None
+        # Mapped reads off: the value is read into host buffers (those of a value evicted
+        # before, if free), which may serve a later load in turn. Decided here, once: a value
+        # whose pages are the file's is never read into.
+        copied = entry.copied = entry.device.type == "cpu" and not storage.mapped_reads()
+        out = self.spares.take(source.storage_key) if copied else None
         # The whole load (read into the host buffers, copy to the device, decode) is one job
         # of the I/O workers; it runs to its end whatever happens to its waiters.
         entry.load = self._job(
-            "load", source._reload_unmanaged, (entry.device, out), partial(self._on_loaded, entry)
+            "load",
+            source._reload_unmanaged,
+            (entry.device, out, False if copied else None),
+            partial(self._on_loaded, entry),
         )
         entry.load.version = entry.version = version
         self._reused_buffers += out is not None
@@ -944,7 +951,7 @@ class Actor:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
             self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
-            if reuse and entry.device.type == "cpu":
+            if reuse and entry.copied:
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:
                     self.spares.offer(

@@ -90,8 +90,9 @@ def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
     value, source = slot.value, slot.entry.source
     shape, dtype = tuple(slot.shape), slot.dtype
     became = f"{tuple(value.shape)} {value.dtype}"
-    with torch.no_grad():
-        value.data = storage.handoff(source._reload_unmanaged(slot.device), slot.device)
+    with torch.no_grad():  # (read into host buffers, not mapped: see Actor._start_load)
+        reread = source._reload_unmanaged(slot.device, None, False)
+        value.data = storage.handoff(reread, slot.device)
     return T2NErrorMisuse(
         f"{source.name!r} was reshaped in place under a read_write lease (an in-place op "
         f"in a pool's scope takes one) from {shape} {dtype} to {became}; the change is "

@@ -284,6 +284,7 @@ class Entry:
     version: object = None  # the source's payload version the value was read from
     stuck: bool = False  # its write-back failed: kept, unevictable, until a flush writes it
     used: bool = False  # a request (not a prefetch) asked for the value since it was loaded
+    copied: bool = False  # read into host buffers (not mapped): they may serve a later load
 
     @property
     def tracked(self) -> bool:
