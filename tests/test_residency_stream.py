@@ -678,6 +678,84 @@ def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_t
         assert active_tensor_residency() is None
 
 
+def _interrupted(probe: Probe, x: torch.Tensor) -> None:
+    """A forward of ``probe`` that a Ctrl-C cuts inside it (its scope stays set)."""
+    probe.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        probe(x)
+    probe.interrupt = False
+
+
+def test_a_scope_entered_after_an_interrupted_forward_stays_the_users_until_it_ends(
+    tmp_path: Path,
+) -> None:
+    """A forward interrupted inside a module streamed through pool A, then a user's
+    ``with pool_a.scope():`` around forwards of that model and of one streamed through pool
+    B: inside it, both are pool A's, and its exit leaves no scope for good (the stream's
+    cleanup once reset its stale scope under the user's, undoing the user's; the block's exit
+    then brought the stale one back, which nothing left any more: B was served by pool A,
+    and failed once pool A closed)."""
+    probe_a, _ = offloaded_probe(tmp_path / "a")
+    probe_b, weight_b = offloaded_probe(tmp_path / "b")
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight_b.reload().t()
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_b,
+        stream_modules(pool_a, [probe_a]),
+        stream_modules(pool_b, [probe_b]),
+    ):
+        _interrupted(probe_a, x)
+        with pool_a.scope():
+            probe_a(x)
+            assert torch.equal(probe_b(x), expected)
+            assert active_tensor_residency() == (pool_a, None)
+        assert pool_b.stats().loads == 0  # B ran in pool A's scope, as asked
+        assert torch.equal(probe_b(x), expected)  # leaves the stale scope, then pool B's
+        assert pool_b.stats().loads == 1
+        assert active_tensor_residency() is None
+        assert leased(pool_a) == 0
+    assert torch.equal(probe_b(x), expected)  # both closed: through the tensors
+
+
+@pytest.mark.parametrize("context", ["copied", "asyncio"])
+def test_a_forward_in_another_context_after_an_interrupted_one_strands_no_scope(
+    tmp_path: Path, context: str
+) -> None:
+    """A forward interrupted inside a module streamed through pool A in the main context,
+    then one through pool B in another context of the thread (a copy of the main one, where
+    the stale scope cannot be reset): back in the main context, B's next forward leaves that
+    scope and is pool B's (the entry was dropped in the other context, and the scope stayed
+    set in the main one for good)."""
+    probe_a, weight_a = offloaded_probe(tmp_path / "a")
+    probe_b, weight_b = offloaded_probe(tmp_path / "b")
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight_b.reload().t()
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_b,
+        stream_modules(pool_a, [probe_a]),
+        stream_modules(pool_b, [probe_b]),
+    ):
+        _interrupted(probe_a, x)
+        if context == "copied":
+            contextvars.copy_context().run(probe_b, x)
+        else:
+
+            async def forward() -> torch.Tensor:
+                return probe_b(x)
+
+            anyio.run(forward)
+        assert leased(pool_a) == 0  # the interrupted call ended there
+        assert active_tensor_residency() is not None  # its scope, left set here
+        loads = pool_b.stats().loads
+        assert torch.equal(probe_b(x), expected)
+        assert pool_b.stats().loads == loads + 1
+        assert active_tensor_residency() is None
+        assert probe_a.weight is weight_a
+    assert torch.equal(probe_b(x), expected)
+
+
 class _Refining(torch.nn.Module):
     """A streamed module whose forward calls itself once, and treats a KeyboardInterrupt in
     that inner call as "stop refining": it catches it and returns normally."""
@@ -1443,7 +1521,8 @@ def test_closing_a_stream_as_its_forward_leaves_the_scope_raises_nothing(
 ) -> None:
     """A close, in its own thread, ends what a forward inside a module holds while that
     forward's thread leaves the scope the stream opened for it: the close returns (it reset a
-    scope another thread had just left: a TypeError)."""
+    scope another thread had just left: a TypeError; it now leaves a scope only where that
+    scope is the innermost, which it is not in the closing thread)."""
     dense, model = offloaded_blocks(tmp_path, count=2)
     x = torch.randn(2, WIDTH)
     pool = TensorResidencyPool()
@@ -1470,7 +1549,7 @@ def test_closing_a_stream_as_its_forward_leaves_the_scope_raises_nothing(
     forwarding = threading.Thread(target=forward)
     forwarding.start()  # before the breakpoint: only the close pauses
     code = _stream._leave_scope.__code__
-    line = line_of(_stream._leave_scope, "ACTIVE_RESIDENCY.reset(")
+    line = line_of(_stream._leave_scope, "ACTIVE_RESIDENCY.get() is not held.scope")
     try:
         assert inside.wait(10)
         with paused_in_new_threads(code, on="line", line=line) as point:

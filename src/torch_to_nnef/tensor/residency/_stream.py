@@ -155,10 +155,11 @@ class _Held:
     identity of the frame of the module's call (see :func:`_module_call`), which the stream
     holds (``ModuleStream._calls``) while this lasts."""
 
-    __slots__ = ("call", "leases", "token", "watched")
+    __slots__ = ("call", "leases", "scope", "token", "watched")
 
     def __init__(self) -> None:
         self.call: int | None = None  # set once the frame is held
+        self.scope: Any = None  # the value the stream set in its scope's place, and its token
         self.token: Any = None
         self.leases: list[TensorResidencyLease] = []
         self.watched: list[_Watched] = []
@@ -207,12 +208,15 @@ class _ThreadState:
     """What one thread's forwards hold through a stream (the stream keeps it only weakly:
     when the thread ends, its begun leases are dropped)."""
 
-    __slots__ = ("__weakref__", "begun", "held", "last")
+    __slots__ = ("__weakref__", "begun", "held", "last", "pending")
 
     def __init__(self) -> None:
         self.held: dict[int, list[_Held]] = {}
         self.begun: dict[int, list[TensorResidencyLease]] = {}
         self.last = -1  # the module this thread entered last
+        # Ended entries whose scope is still set: a later scope covers it, or it was set in
+        # another context. Left once a pre-hook finds it the innermost, in its own context.
+        self.pending: list[_Held] = []
 
 
 def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[int]) -> None:
@@ -227,6 +231,7 @@ def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[i
 def _forget_thread(
     begun: dict[int, list[TensorResidencyLease]],
     held: dict[int, list[_Held]],
+    pending: list[_Held],
     stream: weakref.ref[ModuleStream],
 ) -> None:
     """A thread's state was collected: its thread ended, or the stream was dropped (with its
@@ -241,19 +246,38 @@ def _forget_thread(
             if alive is not None:
                 alive._calls.pop(entry.call, None)
             _leave_scope(entry)
+    _leave_pending(pending)
 
 
-def _leave_scope(held: _Held) -> None:
-    """Reset the scope the stream opened for ``held``'s forward (cleared once done): from
-    that forward's own context only, as a context variable belongs to its context."""
+def _leave_scope(held: _Held) -> bool:
+    """Reset the scope the stream opened for ``held``'s forward (cleared once done); return
+    whether it is left. Only where its value is the innermost, and from that forward's own
+    context: a reset restores the value before the stream's, undoing a scope entered since
+    (a user's ``with pool.scope():``, whose exit would then bring the stream's back), and a
+    context variable belongs to its context."""
     token = held.token
-    if token is not None:
-        # A Ctrl-C is raised once the token is cleared: one just after the reset would keep
-        # it, and with it the entry (and its module's post-hook) for a scope already left.
-        with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
-            hold.start()
-            ACTIVE_RESIDENCY.reset(token)  # (raises in another context, or once reset)
-            held.token = None
+    if token is None:
+        return True
+    if ACTIVE_RESIDENCY.get() is not held.scope:
+        return False
+    # A Ctrl-C is raised once the token is cleared: one just after the reset would keep it,
+    # and with it the entry (and its module's post-hook) for a scope already left.
+    with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
+        hold.start()
+        ACTIVE_RESIDENCY.reset(token)  # (raises in another context, or once reset)
+        held.token = None
+    return held.token is None
+
+
+def _leave_pending(pending: list[_Held]) -> bool:
+    """Leave the scopes of ``pending`` that can be left here, innermost first; return
+    whether one was."""
+    left = False
+    for held in reversed(list(pending)):
+        if _leave_scope(held):
+            pending.remove(held)
+            left = True
+    return left
 
 
 class _Hook:
@@ -401,7 +425,9 @@ class ModuleStream(Uncopyable):
             state = self._local.state = _ThreadState()
             with self._lock:
                 self._threads.add(state)
-            weakref.finalize(state, _forget_thread, state.begun, state.held, weakref.ref(self))
+            weakref.finalize(
+                state, _forget_thread, state.begun, state.held, state.pending, weakref.ref(self)
+            )
         return state
 
     def _begin(
@@ -490,7 +516,7 @@ class ModuleStream(Uncopyable):
             return  # the stream closed as this forward began: it reads through the tensors
         state = self._state()
         held, begun = state.held, state.begun
-        if any(held.values()) and self._end_interrupted_calls(state):
+        if (state.pending or any(held.values())) and self._end_interrupted_calls(state):
             scope = ACTIVE_RESIDENCY.get()  # (the one an interrupted forward opened is left)
         if index <= state.last and not any(held.values()):
             # A new forward in this thread: the last one stopped before its end (an early
@@ -511,8 +537,9 @@ class ModuleStream(Uncopyable):
                 entry.call = id(call)
                 self._calls[entry.call] = call
             if scope is None:  # a forward outside `pool.scope()`
+                entry.scope = (pool, self.device)
                 try:
-                    entry.token = ACTIVE_RESIDENCY.set((pool, self.device))
+                    entry.token = ACTIVE_RESIDENCY.set(entry.scope)
                 except BaseException:  # Ctrl-C right after the set: its token is lost
                     ACTIVE_RESIDENCY.set(None)
                     raise
@@ -568,7 +595,8 @@ class ModuleStream(Uncopyable):
                 for leases in mine:
                     for lease in leases:
                         lease._cancel()  # (nothing for those entered)
-                _leave_scope(entry)
+                if not _leave_scope(entry):
+                    state.pending.append(entry)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(entry)
                 self._calls.pop(entry.call, None)
@@ -622,7 +650,7 @@ class ModuleStream(Uncopyable):
         with InterruptHold() as hold:
             hold.start()
             for entry in reversed(cut):
-                self._end_entry(stack, entry, over=True)
+                self._end_entry(stack, entry, state.pending)
             try:
                 self._unbind(index)
                 self._keep_changes(ended.watched)
@@ -630,7 +658,8 @@ class ModuleStream(Uncopyable):
                 ended.watched = []
                 for lease in ended.leases:
                     lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-                _leave_scope(ended)
+                if not _leave_scope(ended):
+                    state.pending.append(ended)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(ended)
                 self._calls.pop(ended.call, None)
@@ -762,7 +791,7 @@ class ModuleStream(Uncopyable):
         it leaves the scope the stream opened for it. The pool calls this as the thread closes
         it: that forward cannot be running, as its thread is here."""
         state: _ThreadState | None = getattr(self._local, "state", None)
-        if state is None or not any(state.held.values()):
+        if state is None or not (state.pending or any(state.held.values())):
             return
         with InterruptHold() as hold:  # (as in close)
             hold.start()
@@ -778,15 +807,18 @@ class ModuleStream(Uncopyable):
         changes, and reset the scope the stream opened for it, from its own thread only (a
         context variable belongs to its context)."""
         for stack in list(state.held.values()):
-            for held in list(stack):
+            for held in reversed(list(stack)):  # (the innermost first)
                 self._end_entry(stack, held)
+        _leave_pending(state.pending)
 
-    def _end_entry(self, stack: list[_Held], held: _Held, over: bool = False) -> None:
+    def _end_entry(
+        self, stack: list[_Held], held: _Held, pending: list[_Held] | None = None
+    ) -> None:
         """End what ``held`` holds (see :meth:`_end_held`), and take it off ``stack`` once the
-        scope it opened was left. ``over``: its call is over (see
-        :meth:`_end_interrupted_calls`): it leaves the stack even where that scope, set in
-        another context (an asyncio task's, a notebook cell's), cannot be left from here: it
-        stays set there."""
+        scope it opened was left. With ``pending`` (its thread's: its call is over, see
+        :meth:`_end_interrupted_calls`), it leaves the stack in any case, into ``pending``
+        where that scope cannot be left yet (see :func:`_leave_scope`); without, it stays
+        there, for its thread to leave that scope as it ends."""
         watched, held.watched = held.watched, []
         leases, held.leases = held.leases, []
         try:
@@ -794,11 +826,10 @@ class ModuleStream(Uncopyable):
         finally:
             for lease in leases:
                 lease.__exit__(None, None, None)
-            _leave_scope(held)
-            if over:
-                held.token = None
-            # Else only its thread can leave that scope: it does as it ends.
-            if held.token is None:
+            left = _leave_scope(held)
+            if not left and pending is not None:
+                pending.append(held)
+            if left or pending is not None:
                 with contextlib.suppress(ValueError):  # its own hook took it already
                     stack.remove(held)
                 self._calls.pop(held.call, None)
@@ -809,27 +840,33 @@ class ModuleStream(Uncopyable):
         A call is over once its frame left the stack (see :func:`_module_call`); one inside
         which this forward runs (a module listed inside another) is not. Its module gets its
         tensors back (unless this thread is inside it still), its change is kept and its
-        leases end, as the stream's close would. Return whether one was over."""
-        running = _frames_running()
+        leases end, as the stream's close would, and it leaves the scope it opened, or once
+        it can (``state.pending``). Return whether one was over, or such a scope was left."""
         ended = False
-        with InterruptHold() as hold:  # (as in close)
-            hold.start()
-            for index, stack in list(state.held.items()):
-                over = [h for h in stack if h.call is not None and h.call not in running]
-                if not over:
-                    continue
-                ended = True
-                if len(over) == len(stack):
-                    self._unbind(index)  # another forward inside it reads through the tensors
-                for held in over:
-                    self._end_entry(stack, held, over=True)
+        if any(state.held.values()):
+            running = _frames_running()
+            with InterruptHold() as hold:  # (as in close)
+                hold.start()
+                for index, stack in list(state.held.items()):
+                    over = [h for h in stack if h.call is not None and h.call not in running]
+                    if not over:
+                        continue
+                    ended = True
+                    if len(over) == len(stack):
+                        self._unbind(index)  # another forward inside it reads through them
+                    for held in reversed(over):  # (the innermost first)
+                        self._end_entry(stack, held, state.pending)
+        if state.pending:  # (one set in a context now gone stays: a look per pre-hook)
+            ended = _leave_pending(state.pending) or ended
         return ended
 
     def _end_calls_over(self) -> bool:
         """:meth:`_end_interrupted_calls` for the calling thread, from another stream's
-        pre-hook; whether a call was over."""
+        pre-hook; whether a call was over, or a scope it opened was left."""
         state: _ThreadState | None = getattr(self._local, "state", None)
-        return state is not None and any(state.held.values()) and self._end_interrupted_calls(state)
+        if state is None or not (state.pending or any(state.held.values())):
+            return False
+        return self._end_interrupted_calls(state)
 
     def _forward_inside(self) -> bool:
         """Whether a forward of some thread is inside one of the modules (from its pre-hook
