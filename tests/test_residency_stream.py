@@ -12,9 +12,10 @@ import re
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType
+from typing import NamedTuple
 
 import anyio
 import pytest
@@ -648,13 +649,20 @@ def test_a_forward_interrupted_in_another_context_is_ended_by_the_next_one(
     assert all(isinstance(p, OffloadedTensor) for p in model.parameters())
 
 
-def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_that_pools(
-    tmp_path: Path,
-) -> None:
-    """A forward interrupted inside a module streamed through pool A leaves pool A's scope
-    set; a model streamed through pool B, run next in the thread, ends that call and is
-    served by pool B (its stream took the leftover scope for a forward of pool A's: pool A
-    served B's weights, and B's stream bound nothing, until A's next forward)."""
+class _TwoPools(NamedTuple):
+    """Two probes, each streamed through a pool of its own, and pool A's scope left set by
+    a forward of probe A interrupted inside it."""
+
+    probe_a: Probe
+    probe_b: Probe
+    pool_a: TensorResidencyPool
+    pool_b: TensorResidencyPool
+    x: torch.Tensor
+    expected_b: torch.Tensor  # probe B's output
+
+
+@contextlib.contextmanager
+def probe_a_interrupted(tmp_path: Path) -> Iterator[_TwoPools]:
     probe_a, weight_a = offloaded_probe(tmp_path / "a")
     probe_b, weight_b = offloaded_probe(tmp_path / "b")
     x = torch.randn(2, WIDTH)
@@ -668,22 +676,27 @@ def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_t
         probe_a.interrupt = True
         with pytest.raises(KeyboardInterrupt):
             probe_a(x)
-        assert active_tensor_residency() is not None  # pool A's, left set
-        assert torch.equal(probe_b(x), expected)
-        assert probe_b.seen == [torch.Tensor]  # bound by its own stream
-        assert pool_b.stats().misses == 1
-        assert pool_a.stats().misses == 1  # probe A's load only
+        probe_a.interrupt = False
+        assert active_tensor_residency() == (pool_a, None)  # left set
+        yield _TwoPools(probe_a, probe_b, pool_a, pool_b, x, expected)
         assert leased(pool_a) == 0
         assert probe_a.weight is weight_a
+    assert torch.equal(probe_b(x), expected)  # both closed: through the tensors
+
+
+def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_that_pools(
+    tmp_path: Path,
+) -> None:
+    """A forward interrupted inside a module streamed through pool A leaves pool A's scope
+    set; a model streamed through pool B, run next in the thread, ends that call and is
+    served by pool B (its stream took the leftover scope for a forward of pool A's: pool A
+    served B's weights, and B's stream bound nothing, until A's next forward)."""
+    with probe_a_interrupted(tmp_path) as two:
+        assert torch.equal(two.probe_b(two.x), two.expected_b)
+        assert two.probe_b.seen == [torch.Tensor]  # bound by its own stream
+        assert two.pool_b.stats().misses == 1
+        assert two.pool_a.stats().misses == 1  # probe A's load only
         assert active_tensor_residency() is None
-
-
-def _interrupted(probe: Probe, x: torch.Tensor) -> None:
-    """A forward of ``probe`` that a Ctrl-C cuts inside it (its scope stays set)."""
-    probe.interrupt = True
-    with pytest.raises(KeyboardInterrupt):
-        probe(x)
-    probe.interrupt = False
 
 
 def test_a_scope_entered_after_an_interrupted_forward_stays_the_users_until_it_ends(
@@ -695,27 +708,15 @@ def test_a_scope_entered_after_an_interrupted_forward_stays_the_users_until_it_e
     cleanup once reset its stale scope under the user's, undoing the user's; the block's exit
     then brought the stale one back, which nothing left any more: B was served by pool A,
     and failed once pool A closed)."""
-    probe_a, _ = offloaded_probe(tmp_path / "a")
-    probe_b, weight_b = offloaded_probe(tmp_path / "b")
-    x = torch.randn(2, WIDTH)
-    expected = x @ weight_b.reload().t()
-    with (
-        TensorResidencyPool() as pool_a,
-        TensorResidencyPool() as pool_b,
-        stream_modules(pool_a, [probe_a]),
-        stream_modules(pool_b, [probe_b]),
-    ):
-        _interrupted(probe_a, x)
-        with pool_a.scope():
-            probe_a(x)
-            assert torch.equal(probe_b(x), expected)
-            assert active_tensor_residency() == (pool_a, None)
-        assert pool_b.stats().loads == 0  # B ran in pool A's scope, as asked
-        assert torch.equal(probe_b(x), expected)  # leaves the stale scope, then pool B's
-        assert pool_b.stats().loads == 1
+    with probe_a_interrupted(tmp_path) as two:
+        with two.pool_a.scope():
+            two.probe_a(two.x)
+            assert torch.equal(two.probe_b(two.x), two.expected_b)
+            assert active_tensor_residency() == (two.pool_a, None)
+        assert two.pool_b.stats().loads == 0  # B ran in pool A's scope, as asked
+        assert torch.equal(two.probe_b(two.x), two.expected_b)  # the stale scope left
+        assert two.pool_b.stats().loads == 1
         assert active_tensor_residency() is None
-        assert leased(pool_a) == 0
-    assert torch.equal(probe_b(x), expected)  # both closed: through the tensors
 
 
 @pytest.mark.parametrize("context", ["copied", "asyncio"])
@@ -727,33 +728,21 @@ def test_a_forward_in_another_context_after_an_interrupted_one_strands_no_scope(
     the stale scope cannot be reset): back in the main context, B's next forward leaves that
     scope and is pool B's (the entry was dropped in the other context, and the scope stayed
     set in the main one for good)."""
-    probe_a, weight_a = offloaded_probe(tmp_path / "a")
-    probe_b, weight_b = offloaded_probe(tmp_path / "b")
-    x = torch.randn(2, WIDTH)
-    expected = x @ weight_b.reload().t()
-    with (
-        TensorResidencyPool() as pool_a,
-        TensorResidencyPool() as pool_b,
-        stream_modules(pool_a, [probe_a]),
-        stream_modules(pool_b, [probe_b]),
-    ):
-        _interrupted(probe_a, x)
+    with probe_a_interrupted(tmp_path) as two:
         if context == "copied":
-            contextvars.copy_context().run(probe_b, x)
+            contextvars.copy_context().run(two.probe_b, two.x)
         else:
 
             async def forward() -> torch.Tensor:
-                return probe_b(x)
+                return two.probe_b(two.x)
 
             anyio.run(forward)
-        assert leased(pool_a) == 0  # the interrupted call ended there
+        assert leased(two.pool_a) == 0  # the interrupted call ended there
         assert active_tensor_residency() is not None  # its scope, left set here
-        loads = pool_b.stats().loads
-        assert torch.equal(probe_b(x), expected)
-        assert pool_b.stats().loads == loads + 1
+        loads = two.pool_b.stats().loads
+        assert torch.equal(two.probe_b(two.x), two.expected_b)
+        assert two.pool_b.stats().loads == loads + 1
         assert active_tensor_residency() is None
-        assert probe_a.weight is weight_a
-    assert torch.equal(probe_b(x), expected)
 
 
 class _Refining(torch.nn.Module):
