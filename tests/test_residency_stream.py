@@ -33,10 +33,10 @@ from torch_to_nnef.tensor.residency import (
     ResidencyStrategy,
     TensorResidencyLease,
     TensorResidencyPool,
-    _stream,
     active_tensor_residency,
     stream_modules,
 )
+from torch_to_nnef.tensor.residency._scope import PENDING, StreamScope
 
 pytestmark = [pytest.mark.timeout(60)]
 WIDTH = 64
@@ -743,6 +743,65 @@ def test_a_forward_in_another_context_after_an_interrupted_one_strands_no_scope(
         assert torch.equal(two.probe_b(two.x), two.expected_b)
         assert two.pool_b.stats().loads == loads + 1
         assert active_tensor_residency() is None
+
+
+@pytest.mark.parametrize("closed", ["stream", "pool"])
+def test_closing_inside_a_users_scope_after_an_interrupted_forward_strands_no_scope(
+    tmp_path: Path, closed: str
+) -> None:
+    """Pool A's stream (and pool A) closed inside a user's ``with pool_b.scope():``, after a
+    forward interrupted inside a module of pool A's stream: the close cannot leave pool A's
+    scope under the user's, and it is left as the user's exits (it stayed on the closed
+    stream, which nothing found any more: pool A's scope came back for good, and once pool
+    A closed, every forward of the thread failed)."""
+    with probe_a_interrupted(tmp_path) as two:
+        with two.pool_b.scope():
+            if closed == "pool":
+                two.pool_a.close()  # (ends its streams' calls of this thread, then closes)
+            else:
+                _stream_of(two.pool_a).close()
+            assert active_tensor_residency() == (two.pool_b, None)
+        assert active_tensor_residency() is None
+        assert torch.equal(two.probe_b(two.x), two.expected_b)
+        assert two.pool_b.stats().loads == 1
+
+
+def _stream_of(pool: TensorResidencyPool) -> ModuleStream:
+    (stream,) = list(pool._streams)
+    return stream
+
+
+def test_forwards_interrupted_in_contexts_that_ended_keep_none_of_them_alive(
+    tmp_path: Path,
+) -> None:
+    """Forwards interrupted inside a streamed module, each in a context that then ended (an
+    ``asyncio.run`` per request, say): the thread's next forward ends each call, and keeps
+    nothing of its context (its scope stays set there, and nowhere else), where each kept
+    one entry, and through its token the whole context, for the stream's life."""
+    probe, weight = offloaded_probe(tmp_path)
+    x = torch.randn(2, WIDTH)
+    payload_var: contextvars.ContextVar[torch.Tensor] = contextvars.ContextVar("payload")
+    payloads = []
+
+    def request() -> None:
+        payload = torch.zeros(1024)
+        payloads.append(weakref.ref(payload))
+        payload_var.set(payload)
+        probe.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            probe(x)
+        probe.interrupt = False
+
+    with TensorResidencyPool() as pool, stream_modules(pool, [probe]):
+        for _ in range(5):
+            contextvars.copy_context().run(request)
+            probe(x)  # ends the interrupted call
+            assert leased(pool) == 0
+            assert active_tensor_residency() is None
+        assert not PENDING.scopes
+        gc.collect()
+        assert [ref() for ref in payloads] == [None] * 5
+    assert probe.weight is weight
 
 
 class _Refining(torch.nn.Module):
@@ -1537,8 +1596,8 @@ def test_closing_a_stream_as_its_forward_leaves_the_scope_raises_nothing(
     handle = model.blocks[0].register_forward_pre_hook(pause)
     forwarding = threading.Thread(target=forward)
     forwarding.start()  # before the breakpoint: only the close pauses
-    code = _stream._leave_scope.__code__
-    line = line_of(_stream._leave_scope, "ACTIVE_RESIDENCY.get() is not held.scope")
+    code = StreamScope.leave_scope.__code__
+    line = line_of(StreamScope.leave_scope, "ACTIVE_RESIDENCY.get() is not self.value")
     try:
         assert inside.wait(10)
         with paused_in_new_threads(code, on="line", line=line) as point:

@@ -46,6 +46,7 @@ from torch_to_nnef.tensor.residency._requests import (
     Transition,
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Reply, Runtime
+from torch_to_nnef.tensor.residency._scope import PENDING, leave_pending
 from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._trace import ReadAhead
 from torch_to_nnef.tensor.sizing import parse_bytes
@@ -731,6 +732,8 @@ class _Scope:
                 "than the one that entered it: enter and leave it in the same task, "
                 "as `with pool.scope():` does"
             ) from None
+        if PENDING.scopes:  # a stream's scope this one covered, its forward ended meanwhile
+            leave_pending()
 
 
 def _reject_source(source: Any) -> NoReturn:

@@ -1,9 +1,106 @@
 """The residency scope: which pool serves ``OffloadedTensor`` reloads in this context.
 
 The context variable lives with the tensor's protocol (``tensor/offload/_protocol.py``), below
-both the tensor and the pool; this module gives it its public name here.
+both the tensor and the pool; this module gives it its public name here, and keeps the scopes
+streams set for their forwards (:class:`StreamScope`): a stream's forward cut by a Ctrl-C
+leaves its scope set, and whatever ends that forward later may find a scope entered since
+covering it. Such a scope waits (:data:`PENDING`) and is left as soon as it is the innermost
+again: at the next pre-hook of any stream in the thread, or as the scope covering it exits.
 """
 
-from torch_to_nnef.tensor.offload._protocol import active_tensor_residency
+from __future__ import annotations
 
-__all__ = ["active_tensor_residency"]
+import contextlib
+import contextvars
+import threading
+from typing import Any, Literal
+
+from torch_to_nnef._interrupts import InterruptHold
+from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, active_tensor_residency
+
+__all__ = ["PENDING", "StreamScope", "active_tensor_residency", "leave_or_wait", "leave_pending"]
+
+Outcome = Literal["left", "covered", "elsewhere"]
+
+_MARK: contextvars.ContextVar[object] = contextvars.ContextVar("t2n_stream_mark", default=None)
+"""A new object each time a stream sets a scope, in the context where it does (a copy of the
+context carries it): a stream's scope that is not the innermost is covered in its context,
+or a copy of it, while the mark is still its own; otherwise it was set in another context,
+and stays set there."""
+
+
+class StreamScope:
+    """A scope a stream set: its value, its token, the context's mark then (no value and no
+    token where the stream set none: a scope was active already)."""
+
+    __slots__ = ("mark", "token", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.token: contextvars.Token[Any] | None = None
+        self.mark: object = None
+
+    def set_scope(self, value: tuple[Any, Any]) -> None:
+        """Set ``value`` as the scope (a Ctrl-C right after the set: not the token, but the
+        set is undone)."""
+        self.value, self.mark = value, object()
+        _MARK.set(self.mark)  # (its token is not kept: the mark is never reset)
+        try:
+            self.token = ACTIVE_RESIDENCY.set(value)
+        except BaseException:
+            ACTIVE_RESIDENCY.set(None)
+            raise
+
+    def leave_scope(self) -> Outcome:
+        """Reset the scope, only where its value is the innermost, from its own context. A
+        reset restores the value before it: under a scope entered since (a user's ``with
+        pool.scope():``) it would undo that one, whose exit would then bring this one back;
+        and a context variable belongs to its context. Returns ``"left"`` (or none was set),
+        ``"covered"`` (not the innermost in its context, or a copy of it: to be left later,
+        see :func:`leave_or_wait`) or ``"elsewhere"`` (set in another context, or thread)."""
+        token = self.token
+        if token is None:
+            return "left"
+        if ACTIVE_RESIDENCY.get() is not self.value:
+            return "covered" if _MARK.get() is self.mark else "elsewhere"
+        # A Ctrl-C is raised once the token is cleared: one just after the reset would keep
+        # it, and with it the entry (and its module's post-hook) for a scope already left.
+        with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
+            hold.start()
+            ACTIVE_RESIDENCY.reset(token)  # (raises in a copy of its context, or once reset)
+            self.token = None
+        return "left" if self.token is None else "covered"
+
+
+class _Pending(threading.local):
+    """Per thread, the stream scopes whose forward ended while they were covered."""
+
+    def __init__(self) -> None:
+        self.scopes: list[StreamScope] = []
+
+
+PENDING = _Pending()
+
+
+def leave_or_wait(scope: StreamScope) -> None:
+    """Leave ``scope``, set for a forward of the calling thread that ends, or have it wait
+    in :data:`PENDING` where it is covered; one set in another context stays set there
+    (nothing here can reset it)."""
+    outcome = scope.leave_scope()
+    if outcome == "covered":
+        PENDING.scopes.append(scope)
+    elif outcome == "elsewhere":
+        scope.token = None
+
+
+def leave_pending() -> bool:
+    """Leave the calling thread's waiting scopes that are the innermost again (the innermost
+    first), and forget those found set in another context; return whether one was left."""
+    pending = PENDING.scopes
+    left = False
+    for scope in reversed(list(pending)):
+        outcome = scope.leave_scope()
+        if outcome != "covered":
+            pending.remove(scope)
+            left = left or outcome == "left"
+    return left

@@ -20,6 +20,12 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, PoolSource
 from torch_to_nnef.tensor.opaque import _is_tracing
 from torch_to_nnef.tensor.residency._handles import Uncopyable, end_lease
+from torch_to_nnef.tensor.residency._scope import (
+    PENDING,
+    StreamScope,
+    leave_or_wait,
+    leave_pending,
+)
 
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -149,18 +155,18 @@ def _places(module: torch.nn.Module, tensors: list[OffloadedTensor]) -> list[_Pl
     ]
 
 
-class _Held:
+class _Held(StreamScope):
     """What a forward holds while one module runs: the leases it entered, the values bound
-    for it that it may change in place, the residency scope it opened (if any), and the
-    identity of the frame of the module's call (see :func:`_module_call`), which the stream
-    holds (``ModuleStream._calls``) while this lasts."""
+    for it that it may change in place, the residency scope it opened (if any: the
+    :class:`StreamScope` it is), and the identity of the frame of the module's call (see
+    :func:`_module_call`), which the stream holds (``ModuleStream._calls``) while this
+    lasts."""
 
-    __slots__ = ("call", "leases", "scope", "token", "watched")
+    __slots__ = ("call", "leases", "watched")
 
     def __init__(self) -> None:
+        super().__init__()
         self.call: int | None = None  # set once the frame is held
-        self.scope: Any = None  # the value the stream set in its scope's place, and its token
-        self.token: Any = None
         self.leases: list[TensorResidencyLease] = []
         self.watched: list[_Watched] = []
 
@@ -208,15 +214,12 @@ class _ThreadState:
     """What one thread's forwards hold through a stream (the stream keeps it only weakly:
     when the thread ends, its begun leases are dropped)."""
 
-    __slots__ = ("__weakref__", "begun", "held", "last", "pending")
+    __slots__ = ("__weakref__", "begun", "held", "last")
 
     def __init__(self) -> None:
         self.held: dict[int, list[_Held]] = {}
         self.begun: dict[int, list[TensorResidencyLease]] = {}
         self.last = -1  # the module this thread entered last
-        # Ended entries whose scope is still set: a later scope covers it, or it was set in
-        # another context. Left once a pre-hook finds it the innermost, in its own context.
-        self.pending: list[_Held] = []
 
 
 def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[int]) -> None:
@@ -231,7 +234,6 @@ def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[i
 def _forget_thread(
     begun: dict[int, list[TensorResidencyLease]],
     held: dict[int, list[_Held]],
-    pending: list[_Held],
     stream: weakref.ref[ModuleStream],
 ) -> None:
     """A thread's state was collected: its thread ended, or the stream was dropped (with its
@@ -245,39 +247,7 @@ def _forget_thread(
         for entry in reversed(stack):
             if alive is not None:
                 alive._calls.pop(entry.call, None)
-            _leave_scope(entry)
-    _leave_pending(pending)
-
-
-def _leave_scope(held: _Held) -> bool:
-    """Reset the scope the stream opened for ``held``'s forward (cleared once done); return
-    whether it is left. Only where its value is the innermost, and from that forward's own
-    context: a reset restores the value before the stream's, undoing a scope entered since
-    (a user's ``with pool.scope():``, whose exit would then bring the stream's back), and a
-    context variable belongs to its context."""
-    token = held.token
-    if token is None:
-        return True
-    if ACTIVE_RESIDENCY.get() is not held.scope:
-        return False
-    # A Ctrl-C is raised once the token is cleared: one just after the reset would keep it,
-    # and with it the entry (and its module's post-hook) for a scope already left.
-    with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
-        hold.start()
-        ACTIVE_RESIDENCY.reset(token)  # (raises in another context, or once reset)
-        held.token = None
-    return held.token is None
-
-
-def _leave_pending(pending: list[_Held]) -> bool:
-    """Leave the scopes of ``pending`` that can be left here, innermost first; return
-    whether one was."""
-    left = False
-    for held in reversed(list(pending)):
-        if _leave_scope(held):
-            pending.remove(held)
-            left = True
-    return left
+            entry.leave_scope()
 
 
 class _Hook:
@@ -425,9 +395,7 @@ class ModuleStream(Uncopyable):
             state = self._local.state = _ThreadState()
             with self._lock:
                 self._threads.add(state)
-            weakref.finalize(
-                state, _forget_thread, state.begun, state.held, state.pending, weakref.ref(self)
-            )
+            weakref.finalize(state, _forget_thread, state.begun, state.held, weakref.ref(self))
         return state
 
     def _begin(
@@ -496,6 +464,8 @@ class ModuleStream(Uncopyable):
         """Module ``index``'s forward pre-hook: its leases, those ahead, its values bound."""
         pool = self.pool
         scope = ACTIVE_RESIDENCY.get()
+        if PENDING.scopes and leave_pending():
+            scope = ACTIVE_RESIDENCY.get()
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
@@ -516,7 +486,7 @@ class ModuleStream(Uncopyable):
             return  # the stream closed as this forward began: it reads through the tensors
         state = self._state()
         held, begun = state.held, state.begun
-        if (state.pending or any(held.values())) and self._end_interrupted_calls(state):
+        if any(held.values()) and self._end_interrupted_calls(state):
             scope = ACTIVE_RESIDENCY.get()  # (the one an interrupted forward opened is left)
         if index <= state.last and not any(held.values()):
             # A new forward in this thread: the last one stopped before its end (an early
@@ -537,12 +507,7 @@ class ModuleStream(Uncopyable):
                 entry.call = id(call)
                 self._calls[entry.call] = call
             if scope is None:  # a forward outside `pool.scope()`
-                entry.scope = (pool, self.device)
-                try:
-                    entry.token = ACTIVE_RESIDENCY.set(entry.scope)
-                except BaseException:  # Ctrl-C right after the set: its token is lost
-                    ACTIVE_RESIDENCY.set(None)
-                    raise
+                entry.set_scope((pool, self.device))
             # Queue this module's loads, then those ahead, before waiting for any: a late
             # value does not delay the reads behind it.
             mine.append(self._begin(index, begun))
@@ -595,8 +560,7 @@ class ModuleStream(Uncopyable):
                 for leases in mine:
                     for lease in leases:
                         lease._cancel()  # (nothing for those entered)
-                if not _leave_scope(entry):
-                    state.pending.append(entry)
+                leave_or_wait(entry)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(entry)
                 self._calls.pop(entry.call, None)
@@ -650,7 +614,7 @@ class ModuleStream(Uncopyable):
         with InterruptHold() as hold:
             hold.start()
             for entry in reversed(cut):
-                self._end_entry(stack, entry, state.pending)
+                self._end_entry(stack, entry, mine=True)
             try:
                 self._unbind(index)
                 self._keep_changes(ended.watched)
@@ -658,8 +622,7 @@ class ModuleStream(Uncopyable):
                 ended.watched = []
                 for lease in ended.leases:
                     lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-                if not _leave_scope(ended):
-                    state.pending.append(ended)
+                leave_or_wait(ended)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(ended)
                 self._calls.pop(ended.call, None)
@@ -791,7 +754,7 @@ class ModuleStream(Uncopyable):
         it leaves the scope the stream opened for it. The pool calls this as the thread closes
         it: that forward cannot be running, as its thread is here."""
         state: _ThreadState | None = getattr(self._local, "state", None)
-        if state is None or not (state.pending or any(state.held.values())):
+        if state is None or not any(state.held.values()):
             return
         with InterruptHold() as hold:  # (as in close)
             hold.start()
@@ -805,20 +768,20 @@ class ModuleStream(Uncopyable):
         """End the leases that a forward of ``state``'s thread interrupted where its modules'
         hooks could not run (Ctrl-C: torch runs them on errors only) still holds, keeping its
         changes, and reset the scope the stream opened for it, from its own thread only (a
-        context variable belongs to its context)."""
+        context variable belongs to its context): the calling thread's entries leave, their
+        scope left or waiting (see ``_scope.leave_or_wait``); another thread's stay until that
+        thread leaves their scope as it ends."""
+        mine = state is getattr(self._local, "state", None)
         for stack in list(state.held.values()):
             for held in reversed(list(stack)):  # (the innermost first)
-                self._end_entry(stack, held)
-        _leave_pending(state.pending)
+                self._end_entry(stack, held, mine)
+        if mine and PENDING.scopes:
+            leave_pending()
 
-    def _end_entry(
-        self, stack: list[_Held], held: _Held, pending: list[_Held] | None = None
-    ) -> None:
-        """End what ``held`` holds (see :meth:`_end_held`), and take it off ``stack`` once the
-        scope it opened was left. With ``pending`` (its thread's: its call is over, see
-        :meth:`_end_interrupted_calls`), it leaves the stack in any case, into ``pending``
-        where that scope cannot be left yet (see :func:`_leave_scope`); without, it stays
-        there, for its thread to leave that scope as it ends."""
+    def _end_entry(self, stack: list[_Held], held: _Held, mine: bool = False) -> None:
+        """End what ``held`` holds (see :meth:`_end_held`) and take it off ``stack``. ``mine``:
+        an entry of the calling thread, whose scope is left or waits (see
+        ``_scope.leave_or_wait``); otherwise it stays on ``stack`` unless its scope is left."""
         watched, held.watched = held.watched, []
         leases, held.leases = held.leases, []
         try:
@@ -826,10 +789,9 @@ class ModuleStream(Uncopyable):
         finally:
             for lease in leases:
                 lease.__exit__(None, None, None)
-            left = _leave_scope(held)
-            if not left and pending is not None:
-                pending.append(held)
-            if left or pending is not None:
+            if mine:
+                leave_or_wait(held)
+            if mine or held.leave_scope() == "left":
                 with contextlib.suppress(ValueError):  # its own hook took it already
                     stack.remove(held)
                 self._calls.pop(held.call, None)
@@ -840,33 +802,28 @@ class ModuleStream(Uncopyable):
         A call is over once its frame left the stack (see :func:`_module_call`); one inside
         which this forward runs (a module listed inside another) is not. Its module gets its
         tensors back (unless this thread is inside it still), its change is kept and its
-        leases end, as the stream's close would, and it leaves the scope it opened, or once
-        it can (``state.pending``). Return whether one was over, or such a scope was left."""
+        leases end, as the stream's close would, and it leaves the scope it opened, or waits
+        to (see ``_scope.leave_or_wait``). Return whether one was over."""
+        running = _frames_running()
         ended = False
-        if any(state.held.values()):
-            running = _frames_running()
-            with InterruptHold() as hold:  # (as in close)
-                hold.start()
-                for index, stack in list(state.held.items()):
-                    over = [h for h in stack if h.call is not None and h.call not in running]
-                    if not over:
-                        continue
-                    ended = True
-                    if len(over) == len(stack):
-                        self._unbind(index)  # another forward inside it reads through them
-                    for held in reversed(over):  # (the innermost first)
-                        self._end_entry(stack, held, state.pending)
-        if state.pending:  # (one set in a context now gone stays: a look per pre-hook)
-            ended = _leave_pending(state.pending) or ended
+        with InterruptHold() as hold:  # (as in close)
+            hold.start()
+            for index, stack in list(state.held.items()):
+                over = [h for h in stack if h.call is not None and h.call not in running]
+                if not over:
+                    continue
+                ended = True
+                if len(over) == len(stack):
+                    self._unbind(index)  # another forward inside it reads through the tensors
+                for held in reversed(over):  # (the innermost first)
+                    self._end_entry(stack, held, mine=True)
         return ended
 
     def _end_calls_over(self) -> bool:
         """:meth:`_end_interrupted_calls` for the calling thread, from another stream's
-        pre-hook; whether a call was over, or a scope it opened was left."""
+        pre-hook; whether a call was over."""
         state: _ThreadState | None = getattr(self._local, "state", None)
-        if state is None or not (state.pending or any(state.held.values())):
-            return False
-        return self._end_interrupted_calls(state)
+        return state is not None and any(state.held.values()) and self._end_interrupted_calls(state)
 
     def _forward_inside(self) -> bool:
         """Whether a forward of some thread is inside one of the modules (from its pre-hook
