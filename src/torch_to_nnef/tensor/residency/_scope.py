@@ -65,9 +65,10 @@ class StreamScope:
             return "covered" if _MARK.get() is self.mark else "elsewhere"
         # A Ctrl-C is raised once the token is cleared: one just after the reset would keep
         # it, and with it the entry (and its module's post-hook) for a scope already left.
-        with InterruptHold() as hold, contextlib.suppress(ValueError, RuntimeError):
+        with InterruptHold() as hold, contextlib.suppress(ValueError):
             hold.start()
-            ACTIVE_RESIDENCY.reset(token)  # (raises in a copy of its context, or once reset)
+            with contextlib.suppress(RuntimeError):  # (reset once already)
+                ACTIVE_RESIDENCY.reset(token)  # (ValueError in a copy of its context)
             self.token = None
         return "left" if self.token is None else "covered"
 
