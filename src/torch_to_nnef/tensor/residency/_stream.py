@@ -165,7 +165,7 @@ class _Held(StreamScope):
     __slots__ = ("call", "leases", "watched")
 
     def __init__(self) -> None:
-        super().__init__()
+        self.value = self.token = self.mark = None  # (StreamScope's, without a call)
         self.call: int | None = None  # set once the frame is held
         self.leases: list[TensorResidencyLease] = []
         self.watched: list[_Watched] = []
@@ -622,7 +622,8 @@ class ModuleStream(Uncopyable):
                 ended.watched = []
                 for lease in ended.leases:
                     lease.__exit__(None, None, None)  # (idempotent: a close may end it too)
-                leave_or_wait(ended)
+                if ended.token is not None:  # (the first module's, at most)
+                    leave_or_wait(ended)
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(ended)
                 self._calls.pop(ended.call, None)
