@@ -15,7 +15,7 @@ import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import CodeType
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import anyio
 import pytest
@@ -36,7 +36,7 @@ from torch_to_nnef.tensor.residency import (
     active_tensor_residency,
     stream_modules,
 )
-from torch_to_nnef.tensor.residency._scope import PENDING, StreamScope
+from torch_to_nnef.tensor.residency._scope import PENDING, StreamScope, leave_pending
 
 pytestmark = [pytest.mark.timeout(60)]
 WIDTH = 64
@@ -802,6 +802,91 @@ def test_forwards_interrupted_in_contexts_that_ended_keep_none_of_them_alive(
         gc.collect()
         assert [ref() for ref in payloads] == [None] * 5
     assert probe.weight is weight
+
+
+def test_a_waiting_scope_outlives_a_look_from_an_older_context(tmp_path: Path) -> None:
+    """A stream's scope waiting under a user's ``with pool_a.scope():`` (a forward in it
+    ended the interrupted call), then a forward through pool B in a context copied before
+    the interrupt, where that scope is not: the scope still waits, and the user's exit
+    leaves it (the look from the older context forgot it, and it came back at the exit for
+    good)."""
+    probe_a, _ = offloaded_probe(tmp_path / "a")
+    probe_b, weight_b = offloaded_probe(tmp_path / "b")
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight_b.reload().t()
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_b,
+        stream_modules(pool_a, [probe_a]),
+        stream_modules(pool_b, [probe_b]),
+    ):
+        older = contextvars.copy_context()
+        probe_a.interrupt = True
+        with pytest.raises(KeyboardInterrupt):
+            probe_a(x)
+        probe_a.interrupt = False
+        with pool_a.scope():
+            probe_a(x)
+            assert len(PENDING.scopes) == 1
+            assert torch.equal(older.run(probe_b, x), expected)
+            assert len(PENDING.scopes) == 1
+        assert active_tensor_residency() is None
+        assert not PENDING.scopes
+
+
+def test_closing_a_pool_leaves_a_scope_a_copied_context_could_not(tmp_path: Path) -> None:
+    """A stream's scope that waits because a copy of its context could not reset it: the
+    pool's close, in the context that set it, leaves it (the closed pool's scope stayed, and
+    every op on an offloaded tensor there failed, saying the pool is closed)."""
+    probe, weight = offloaded_probe(tmp_path)
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe])
+    probe.interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        probe(x)
+    probe.interrupt = False
+
+    def in_a_copy() -> None:
+        with pool.scope():
+            probe(x)
+
+    contextvars.copy_context().run(in_a_copy)
+    assert active_tensor_residency() == (pool, None)
+    assert len(PENDING.scopes) == 1
+    pool.close()
+    assert active_tensor_residency() is None
+    assert not PENDING.scopes
+    stream.close()
+    assert torch.equal(weight.reload(), weight.reload())  # (no pool's scope: read as is)
+    assert torch.equal(probe(x), x @ weight.reload().t())
+
+
+def test_leaving_waiting_scopes_survives_a_handler_that_leaves_them_too(
+    tmp_path: Path,
+) -> None:
+    """Leaving the waiting scopes while a signal handler, run as the scope's reset ends,
+    leaves them too (a handler that closes a stream): the outer pass finds its entry gone,
+    and the user's block exit it runs in raises nothing (it raised ValueError)."""
+
+    handled: list[bool] = []
+
+    class _LeftByAHandlerToo(StreamScope):
+        def leave_scope(self) -> Literal["left", "covered", "elsewhere"]:
+            outcome = super().leave_scope()
+            if not handled:  # the handler runs once, as the reset's hold ends
+                handled.append(True)
+                leave_pending()  # as the handler's close would
+            return outcome
+
+    with TensorResidencyPool() as pool:
+        scope = _LeftByAHandlerToo()
+        scope.set_scope((pool, None))
+        PENDING.scopes.append(scope)
+        assert leave_pending()
+        assert handled == [True]
+        assert not PENDING.scopes
+        assert active_tensor_residency() is None
 
 
 class _Refining(torch.nn.Module):

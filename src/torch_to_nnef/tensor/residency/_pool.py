@@ -631,9 +631,12 @@ class TensorResidencyPool(Uncopyable):
 
     def _end_interrupted_forwards(self) -> None:
         """Streamed forwards of the calling thread that Ctrl-C interrupted give back their
-        leases (they cannot be running: their thread is closing the pool)."""
+        leases (they cannot be running: their thread is closing the pool), and the scopes
+        of such forwards that waited to be left are, where they can be now."""
         for stream in list(self._streams):
             stream._end_interrupted_forward()
+        if PENDING.scopes:
+            leave_pending()
 
     def _warn_if_left_out(self) -> None:
         """Warn, once closed, when the pool served nothing while offloaded tensors were loaded

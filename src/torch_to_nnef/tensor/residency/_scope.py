@@ -96,12 +96,14 @@ def leave_or_wait(scope: StreamScope) -> None:
 
 def leave_pending() -> bool:
     """Leave the calling thread's waiting scopes that are the innermost again (the innermost
-    first), and forget those found set in another context; return whether one was left."""
+    first); return whether one was left. The others wait on, those of other contexts too:
+    each waits because its own context, live then, covered it (or a copy of it could not
+    reset it), and an asyncio task of the thread may be inside that cover now."""
     pending = PENDING.scopes
     left = False
     for scope in reversed(list(pending)):
-        outcome = scope.leave_scope()
-        if outcome != "covered":
-            pending.remove(scope)
-            left = left or outcome == "left"
+        if scope.leave_scope() == "left":
+            with contextlib.suppress(ValueError):  # (a handler run meanwhile took it)
+                pending.remove(scope)
+            left = True
     return left
