@@ -659,6 +659,7 @@ class _TwoPools(NamedTuple):
     pool_b: TensorResidencyPool
     x: torch.Tensor
     expected_b: torch.Tensor  # probe B's output
+    before: contextvars.Context  # a copy of the context made before the interrupt
 
 
 @contextlib.contextmanager
@@ -673,12 +674,13 @@ def probe_a_interrupted(tmp_path: Path) -> Iterator[_TwoPools]:
         stream_modules(pool_a, [probe_a]),
         stream_modules(pool_b, [probe_b]),
     ):
+        before = contextvars.copy_context()
         probe_a.interrupt = True
         with pytest.raises(KeyboardInterrupt):
             probe_a(x)
         probe_a.interrupt = False
         assert active_tensor_residency() == (pool_a, None)  # left set
-        yield _TwoPools(probe_a, probe_b, pool_a, pool_b, x, expected)
+        yield _TwoPools(probe_a, probe_b, pool_a, pool_b, x, expected, before)
         assert leased(pool_a) == 0
         assert probe_a.weight is weight_a
     assert torch.equal(probe_b(x), expected)  # both closed: through the tensors
@@ -810,25 +812,11 @@ def test_a_waiting_scope_outlives_a_look_from_an_older_context(tmp_path: Path) -
     the interrupt, where that scope is not: the scope still waits, and the user's exit
     leaves it (the look from the older context forgot it, and it came back at the exit for
     good)."""
-    probe_a, _ = offloaded_probe(tmp_path / "a")
-    probe_b, weight_b = offloaded_probe(tmp_path / "b")
-    x = torch.randn(2, WIDTH)
-    expected = x @ weight_b.reload().t()
-    with (
-        TensorResidencyPool() as pool_a,
-        TensorResidencyPool() as pool_b,
-        stream_modules(pool_a, [probe_a]),
-        stream_modules(pool_b, [probe_b]),
-    ):
-        older = contextvars.copy_context()
-        probe_a.interrupt = True
-        with pytest.raises(KeyboardInterrupt):
-            probe_a(x)
-        probe_a.interrupt = False
-        with pool_a.scope():
-            probe_a(x)
+    with probe_a_interrupted(tmp_path) as two:
+        with two.pool_a.scope():
+            two.probe_a(two.x)
             assert len(PENDING.scopes) == 1
-            assert torch.equal(older.run(probe_b, x), expected)
+            assert torch.equal(two.before.run(two.probe_b, two.x), two.expected_b)
             assert len(PENDING.scopes) == 1
         assert active_tensor_residency() is None
         assert not PENDING.scopes
