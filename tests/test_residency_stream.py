@@ -828,6 +828,7 @@ def test_closing_a_pool_leaves_a_scope_a_copied_context_could_not(tmp_path: Path
     every op on an offloaded tensor there failed, saying the pool is closed)."""
     probe, weight = offloaded_probe(tmp_path)
     x = torch.randn(2, WIDTH)
+    dense = weight.reload()
     pool = TensorResidencyPool()
     stream = stream_modules(pool, [probe])
     probe.interrupt = True
@@ -846,8 +847,8 @@ def test_closing_a_pool_leaves_a_scope_a_copied_context_could_not(tmp_path: Path
     assert active_tensor_residency() is None
     assert not PENDING.scopes
     stream.close()
-    assert torch.equal(weight.reload(), weight.reload())  # (no pool's scope: read as is)
-    assert torch.equal(probe(x), x @ weight.reload().t())
+    assert torch.equal(weight.reload(), dense)  # (it raised: the closed pool's scope)
+    assert torch.equal(probe(x), x @ dense.t())
 
 
 def test_leaving_waiting_scopes_survives_a_handler_that_leaves_them_too(

@@ -65,12 +65,16 @@ class StreamScope:
             return "covered" if _MARK.get() is self.mark else "elsewhere"
         # A Ctrl-C is raised once the token is cleared: one just after the reset would keep
         # it, and with it the entry (and its module's post-hook) for a scope already left.
-        with InterruptHold() as hold, contextlib.suppress(ValueError):
+        with InterruptHold() as hold:
             hold.start()
-            with contextlib.suppress(RuntimeError):  # (reset once already)
-                ACTIVE_RESIDENCY.reset(token)  # (ValueError in a copy of its context)
+            try:
+                ACTIVE_RESIDENCY.reset(token)
+            except ValueError:  # a copy of its context: its own context leaves it
+                return "covered"
+            except RuntimeError:  # reset once already
+                pass
             self.token = None
-        return "left" if self.token is None else "covered"
+        return "left"
 
 
 class _Pending(threading.local):
