@@ -28,6 +28,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY
 from torch_to_nnef.tensor.residency import (
     ModuleStream,
     ResidencyStrategy,
@@ -766,6 +767,75 @@ def test_closing_inside_a_users_scope_after_an_interrupted_forward_strands_no_sc
         assert active_tensor_residency() is None
         assert torch.equal(two.probe_b(two.x), two.expected_b)
         assert two.pool_b.stats().loads == 1
+
+
+def _close_a_from_another_thread(two: _TwoPools, closed: str) -> None:
+    """Close pool A's stream (and pool A, with ``closed == "pool"``) from another thread."""
+
+    def close() -> None:
+        _stream_of(two.pool_a).close()
+        if closed == "pool":
+            two.pool_a.close()
+
+    closer = threading.Thread(target=close)
+    closer.start()
+    closer.join(10)
+    assert not closer.is_alive()
+    assert leased(two.pool_a) == 0  # the close ended the interrupted call's lease
+    # The main thread's, left set (looked at as it is: `active_tensor_residency()` leaves
+    # a stream's scope that a closed pool left over).
+    assert ACTIVE_RESIDENCY.get() == (two.pool_a, None)
+
+
+@pytest.mark.parametrize("closed", ["stream", "pool"])
+def test_a_close_from_another_thread_after_an_interrupted_forward_strands_no_scope(
+    tmp_path: Path, closed: str
+) -> None:
+    """Pool A's stream (or it and pool A) closed from another thread, after a forward
+    interrupted inside a module of that stream in the main thread: the close cannot leave
+    the scope the forward opened there, and a forward through pool B, next in the main
+    thread, ends that call and is pool B's. (The closed stream was no longer its pool's,
+    where B's pre-hook looked: B was served by pool A, and once pool A closed, every later
+    forward of the thread failed. And the close let go of the call's frame, whose identity
+    a new frame took, so that the call looked as if it still ran.)"""
+    with probe_a_interrupted(tmp_path) as two:
+        _close_a_from_another_thread(two, closed)
+        assert torch.equal(two.probe_b(two.x), two.expected_b)
+        assert two.probe_b.seen == [torch.Tensor]  # bound by its own stream
+        assert two.pool_b.stats().misses == 1
+        assert two.pool_a.stats().misses == 1  # probe A's load only
+        assert active_tensor_residency() is None
+
+
+def test_an_op_after_a_close_from_another_thread_reads_through_the_tensor(
+    tmp_path: Path,
+) -> None:
+    """Pool A and its stream closed from another thread, after a forward interrupted inside
+    a module of that stream in the main thread: an op there on one of its tensors leaves the
+    scope pool A's stream left over, and reads the tensor (it went to the closed pool, and
+    every op of the thread on offloaded tensors failed)."""
+    with probe_a_interrupted(tmp_path) as two:
+        _close_a_from_another_thread(two, "pool")
+        weight = two.probe_a.weight
+        assert isinstance(weight, OffloadedTensor)  # the stream's close gave it back
+        expected = two.x @ weight.reload().t()  # (no scope left: read from the file)
+        assert active_tensor_residency() is None
+        assert torch.equal(two.probe_a(two.x), expected)
+
+
+def test_a_users_scope_of_a_closed_pool_still_refuses(tmp_path: Path) -> None:
+    """A user's ``with pool.scope():`` whose pool another thread closed is no scope left
+    over: ops on offloaded tensors inside it still say the pool is closed."""
+    _probe, weight = offloaded_probe(tmp_path)
+    pool = TensorResidencyPool()
+    with pool.scope():
+        closer = threading.Thread(target=pool.close)
+        closer.start()
+        closer.join(10)
+        with pytest.raises(T2NErrorMisuse, match="closed"):
+            weight.reload()
+        assert active_tensor_residency() == (pool, None)
+    assert active_tensor_residency() is None
 
 
 def _stream_of(pool: TensorResidencyPool) -> ModuleStream:

@@ -176,6 +176,10 @@ class ScopePool(Protocol):
     def _scope_aliased(self, source: PoolSource) -> None:
         """An op returned a view of ``source``'s value (a change through it is no write)."""
 
+    def _scope_left_over(self, scope: tuple[ScopePool, torch.device | None]) -> bool:
+        """Whether ``scope``, the innermost in this context, is one a stream of this pool
+        set for a call a Ctrl-C cut, left over once the pool closed: it is left then."""
+
 
 class _LeaseLike(Protocol):
     def __enter__(self) -> torch.Tensor: ...
@@ -219,6 +223,11 @@ def active_tensor_residency() -> tuple[ScopePool, torch.device | None] | None:
     """Return ``(pool, device)`` of the residency scope active in this context, or ``None``.
 
     ``device`` is the device given to :meth:`TensorResidencyPool.scope` (``None`` means each
-    tensor's own target device).
+    tensor's own target device). A scope a stream opened for a call that a Ctrl-C cut, left
+    over once its pool closed, is left here first: the scope under it is the active one.
     """
-    return ACTIVE_RESIDENCY.get()
+    scope = ACTIVE_RESIDENCY.get()
+    # (A stream's scope is a pair of a subclass; its pool tells whether it is left over.)
+    while scope is not None and type(scope) is not tuple and scope[0]._scope_left_over(scope):
+        scope = ACTIVE_RESIDENCY.get()
+    return scope

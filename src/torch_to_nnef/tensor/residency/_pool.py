@@ -46,7 +46,7 @@ from torch_to_nnef.tensor.residency._requests import (
     Transition,
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Reply, Runtime
-from torch_to_nnef.tensor.residency._scope import PENDING, leave_pending
+from torch_to_nnef.tensor.residency._scope import PENDING, leave_pending, opener_of
 from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._trace import ReadAhead
 from torch_to_nnef.tensor.sizing import parse_bytes
@@ -350,6 +350,17 @@ class TensorResidencyPool(Uncopyable):
     def _scope_aliased(self, source: PoolSource) -> None:
         """An op of the scope returned a view of ``source``'s value (what tensors call)."""
         self._actor.note_alias(source)
+
+    def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
+        """Whether ``scope``, the innermost in this context, was set by a stream of this
+        pool, closed now, for a call that is over: it is left then, as at that stream's
+        next forward (what tensors call before they use the scope)."""
+        if not self._actor.closed:
+            return False
+        stream = opener_of(scope)
+        return (
+            stream is not None and stream._end_calls_over() and ACTIVE_RESIDENCY.get() is not scope
+        )
 
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> TensorResidencyLease:
         """A ``read_write`` lease for an in-place op inside :meth:`scope` (what tensors call)."""

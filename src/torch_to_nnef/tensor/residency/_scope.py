@@ -13,12 +13,21 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import threading
+import weakref
 from typing import Any, Literal
 
 from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.tensor.offload._protocol import ACTIVE_RESIDENCY, active_tensor_residency
 
-__all__ = ["PENDING", "StreamScope", "active_tensor_residency", "leave_or_wait", "leave_pending"]
+__all__ = [
+    "PENDING",
+    "OpenedScope",
+    "StreamScope",
+    "active_tensor_residency",
+    "leave_or_wait",
+    "leave_pending",
+    "opener_of",
+]
 
 Outcome = Literal["left", "covered", "elsewhere"]
 
@@ -27,6 +36,30 @@ _MARK: contextvars.ContextVar[object] = contextvars.ContextVar("t2n_stream_mark"
 context carries it): a stream's scope that is not the innermost is covered in its context,
 or a copy of it, while the mark is still its own; otherwise it was set in another context,
 and stays set there."""
+
+
+class OpenedScope(tuple):  # type: ignore[type-arg]  # (a pair, as any scope's value)
+    """The value of a scope a stream set: the pair ``(pool, device)`` of any scope, which
+    also knows the stream (:func:`opener_of`). A thread that finds it left over by a call a
+    Ctrl-C cut asks that stream to end the call, whether or not the stream is still its
+    pool's (a close from another thread leaves the scope set in the thread that opened it).
+    The reference is weak: a stream dropped with its model goes, and leaves its scopes as
+    it goes."""
+
+    opener: weakref.ref[Any]
+
+    @classmethod
+    def of(cls, stream: Any, device: Any) -> OpenedScope:
+        """The value of a scope ``stream`` sets for its pool and ``device``."""
+        opened = cls((stream.pool, device))
+        opened.opener = weakref.ref(stream)
+        return opened
+
+
+def opener_of(scope: tuple[Any, Any]) -> Any:
+    """The stream that set ``scope`` (a scope's value), if a stream did and it lives."""
+    opener = getattr(scope, "opener", None)
+    return None if opener is None else opener()
 
 
 class StreamScope:
@@ -40,7 +73,7 @@ class StreamScope:
         self.token: contextvars.Token[Any] | None = None
         self.mark: object = None
 
-    def set_scope(self, value: tuple[Any, Any]) -> None:
+    def set_scope(self, value: OpenedScope) -> None:
         """Set ``value`` as the scope (a Ctrl-C right after the set: not the token, but the
         set is undone)."""
         self.value, self.mark = value, object()

@@ -22,9 +22,11 @@ from torch_to_nnef.tensor.opaque import _is_tracing
 from torch_to_nnef.tensor.residency._handles import Uncopyable, end_lease
 from torch_to_nnef.tensor.residency._scope import (
     PENDING,
+    OpenedScope,
     StreamScope,
     leave_or_wait,
     leave_pending,
+    opener_of,
 )
 
 if TYPE_CHECKING:
@@ -471,6 +473,9 @@ class ModuleStream(Uncopyable):
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
             # its module): that call ends here, as at its own stream's next forward.
             streams = list(getattr(scope[0], "_streams", ()))  # (a pool's, always)
+            opener = opener_of(scope)  # closed meanwhile, perhaps: no longer listed
+            if opener is not None and opener not in streams:
+                streams.append(opener)
             if not any([other._end_calls_over() for other in streams]):  # (each stream's)
                 return
             scope = ACTIVE_RESIDENCY.get()
@@ -507,7 +512,7 @@ class ModuleStream(Uncopyable):
                 entry.call = id(call)
                 self._calls[entry.call] = call
             if scope is None:  # a forward outside `pool.scope()`
-                entry.set_scope((pool, self.device))
+                entry.set_scope(OpenedScope.of(self, self.device))
             # Queue this module's loads, then those ahead, before waiting for any: a late
             # value does not delay the reads behind it.
             mine.append(self._begin(index, begun))
@@ -740,7 +745,8 @@ class ModuleStream(Uncopyable):
         for state in threads:
             _cancel_begun(state.begun, keep=())
             self._end_held(state)
-        self._calls.clear()  # (a forward still inside a module leaves it without them)
+        # The frames of the calls whose entries stay (another thread's, inside a module or
+        # cut there by a Ctrl-C) stay held: their thread tells by them when the call is over.
         self._release_next_forward()
         self.pool._streams.discard(self)
         # A forward of another thread inside a module leaves the scope the stream opened for
