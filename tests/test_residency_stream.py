@@ -823,6 +823,56 @@ def test_an_op_after_a_close_from_another_thread_reads_through_the_tensor(
         assert torch.equal(two.probe_a(two.x), expected)
 
 
+def test_a_copy_of_the_context_made_after_an_interrupted_forward_reads_once_its_pool_closed(
+    tmp_path: Path,
+) -> None:
+    """A copy of the context made after a forward interrupted inside a streamed module (an
+    asyncio task's, say) carries the scope the stream opened, which only the original can
+    reset. Once the stream and the pool closed, ops in the copy read the tensors (they went to
+    the closed pool, and failed, for the copy's life)."""
+    with probe_a_interrupted(tmp_path) as two:
+        copied = contextvars.copy_context()
+        _stream_of(two.pool_a).close()
+        two.pool_a.close()
+        assert active_tensor_residency() is None  # left here by the close
+        assert copied.run(ACTIVE_RESIDENCY.get) == (two.pool_a, None)
+        expected = two.x @ two.probe_a.weight.reload().t()
+        assert torch.equal(copied.run(two.probe_a, two.x), expected)
+        assert copied.run(ACTIVE_RESIDENCY.get) is None
+
+
+def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_strands_no_scope(
+    tmp_path: Path,
+) -> None:
+    """A stream dropped with its model after a forward interrupted inside it, collected in
+    another thread (which cannot leave the scope the forward opened), then its pool closed:
+    ops of the interrupted thread on other offloaded tensors read them (the scope was left
+    over on the closed pool, with no stream to end its call, and every op failed)."""
+    other, other_weight = offloaded_probe(tmp_path / "other")
+    expected = other_weight.reload()
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+
+    def interrupted() -> weakref.ref[ModuleStream]:
+        probe, _ = offloaded_probe(tmp_path / "streamed")
+        stream = stream_modules(pool, [probe])
+        probe.interrupt = True
+        with contextlib.suppress(KeyboardInterrupt):
+            probe(x)
+        return weakref.ref(stream)
+
+    stream = interrupted()
+    collector = threading.Thread(target=gc.collect)
+    collector.start()
+    collector.join(10)
+    assert stream() is None
+    settle(pool)
+    pool.close()
+    assert ACTIVE_RESIDENCY.get() == (pool, None)  # left set: the stream is gone
+    assert torch.equal(other(x), x @ expected.t())
+    assert active_tensor_residency() is None
+
+
 def test_a_users_scope_of_a_closed_pool_still_refuses(tmp_path: Path) -> None:
     """A user's ``with pool.scope():`` whose pool another thread closed is no scope left
     over: ops on offloaded tensors inside it still say the pool is closed."""

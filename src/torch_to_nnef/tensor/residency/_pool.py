@@ -352,15 +352,23 @@ class TensorResidencyPool(Uncopyable):
         self._actor.note_alias(source)
 
     def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
-        """Whether ``scope``, the innermost in this context, was set by a stream of this
-        pool, closed now, for a call that is over: it is left then, as at that stream's
-        next forward (what tensors call before they use the scope)."""
+        """Whether ``scope``, the innermost in this context, is one a stream of this pool,
+        closed now, set for a call that is not running here: it is left then (what tensors
+        call before they use a scope that is not a user's). A call that a Ctrl-C cut ends
+        as at that stream's next forward. A scope with no call of this thread under it (the
+        stream was collected, or this context is a copy of the one it was set in) is
+        replaced by none: a stream sets its scope only where none is active."""
         if not self._actor.closed:
             return False
         stream = opener_of(scope)
-        return (
-            stream is not None and stream._end_calls_over() and ACTIVE_RESIDENCY.get() is not scope
-        )
+        if stream is not None:
+            stream._end_calls_over()
+            if ACTIVE_RESIDENCY.get() is not scope:
+                return True
+            if stream._holds_scope(scope):
+                return False  # its call runs: the pool closed under it, as it says
+        ACTIVE_RESIDENCY.set(None)
+        return True
 
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> TensorResidencyLease:
         """A ``read_write`` lease for an in-place op inside :meth:`scope` (what tensors call)."""

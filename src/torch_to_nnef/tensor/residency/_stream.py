@@ -24,6 +24,7 @@ from torch_to_nnef.tensor.residency._scope import (
     PENDING,
     OpenedScope,
     StreamScope,
+    active_tensor_residency,
     leave_or_wait,
     leave_pending,
     opener_of,
@@ -465,9 +466,9 @@ class ModuleStream(Uncopyable):
     def _before(self, index: int, module: torch.nn.Module, args: Any) -> None:
         """Module ``index``'s forward pre-hook: its leases, those ahead, its values bound."""
         pool = self.pool
-        scope = ACTIVE_RESIDENCY.get()
+        scope = active_tensor_residency()  # (a closed pool's scope left over is left)
         if PENDING.scopes and leave_pending():
-            scope = ACTIVE_RESIDENCY.get()
+            scope = active_tensor_residency()
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
@@ -831,6 +832,14 @@ class ModuleStream(Uncopyable):
         pre-hook; whether a call was over."""
         state: _ThreadState | None = getattr(self._local, "state", None)
         return state is not None and any(state.held.values()) and self._end_interrupted_calls(state)
+
+    def _holds_scope(self, scope: tuple[Any, Any]) -> bool:
+        """Whether a call of the calling thread that set ``scope`` is on record (running, or
+        cut where its frame cannot tell)."""
+        state: _ThreadState | None = getattr(self._local, "state", None)
+        return state is not None and any(
+            entry.value is scope for stack in state.held.values() for entry in stack
+        )
 
     def _forward_inside(self) -> bool:
         """Whether a forward of some thread is inside one of the modules (from its pre-hook
