@@ -177,8 +177,9 @@ class ScopePool(Protocol):
         """An op returned a view of ``source``'s value (a change through it is no write)."""
 
     def _scope_left_over(self, scope: tuple[ScopePool, torch.device | None]) -> bool:
-        """Whether ``scope``, the innermost in this context, is one a stream of this pool
-        set for a call a Ctrl-C cut, left over once the pool closed: it is left then."""
+        """Whether ``scope``, the innermost in this context, is one a stream of this pool set
+        and no running call of this thread holds, left over once the pool closed (a Ctrl-C
+        cut the call): it is left then."""
 
 
 class _LeaseLike(Protocol):
