@@ -1089,6 +1089,49 @@ def test_a_module_streamed_inside_another_leaves_the_outer_call_what_it_holds(
     assert isinstance(outer.weight, OffloadedTensor) and isinstance(inner.weight, OffloadedTensor)
 
 
+class _Catching(torch.nn.Module):
+    """A streamed module that calls another streamed module inside its forward, and treats a
+    KeyboardInterrupt in that call as "skip it": it catches it and returns normally."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.weight = torch.nn.Parameter(torch.randn(WIDTH, WIDTH), requires_grad=False)
+        self.inner = inner
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight.t()
+        with contextlib.suppress(KeyboardInterrupt):
+            y = self.inner(y)
+        return y
+
+
+def test_a_module_that_catches_the_interrupt_of_one_inside_it_leaves_nothing_held(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C cuts a streamed module called inside another streamed module, which catches
+    it and returns: as the outer call ends, the inner call's entry ends too (its lease, its
+    binding, until the thread's next streamed forward)."""
+    inner = Probe()
+    outer = _Catching(inner)
+    dense_outer, dense_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
+    offload_module(outer, tmp_path)
+    inner_weight = inner.weight
+    x = torch.randn(2, WIDTH)
+    with TensorResidencyPool() as pool, stream_modules(pool, [outer, inner], depth=0):
+        assert torch.allclose(outer(x), x @ dense_outer.t() @ dense_inner.t(), atol=1e-5)
+        inner.interrupt = True
+        for _ in range(2):
+            assert torch.allclose(outer(x), x @ dense_outer.t(), atol=1e-5)
+            assert leased(pool) == 0
+            assert inner.weight is inner_weight
+            assert active_tensor_residency() is None
+        inner.interrupt = False
+        assert torch.allclose(outer(x), x @ dense_outer.t() @ dense_inner.t(), atol=1e-5)
+        assert inner.seen == [torch.Tensor] * 4  # bound each time it ran
+    assert isinstance(outer.weight, OffloadedTensor) and inner.weight is inner_weight
+
+
 def test_a_module_streamed_through_another_pool_inside_a_streamed_one_is_the_outer_pools(
     tmp_path: Path,
 ) -> None:

@@ -165,10 +165,11 @@ class _Held(StreamScope):
     :func:`_module_call`), which the stream holds (``ModuleStream._calls``) while this
     lasts."""
 
-    __slots__ = ("call", "leases", "watched")
+    __slots__ = ("call", "leases", "serial", "watched")
 
-    def __init__(self) -> None:
+    def __init__(self, serial: int) -> None:
         self.value = self.token = self.mark = None  # (StreamScope's, without a call)
+        self.serial = serial  # its place in the order its thread's entries were made in
         self.call: int | None = None  # set once the frame is held
         self.leases: list[TensorResidencyLease] = []
         self.watched: list[_Watched] = []
@@ -217,12 +218,13 @@ class _ThreadState:
     """What one thread's forwards hold through a stream (the stream keeps it only weakly:
     when the thread ends, its begun leases are dropped)."""
 
-    __slots__ = ("__weakref__", "begun", "held", "last")
+    __slots__ = ("__weakref__", "begun", "held", "last", "made")
 
     def __init__(self) -> None:
         self.held: dict[int, list[_Held]] = {}
         self.begun: dict[int, list[TensorResidencyLease]] = {}
         self.last = -1  # the module this thread entered last
+        self.made = 0  # how many entries its forwards made (the serial of the last one)
 
 
 def _cancel_begun(begun: dict[int, list[TensorResidencyLease]], keep: Iterable[int]) -> None:
@@ -502,7 +504,8 @@ class ModuleStream(Uncopyable):
         # Recorded before it holds anything: whatever interrupts this forward, the leases
         # it entered and the scope it opened are where the stream's close finds them.
         call = _module_call()
-        entry = _Held()
+        state.made += 1
+        entry = _Held(state.made)
         stack = held.setdefault(index, [])
         stack.append(entry)
         slots: dict[int, Slot] = {}
@@ -633,6 +636,12 @@ class ModuleStream(Uncopyable):
                 with contextlib.suppress(ValueError):  # a close from another thread took it
                     stack.remove(ended)
                 self._calls.pop(ended.call, None)
+            if state.made != ended.serial and any(
+                entry.serial > ended.serial for entries in held.values() for entry in entries
+            ):
+                # A module listed inside this one was cut by a Ctrl-C that this call caught:
+                # its call, made after this one, is over as this one ends.
+                self._end_interrupted_calls(state)
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
