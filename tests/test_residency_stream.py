@@ -841,6 +841,26 @@ def test_a_copy_of_the_context_made_after_an_interrupted_forward_reads_once_its_
         assert copied.run(ACTIVE_RESIDENCY.get) is None
 
 
+def test_a_call_ended_in_a_copied_context_after_its_pool_closed_waits_to_be_left_here(
+    tmp_path: Path,
+) -> None:
+    """Pool A and its stream closed from another thread after a forward interrupted inside
+    it; an op in a copy of the context (an asyncio task's) ends the call, whose scope the
+    copy cannot reset: it waits to be left in the main context, which the next op there does.
+    (That op replaced the scope by none, and the waiting scope stayed in the thread's list
+    for good, keeping the closed pool alive, one more per such event.)"""
+    with probe_a_interrupted(tmp_path) as two:
+        _close_a_from_another_thread(two, "pool")
+        weight = two.probe_a.weight
+        assert isinstance(weight, OffloadedTensor)
+        expected = contextvars.copy_context().run(weight.reload)  # (ends the call there)
+        assert len(PENDING.scopes) == 1  # its scope, set in the main context
+        assert ACTIVE_RESIDENCY.get() == (two.pool_a, None)
+        assert torch.equal(weight + 0, expected)
+        assert not PENDING.scopes
+        assert ACTIVE_RESIDENCY.get() is None
+
+
 def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_strands_no_scope(
     tmp_path: Path,
 ) -> None:

@@ -355,8 +355,9 @@ class TensorResidencyPool(Uncopyable):
         """Whether ``scope``, the innermost in this context, is one a stream of this pool,
         closed now, set for a call that is not running here: it is left then (what tensors
         call before they use a scope that is not a user's). A call that a Ctrl-C cut ends
-        as at that stream's next forward. A scope with no call of this thread under it (the
-        stream was collected, or this context is a copy of the one it was set in) is
+        as at that stream's next forward, and a scope waiting to be left in this context (its
+        call ended in a copy of it) is left. A scope with no call of this thread under it
+        (the stream was collected, or this context is a copy of the one it was set in) is
         replaced by none: a stream sets its scope only where none is active."""
         if not self._actor.closed:
             return False
@@ -367,6 +368,9 @@ class TensorResidencyPool(Uncopyable):
                 return True
             if stream._holds_scope(scope):
                 return False  # its call runs: the pool closed under it, as it says
+        # Its call ended, in a copy of this context perhaps, where it waits to be left here.
+        if PENDING.scopes and leave_pending() and ACTIVE_RESIDENCY.get() is not scope:
+            return True
         ACTIVE_RESIDENCY.set(None)
         return True
 
