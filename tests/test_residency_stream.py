@@ -893,6 +893,125 @@ def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_stran
     assert active_tensor_residency() is None
 
 
+def test_a_forward_in_another_pools_scope_ends_this_streams_interrupted_call_first(
+    tmp_path: Path,
+) -> None:
+    """A forward that changed its weight in place is interrupted inside the streamed module;
+    another thread's forward gives the module its tensor back; the next forward of the first
+    thread runs in a user's scope of another pool. The stream's pre-hook ends the interrupted
+    call (its change kept) before it defers to that pool, which serves the changed weight (it
+    served the file's: the change stayed with the cut call, its lease held)."""
+    probe, weight = offloaded_probe(tmp_path)
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    with (
+        TensorResidencyPool() as pool,
+        TensorResidencyPool() as other,
+        stream_modules(pool, [probe], depth=0),
+    ):
+        probe.add_in_place, probe.interrupt = 0.25, True
+        with pytest.raises(KeyboardInterrupt):
+            probe(x)
+        probe.add_in_place, probe.interrupt = 0.0, False
+        forward = threading.Thread(target=probe, args=(x,))
+        forward.start()
+        forward.join(10)
+        assert probe.weight is weight  # given back by that forward's exit
+        with other.scope():
+            assert torch.allclose(probe(x), x @ (dense + 0.25).t(), atol=1e-5)
+        assert leased(pool) == 0
+    assert torch.allclose(weight.reload(), dense + 0.25)
+
+
+def test_a_stream_collected_in_another_thread_leaves_no_scope_on_its_open_pool(
+    tmp_path: Path,
+) -> None:
+    """A stream dropped with its model after a forward interrupted inside it, collected in
+    another thread (which cannot leave the scope that forward opened), its pool still open:
+    the thread's next forward through another pool's stream is that pool's (the scope stayed,
+    with no stream to end it: every such forward was served by the first pool)."""
+    probe_b, weight_b = offloaded_probe(tmp_path / "b")
+    x = torch.randn(2, WIDTH)
+    expected = x @ weight_b.reload().t()
+    with TensorResidencyPool() as pool_a, TensorResidencyPool() as pool_b:
+
+        def interrupted() -> weakref.ref[ModuleStream]:
+            probe, _ = offloaded_probe(tmp_path / "a")
+            stream = stream_modules(pool_a, [probe])
+            probe.interrupt = True
+            with contextlib.suppress(KeyboardInterrupt):
+                probe(x)
+            return weakref.ref(stream)
+
+        stream = interrupted()
+        collector = threading.Thread(target=gc.collect)
+        collector.start()
+        collector.join(10)
+        assert stream() is None
+        assert ACTIVE_RESIDENCY.get() == (pool_a, None)  # left set: the stream is gone
+        with stream_modules(pool_b, [probe_b]):
+            for _ in range(2):
+                assert torch.equal(probe_b(x), expected)
+                assert probe_b.seen[-1] is torch.Tensor  # bound by its own stream
+            assert pool_b.stats().misses == 1
+        assert active_tensor_residency() is None
+        assert pool_a.stats().misses == 1  # the interrupted forward's load only
+
+
+class _Failing(Probe):
+    """A probe whose forward, once let go on, raises an error of the user's (with ``fail``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fail = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        output = super().forward(x)
+        if self.fail:
+            raise ValueError("the user's own error")
+        return output
+
+
+def test_a_forward_failing_after_its_stream_closed_under_it_raises_its_own_error(
+    tmp_path: Path,
+) -> None:
+    """A stream closed while a forward of another thread is inside a module, with a hook of
+    the user's registered after the stream's: the forward then fails with the user's error
+    (torch runs the hooks of a failing forward from the module's live table of hooks; the
+    stream's hook removed itself there, and torch raised RuntimeError instead). The hook the
+    close left goes at the module's next call."""
+    probe = _Failing()
+    offload_module(probe, tmp_path)
+    probe.entered, probe.go_on = threading.Event(), threading.Event()
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe])
+    probe.register_forward_hook(lambda module, args, output: None)
+    raised: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            probe(torch.randn(2, WIDTH))
+        except BaseException as error:
+            raised.append(error)
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert probe.entered.wait(10)
+    stream.close()
+    probe.go_on.set()
+    worker.join(10)
+    assert [type(error) for error in raised] == [ValueError]
+    assert len(probe._forward_hooks) == 2  # the user's, and the stream's for now
+    probe.entered = probe.go_on = None
+    with pytest.raises(ValueError, match="own error"):
+        probe(torch.randn(2, WIDTH))
+    assert len(probe._forward_hooks) == 2  # (not while an error is handled)
+    probe.fail = False
+    probe(torch.randn(2, WIDTH))
+    assert len(probe._forward_hooks) == 1
+    pool.close()
+
+
 def test_a_users_scope_of_a_closed_pool_still_refuses(tmp_path: Path) -> None:
     """A user's ``with pool.scope():`` whose pool another thread closed is no scope left
     over: ops on offloaded tensors inside it still say the pool is closed."""

@@ -178,8 +178,8 @@ class ScopePool(Protocol):
 
     def _scope_left_over(self, scope: tuple[ScopePool, torch.device | None]) -> bool:
         """Whether ``scope``, the innermost in this context, is one a stream of this pool set
-        and no running call of this thread holds, left over once the pool closed (a Ctrl-C
-        cut the call): it is left then."""
+        and no running call of this thread holds, left over once the pool closed or the
+        stream went (a Ctrl-C cut the call): it is left then."""
 
 
 class _LeaseLike(Protocol):
@@ -225,7 +225,8 @@ def active_tensor_residency() -> tuple[ScopePool, torch.device | None] | None:
 
     ``device`` is the device given to :meth:`TensorResidencyPool.scope` (``None`` means each
     tensor's own target device). A scope a stream opened for a call that a Ctrl-C cut, left
-    over once its pool closed, is left here first: the scope under it is the active one.
+    over once its pool closed or the stream went, is left here first: the scope under it is
+    the active one.
     """
     scope = ACTIVE_RESIDENCY.get()
     # (A stream's scope is a pair of a subclass; its pool tells whether it is left over.)

@@ -352,17 +352,18 @@ class TensorResidencyPool(Uncopyable):
         self._actor.note_alias(source)
 
     def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
-        """Whether ``scope``, the innermost in this context, is one a stream of this pool,
-        closed now, set for a call that is not running here: it is left then (what tensors
-        call before they use a scope that is not a user's). A call that a Ctrl-C cut ends
-        as at that stream's next forward, and a scope waiting to be left in this context (its
-        call ended in a copy of it) is left. A scope with no call of this thread under it
-        (the stream was collected, or this context is a copy of the one it was set in) is
-        replaced by none: a stream sets its scope only where none is active."""
-        if not self._actor.closed:
-            return False
+        """Whether ``scope``, the innermost in this context, is one a stream of this pool
+        set for a call that is not running here, once the pool closed or the stream went:
+        it is left then (what tensors call before they use a scope that is not a user's).
+        A call that a Ctrl-C cut ends as at that stream's next forward, and a scope waiting
+        to be left in this context (its call ended in a copy of it) is left. A scope with no
+        call of this thread under it (the stream was collected, or this context is a copy of
+        the one it was set in) is replaced by none: a stream sets its scope only where none
+        is active."""
         stream = opener_of(scope)
-        if stream is not None:
+        if stream is not None:  # (none: it went, collected in another thread; nothing runs)
+            if not self._actor.closed:
+                return False
             stream._end_calls_over()
             if ACTIVE_RESIDENCY.get() is not scope:
                 return True

@@ -474,11 +474,14 @@ class ModuleStream(Uncopyable):
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
-            # its module): that call ends here, as at its own stream's next forward.
+            # its module): that call ends here, as at its own stream's next forward. This
+            # stream's own calls that are over end too: the change one made in place is the
+            # tensor's latest write, which the other pool serves.
             streams = list(getattr(scope[0], "_streams", ()))  # (a pool's, always)
             opener = opener_of(scope)  # closed meanwhile, perhaps: no longer listed
             if opener is not None and opener not in streams:
                 streams.append(opener)
+            streams.append(self)
             if not any([other._end_calls_over() for other in streams]):  # (each stream's)
                 return
             scope = ACTIVE_RESIDENCY.get()
@@ -645,7 +648,12 @@ class ModuleStream(Uncopyable):
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
-        the module, once none is."""
+        the module, once none is. Not while an error is handled: torch runs the hooks of a
+        module whose forward failed from its live table of hooks, and a removal there makes
+        it raise ``RuntimeError`` in place of the forward's error. The hook then stays until
+        its module's next call (or the stream goes)."""
+        if sys.exc_info()[1] is not None:
+            return
         with self._lock:
             if any(state.held.get(index) for state in list(self._lingering)):
                 return
