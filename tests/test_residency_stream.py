@@ -1576,7 +1576,11 @@ def test_a_pool_whose_async_exit_a_forward_outlived_closes_once_the_forward_ende
     assert pool.closed and "leased: 0," in repr(pool)
 
 
-def test_a_thread_that_ends_after_an_interrupted_forward_drops_its_leases(tmp_path: Path) -> None:
+def test_a_thread_that_ends_after_an_interrupted_forward_leaves_its_leases_to_the_stream(
+    tmp_path: Path,
+) -> None:
+    """A thread ends after a forward interrupted inside a streamed module: the stream ends
+    what that forward held at its next forward (the leases, and the module's places)."""
     probe, weight = offloaded_probe(tmp_path)
     expected = weight.reload()
     probe.interrupt = True
@@ -1596,12 +1600,49 @@ def test_a_thread_that_ends_after_an_interrupted_forward_drops_its_leases(tmp_pa
         assert interrupted == [True]
         del thread
         gc.collect()
-        settle(pool)
-        assert "leased: 0," in repr(pool)
+        assert "leased: 1," in repr(pool)  # the stream's, until its next forward
         probe.interrupt = False
         assert torch.equal(probe(x), x @ expected.t())  # the next forward binds afresh
         assert probe.weight is weight
+        settle(pool)
+        assert "leased: 0," in repr(pool)
     assert pool.closed
+
+
+@pytest.mark.parametrize("then", ["close", "forward"])
+def test_a_thread_that_ends_inside_a_streamed_module_loses_none_of_its_change(
+    tmp_path: Path, then: str
+) -> None:
+    """A forward in a worker thread changes its weight in place, then a Ctrl-C (or
+    ``sys.exit``: torch runs post-hooks on ``Exception`` only) cuts it inside the module, and
+    the thread ends. What that forward held goes to the stream, which ends it as a close
+    would: at the stream's close, or at the next forward through it (the leases ended as
+    their thread's state was collected, the change dropped, and the module stayed bound to
+    the pool's value until the stream closed)."""
+    probe, weight = offloaded_probe(tmp_path)
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe], depth=0)
+
+    def cut() -> None:
+        probe.add_in_place, probe.interrupt = 0.5, True
+        with contextlib.suppress(KeyboardInterrupt):
+            probe(x)
+
+    worker = threading.Thread(target=cut)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
+    del worker
+    gc.collect()  # (its state goes as the thread ends: nothing waits for a collection)
+    probe.add_in_place, probe.interrupt = 0.0, False
+    if then == "forward":
+        assert torch.allclose(probe(x), x @ (dense + 0.5).t(), atol=1e-5)
+        assert probe.weight is weight and leased(pool) == 0
+    stream.close()
+    pool.close()
+    assert torch.allclose(weight.reload(), dense + 0.5)
 
 
 def test_a_stream_dropped_with_its_model_after_an_interrupted_forward_lets_everything_go(

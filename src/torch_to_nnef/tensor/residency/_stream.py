@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import sys
@@ -242,16 +243,19 @@ def _forget_thread(
     stream: weakref.ref[ModuleStream],
 ) -> None:
     """A thread's state was collected: its thread ended, or the stream was dropped (with its
-    modules) without close. The leases it began are dropped (those a forward interrupted
-    inside a module still held end as they are collected), the frames of its module calls
+    modules) without close. The leases it began are dropped, the frames of its module calls
     let go, and, collected in that forward's own context, it leaves the scope the stream
-    opened for it."""
+    opened for it. What a forward interrupted inside a module still held goes to the stream,
+    when it lives, which ends it as its close would, at its next forward or close
+    (:meth:`ModuleStream._end_orphans`: the change it made in place is kept, the module's
+    places get their tensors back); otherwise its leases end as they are collected."""
     _cancel_begun(begun, ())
     alive = stream()
-    for stack in held.values():
+    for index, stack in held.items():
         for entry in reversed(stack):
             if alive is not None:
                 alive._calls.pop(entry.call, None)
+                alive._orphans.append((index, entry))  # (no lock: a finalizer runs this)
             entry.leave_scope()
 
 
@@ -364,6 +368,8 @@ class ModuleStream(Uncopyable):
         # The frames of the module calls that forwards hold something for, by identity (see
         # _module_call): a call whose frame left its thread's stack is over.
         self._calls: dict[int | None, FrameType] = {}
+        # What forwards of threads that ended inside a module held (see _forget_thread).
+        self._orphans: collections.deque[tuple[int, _Held]] = collections.deque()
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
         # Every hook registered, to take off when the stream goes (see ``_Hook``).
@@ -495,6 +501,8 @@ class ModuleStream(Uncopyable):
             )
         if not self._handles:
             return  # the stream closed as this forward began: it reads through the tensors
+        if self._orphans:
+            self._end_orphans()
         state = self._state()
         held, begun = state.held, state.begun
         if any(held.values()) and self._end_interrupted_calls(state):
@@ -763,6 +771,7 @@ class ModuleStream(Uncopyable):
         for state in threads:
             _cancel_begun(state.begun, keep=())
             self._end_held(state)
+        self._end_orphans()
         # The frames of the calls whose entries stay (another thread's, inside a module or
         # cut there by a Ctrl-C) stay held: their thread tells by them when the call is over.
         self._release_next_forward()
@@ -777,7 +786,9 @@ class ModuleStream(Uncopyable):
         """Give back what a forward of the calling thread, interrupted inside modules, still
         holds: its modules get their tensors back, its leases end (keeping its changes), and
         it leaves the scope the stream opened for it. The pool calls this as the thread closes
-        it: that forward cannot be running, as its thread is here."""
+        it: that forward cannot be running, as its thread is here. So do forwards of threads
+        that ended inside a module."""
+        self._end_orphans()
         state: _ThreadState | None = getattr(self._local, "state", None)
         if state is None or not any(state.held.values()):
             return
@@ -820,6 +831,31 @@ class ModuleStream(Uncopyable):
                 with contextlib.suppress(ValueError):  # its own hook took it already
                     stack.remove(held)
                 self._calls.pop(held.call, None)
+
+    def _end_orphans(self) -> None:
+        """End what forwards of threads that ended inside a module held (see
+        :func:`_forget_thread`), as a close would: the changes they made in place are kept,
+        their leases end, and their modules get their tensors back where no forward is
+        inside. Each runs whole (Ctrl-C is raised as it ends): taken out, it is ended."""
+        orphans = self._orphans
+        while orphans:
+            with InterruptHold() as hold:
+                hold.start()
+                try:
+                    index, entry = orphans.popleft()
+                except IndexError:  # (another thread took the last one)
+                    return
+                watched, entry.watched = entry.watched, []
+                leases, entry.leases = entry.leases, []
+                try:
+                    self._keep_changes(watched)
+                finally:
+                    for lease in leases:
+                        lease.__exit__(None, None, None)
+                    with self._lock:
+                        inside = any(state.held.get(index) for state in self._threads)
+                    if not inside:
+                        self._unbind(index)
 
     def _end_interrupted_calls(self, state: _ThreadState) -> bool:
         """At a forward's pre-hook: end what module calls of this thread that are over still
