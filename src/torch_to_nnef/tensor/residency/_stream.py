@@ -599,7 +599,12 @@ class ModuleStream(Uncopyable):
         try:
             self._leave(index)
         finally:
-            if not self._handles:  # closed: it stayed for a forward inside the module
+            # Closed: it stayed for a forward inside the module. Not while an error is
+            # handled: torch runs the hooks of a module whose forward failed from its live
+            # table of hooks, and a removal there makes it raise RuntimeError in place of the
+            # forward's error. The hook then goes at its module's next call (or with the
+            # stream).
+            if not self._handles and sys.exc_info()[1] is None:
                 self._drop_post_hook(index)
 
     def _leave(self, index: int) -> None:
@@ -656,12 +661,7 @@ class ModuleStream(Uncopyable):
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
-        the module, once none is. Not while an error is handled: torch runs the hooks of a
-        module whose forward failed from its live table of hooks, and a removal there makes
-        it raise ``RuntimeError`` in place of the forward's error. The hook then stays until
-        its module's next call (or the stream goes)."""
-        if sys.exc_info()[1] is not None:
-            return
+        the module, once none is."""
         with self._lock:
             if any(state.held.get(index) for state in list(self._lingering)):
                 return
