@@ -687,6 +687,16 @@ def probe_a_interrupted(tmp_path: Path) -> Iterator[_TwoPools]:
     assert torch.equal(probe_b(x), expected)  # both closed: through the tensors
 
 
+def _assert_b_is_pool_bs(two: _TwoPools) -> None:
+    """Probe B's forward is right, bound by its own stream and served by pool B alone, and
+    leaves no scope."""
+    assert torch.equal(two.probe_b(two.x), two.expected_b)
+    assert two.probe_b.seen == [torch.Tensor]  # bound by its own stream
+    assert two.pool_b.stats().misses == 1
+    assert two.pool_a.stats().misses == 1  # probe A's load only
+    assert active_tensor_residency() is None
+
+
 def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_that_pools(
     tmp_path: Path,
 ) -> None:
@@ -695,11 +705,7 @@ def test_a_model_streamed_through_another_pool_after_an_interrupted_forward_is_t
     served by pool B (its stream took the leftover scope for a forward of pool A's: pool A
     served B's weights, and B's stream bound nothing, until A's next forward)."""
     with probe_a_interrupted(tmp_path) as two:
-        assert torch.equal(two.probe_b(two.x), two.expected_b)
-        assert two.probe_b.seen == [torch.Tensor]  # bound by its own stream
-        assert two.pool_b.stats().misses == 1
-        assert two.pool_a.stats().misses == 1  # probe A's load only
-        assert active_tensor_residency() is None
+        _assert_b_is_pool_bs(two)
 
 
 def test_a_scope_entered_after_an_interrupted_forward_stays_the_users_until_it_ends(
@@ -800,11 +806,7 @@ def test_a_close_from_another_thread_after_an_interrupted_forward_strands_no_sco
     a new frame took, so that the call looked as if it still ran.)"""
     with probe_a_interrupted(tmp_path) as two:
         _close_a_from_another_thread(two, closed)
-        assert torch.equal(two.probe_b(two.x), two.expected_b)
-        assert two.probe_b.seen == [torch.Tensor]  # bound by its own stream
-        assert two.pool_b.stats().misses == 1
-        assert two.pool_a.stats().misses == 1  # probe A's load only
-        assert active_tensor_residency() is None
+        _assert_b_is_pool_bs(two)
 
 
 def test_an_op_after_a_close_from_another_thread_reads_through_the_tensor(
@@ -861,6 +863,25 @@ def test_a_call_ended_in_a_copied_context_after_its_pool_closed_waits_to_be_left
         assert ACTIVE_RESIDENCY.get() is None
 
 
+def _drop_a_stream_after_an_interrupt(pool: TensorResidencyPool, directory: Path) -> None:
+    """A probe streamed through ``pool``, interrupted inside its forward, then dropped with
+    its stream and collected in another thread (which cannot leave the scope it opened)."""
+
+    def interrupted() -> weakref.ref[ModuleStream]:
+        probe, _ = offloaded_probe(directory)
+        stream = stream_modules(pool, [probe])
+        probe.interrupt = True
+        with contextlib.suppress(KeyboardInterrupt):
+            probe(torch.randn(2, WIDTH))
+        return weakref.ref(stream)
+
+    stream = interrupted()
+    collector = threading.Thread(target=gc.collect)
+    collector.start()
+    collector.join(10)
+    assert stream() is None
+
+
 def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_strands_no_scope(
     tmp_path: Path,
 ) -> None:
@@ -872,20 +893,7 @@ def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_stran
     expected = other_weight.reload()
     x = torch.randn(2, WIDTH)
     pool = TensorResidencyPool()
-
-    def interrupted() -> weakref.ref[ModuleStream]:
-        probe, _ = offloaded_probe(tmp_path / "streamed")
-        stream = stream_modules(pool, [probe])
-        probe.interrupt = True
-        with contextlib.suppress(KeyboardInterrupt):
-            probe(x)
-        return weakref.ref(stream)
-
-    stream = interrupted()
-    collector = threading.Thread(target=gc.collect)
-    collector.start()
-    collector.join(10)
-    assert stream() is None
+    _drop_a_stream_after_an_interrupt(pool, tmp_path / "streamed")
     settle(pool)
     pool.close()
     assert ACTIVE_RESIDENCY.get() == (pool, None)  # left set: the stream is gone
@@ -934,20 +942,7 @@ def test_a_stream_collected_in_another_thread_leaves_no_scope_on_its_open_pool(
     x = torch.randn(2, WIDTH)
     expected = x @ weight_b.reload().t()
     with TensorResidencyPool() as pool_a, TensorResidencyPool() as pool_b:
-
-        def interrupted() -> weakref.ref[ModuleStream]:
-            probe, _ = offloaded_probe(tmp_path / "a")
-            stream = stream_modules(pool_a, [probe])
-            probe.interrupt = True
-            with contextlib.suppress(KeyboardInterrupt):
-                probe(x)
-            return weakref.ref(stream)
-
-        stream = interrupted()
-        collector = threading.Thread(target=gc.collect)
-        collector.start()
-        collector.join(10)
-        assert stream() is None
+        _drop_a_stream_after_an_interrupt(pool_a, tmp_path / "a")
         assert ACTIVE_RESIDENCY.get() == (pool_a, None)  # left set: the stream is gone
         with stream_modules(pool_b, [probe_b]):
             for _ in range(2):
@@ -1184,6 +1179,23 @@ def test_a_module_that_calls_itself_leaves_nothing_held_when_its_outer_call_retu
     assert torch.equal(weight.reload(), dense)
 
 
+class _Nested(NamedTuple):
+    """A probe inside an outer module, offloaded, and their weights as they were."""
+
+    inner: Probe
+    outer: torch.nn.Module
+    dense_outer: torch.Tensor
+    dense_inner: torch.Tensor
+
+
+def nested_probe(tmp_path: Path, outer_class: Callable[[Probe], torch.nn.Module]) -> _Nested:
+    inner = Probe()
+    outer = outer_class(inner)
+    dense_outer, dense_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
+    offload_module(outer, tmp_path)
+    return _Nested(inner, outer, dense_outer, dense_inner)
+
+
 class _Outer(torch.nn.Module):
     """A streamed module that calls another streamed module inside its forward, and records
     whether its own weight was still bound (a plain tensor) once the inner one returned."""
@@ -1207,10 +1219,7 @@ def test_a_module_streamed_inside_another_leaves_the_outer_call_what_it_holds(
     """The inner module's pre-hook finds the outer call's entry: that call is running (its
     frame is on the stack), not interrupted, so its values stay bound and leased; after an
     interrupt inside the inner module, the next forward ends both calls."""
-    inner = Probe()
-    outer = _Outer(inner)
-    expected_outer, expected_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
-    offload_module(outer, tmp_path)
+    inner, outer, expected_outer, expected_inner = nested_probe(tmp_path, _Outer)
     x = torch.randn(2, WIDTH)
     expected = (x @ expected_outer.t() @ expected_inner.t()) @ expected_outer.t()
     with TensorResidencyPool() as pool, stream_modules(pool, [outer, inner], depth=0):
@@ -1251,10 +1260,7 @@ def test_a_module_that_catches_the_interrupt_of_one_inside_it_leaves_nothing_hel
     """A Ctrl-C cuts a streamed module called inside another streamed module, which catches
     it and returns: as the outer call ends, the inner call's entry ends too (its lease, its
     binding, until the thread's next streamed forward)."""
-    inner = Probe()
-    outer = _Catching(inner)
-    dense_outer, dense_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
-    offload_module(outer, tmp_path)
+    inner, outer, dense_outer, dense_inner = nested_probe(tmp_path, _Catching)
     inner_weight = inner.weight
     x = torch.randn(2, WIDTH)
     with TensorResidencyPool() as pool, stream_modules(pool, [outer, inner], depth=0):
@@ -1277,10 +1283,7 @@ def test_a_module_streamed_through_another_pool_inside_a_streamed_one_is_the_out
     """A module of pool B's stream run inside one of pool A's: the forward is in pool A's
     scope, and the outer call is not over, so pool A serves both (B's stream, seeing that
     scope, ends nothing of A's)."""
-    inner = Probe()
-    outer = _Outer(inner)
-    expected_outer, expected_inner = outer.weight.detach().clone(), inner.weight.detach().clone()
-    offload_module(outer, tmp_path)
+    inner, outer, expected_outer, expected_inner = nested_probe(tmp_path, _Outer)
     inner_weight = inner.weight
     x = torch.randn(2, WIDTH)
     expected = (x @ expected_outer.t() @ expected_inner.t()) @ expected_outer.t()

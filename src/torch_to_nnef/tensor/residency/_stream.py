@@ -818,6 +818,19 @@ class ModuleStream(Uncopyable):
         """End what ``held`` holds (see :meth:`_end_held`) and take it off ``stack``. ``mine``:
         an entry of the calling thread, whose scope is left or waits (see
         ``_scope.leave_or_wait``); otherwise it stays on ``stack`` unless its scope is left."""
+        try:
+            self._end_holdings(held)
+        finally:
+            if mine:
+                leave_or_wait(held)
+            if mine or held.leave_scope() == "left":
+                with contextlib.suppress(ValueError):  # its own hook took it already
+                    stack.remove(held)
+                self._calls.pop(held.call, None)
+
+    def _end_holdings(self, held: _Held) -> None:
+        """Keep what ``held``'s forward changed in place, and end its leases (both taken out
+        of it first: what a close cut midway ended, a later one does not end again)."""
         watched, held.watched = held.watched, []
         leases, held.leases = held.leases, []
         try:
@@ -825,12 +838,6 @@ class ModuleStream(Uncopyable):
         finally:
             for lease in leases:
                 lease.__exit__(None, None, None)
-            if mine:
-                leave_or_wait(held)
-            if mine or held.leave_scope() == "left":
-                with contextlib.suppress(ValueError):  # its own hook took it already
-                    stack.remove(held)
-                self._calls.pop(held.call, None)
 
     def _end_orphans(self) -> None:
         """End what forwards of threads that ended inside a module held (see
@@ -845,13 +852,9 @@ class ModuleStream(Uncopyable):
                     index, entry = orphans.popleft()
                 except IndexError:  # (another thread took the last one)
                     return
-                watched, entry.watched = entry.watched, []
-                leases, entry.leases = entry.leases, []
                 try:
-                    self._keep_changes(watched)
+                    self._end_holdings(entry)
                 finally:
-                    for lease in leases:
-                        lease.__exit__(None, None, None)
                     with self._lock:
                         inside = any(state.held.get(index) for state in self._threads)
                     if not inside:
