@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import contextvars
 import copy
@@ -1612,6 +1613,26 @@ def test_a_thread_that_ends_after_an_interrupted_forward_leaves_its_leases_to_th
     assert pool.closed
 
 
+def _cut_in_a_thread_that_ends(probe: Probe, x: torch.Tensor, add: float) -> None:
+    """A forward of ``probe`` in a new thread changes its weight in place (``add``), is cut by
+    a Ctrl-C inside the module, and the thread ends (its state collected)."""
+
+    def cut() -> None:
+        probe.add_in_place, probe.interrupt = add, True
+        try:
+            with contextlib.suppress(KeyboardInterrupt):
+                probe(x)
+        finally:
+            probe.add_in_place, probe.interrupt = 0.0, False
+
+    worker = threading.Thread(target=cut)
+    worker.start()
+    worker.join(10)
+    assert not worker.is_alive()
+    del worker
+    gc.collect()
+
+
 @pytest.mark.parametrize("then", ["close", "forward"])
 def test_a_thread_that_ends_inside_a_streamed_module_loses_none_of_its_change(
     tmp_path: Path, then: str
@@ -1628,23 +1649,59 @@ def test_a_thread_that_ends_inside_a_streamed_module_loses_none_of_its_change(
     pool = TensorResidencyPool()
     stream = stream_modules(pool, [probe], depth=0)
 
-    def cut() -> None:
-        probe.add_in_place, probe.interrupt = 0.5, True
-        with contextlib.suppress(KeyboardInterrupt):
-            probe(x)
-
-    worker = threading.Thread(target=cut)
-    worker.start()
-    worker.join(10)
-    assert not worker.is_alive()
-    del worker
-    gc.collect()  # (its state goes as the thread ends: nothing waits for a collection)
-    probe.add_in_place, probe.interrupt = 0.0, False
+    _cut_in_a_thread_that_ends(probe, x, 0.5)
     if then == "forward":
         assert torch.allclose(probe(x), x @ (dense + 0.5).t(), atol=1e-5)
         assert probe.weight is weight and leased(pool) == 0
     stream.close()
     pool.close()
+    assert torch.allclose(weight.reload(), dense + 0.5)
+
+
+def test_a_thread_that_ended_inside_a_module_has_its_change_seen_in_another_pools_scope(
+    tmp_path: Path,
+) -> None:
+    """A forward cut inside a streamed module in a thread that then ended; the next forward
+    of that module runs in a user's scope of another pool: the stream ends the dead thread's
+    call first, so that the forward and the reads of the tensor there see its change (the
+    module stayed bound to the first pool's changed value, while the tensor, read through the
+    other pool, gave the file's)."""
+    probe, weight = offloaded_probe(tmp_path)
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    with (
+        TensorResidencyPool() as pool,
+        TensorResidencyPool() as other,
+        stream_modules(pool, [probe], depth=0),
+    ):
+        _cut_in_a_thread_that_ends(probe, x, 0.25)
+        with other.scope():
+            assert torch.allclose(probe(x), x @ (dense + 0.25).t(), atol=1e-5)
+            assert torch.allclose(weight + 0, dense + 0.25)
+        assert probe.weight is weight and leased(pool) == 0
+    assert torch.allclose(weight.reload(), dense + 0.25)
+
+
+def test_a_closed_stream_keeps_nothing_of_a_thread_that_ends_after_its_close(
+    tmp_path: Path,
+) -> None:
+    """A forward cut inside a streamed module in a thread that lives on; the stream and the
+    pool close (keeping its change); then the thread ends: the closed stream takes nothing of
+    it (it kept the thread's entry, and its scope's value, for the stream's life)."""
+    probe, weight = offloaded_probe(tmp_path)
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe], depth=0)
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        probe.add_in_place, probe.interrupt = 0.5, True
+        with pytest.raises(KeyboardInterrupt):
+            executor.submit(probe, x).result(timeout=10)
+        probe.add_in_place, probe.interrupt = 0.0, False
+        stream.close()
+        pool.close()
+    gc.collect()
+    assert not stream._orphans
     assert torch.allclose(weight.reload(), dense + 0.5)
 
 

@@ -255,7 +255,8 @@ def _forget_thread(
         for entry in reversed(stack):
             if alive is not None:
                 alive._calls.pop(entry.call, None)
-                alive._orphans.append((index, entry))  # (no lock: a finalizer runs this)
+                if alive._handles:  # (a close ended what it held, and gave its places back)
+                    alive._orphans.append((index, entry))  # (no lock: a finalizer runs this)
             entry.leave_scope()
 
 
@@ -477,6 +478,8 @@ class ModuleStream(Uncopyable):
         scope = active_tensor_residency()  # (a closed pool's scope left over is left)
         if PENDING.scopes and leave_pending():
             scope = active_tensor_residency()
+        if self._orphans and self._handles and not pool.closed:
+            self._end_orphans()  # (first: a forward in another pool's scope reads the change)
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
@@ -501,8 +504,6 @@ class ModuleStream(Uncopyable):
             )
         if not self._handles:
             return  # the stream closed as this forward began: it reads through the tensors
-        if self._orphans:
-            self._end_orphans()
         state = self._state()
         held, begun = state.held, state.begun
         if any(held.values()) and self._end_interrupted_calls(state):
