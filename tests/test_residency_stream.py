@@ -1682,6 +1682,59 @@ def test_a_thread_that_ended_inside_a_module_has_its_change_seen_in_another_pool
     assert torch.allclose(weight.reload(), dense + 0.25)
 
 
+class _CutOuter(_Outer):
+    """An outer module whose forward a Ctrl-C may cut before it calls the inner one."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__(inner)
+        self.interrupt = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.interrupt:
+            raise KeyboardInterrupt
+        return super().forward(x)
+
+
+def test_a_module_inside_one_a_dead_thread_was_cut_in_is_its_own_streams_again(
+    tmp_path: Path,
+) -> None:
+    """An outer module streamed through pool A holds an inner one streamed through pool C. A
+    forward of the outer one, cut inside it in a thread that then ended, left the inner
+    module's place bound to pool A's value; the inner module's own stream, which could not
+    bind it, ends that call first, so that a change its forward makes in place is its pool's
+    (it went into pool A's value, and every read of the tensor gave the older value until
+    the outer module ran again)."""
+    inner, outer, _, dense_inner = nested_probe(tmp_path, _CutOuter)
+    inner_weight = inner.weight
+    x = torch.randn(2, WIDTH)
+    with (
+        TensorResidencyPool() as pool_a,
+        TensorResidencyPool() as pool_c,
+        stream_modules(pool_a, [outer], depth=0),
+        stream_modules(pool_c, [inner], depth=0),
+    ):
+        outer(x)
+
+        def cut() -> None:
+            with contextlib.suppress(KeyboardInterrupt):
+                outer(x)
+
+        outer.interrupt = True
+        worker = threading.Thread(target=cut)
+        worker.start()
+        worker.join(10)
+        del worker
+        gc.collect()
+        outer.interrupt = False
+        inner.add_in_place = 0.25
+        inner(x)
+        inner.add_in_place = 0.0
+        assert inner.weight is inner_weight
+        assert torch.allclose(inner_weight.reload(), dense_inner + 0.25)
+        assert leased(pool_a) == 0 and leased(pool_c) == 0
+    assert torch.allclose(inner_weight.reload(), dense_inner + 0.25)
+
+
 def test_a_closed_stream_keeps_nothing_of_a_thread_that_ends_after_its_close(
     tmp_path: Path,
 ) -> None:

@@ -246,9 +246,10 @@ def _forget_thread(
     modules) without close. The leases it began are dropped, the frames of its module calls
     let go, and, collected in that forward's own context, it leaves the scope the stream
     opened for it. What a forward interrupted inside a module still held goes to the stream,
-    when it lives, which ends it as its close would, at its next forward or close
-    (:meth:`ModuleStream._end_orphans`: the change it made in place is kept, the module's
-    places get their tensors back); otherwise its leases end as they are collected."""
+    when it lives and is open, which ends it as its close would, at the next forward of any
+    stream, its close or its pool's (:meth:`ModuleStream._end_orphans`: the change it made in
+    place is kept, the module's places get their tensors back); otherwise its leases end as
+    they are collected."""
     _cancel_begun(begun, ())
     alive = stream()
     for index, stack in held.items():
@@ -257,7 +258,14 @@ def _forget_thread(
                 alive._calls.pop(entry.call, None)
                 if alive._handles:  # (a close ended what it held, and gave its places back)
                     alive._orphans.append((index, entry))  # (no lock: a finalizer runs this)
+                    _ORPHANED.add(alive)
             entry.leave_scope()
+
+
+_ORPHANED: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
+"""The streams holding what threads that ended inside their modules held: any stream's next
+forward ends it (a module of another stream may sit inside one of theirs, bound to their
+pool's value, where its own stream cannot bind it)."""
 
 
 class _Hook:
@@ -478,8 +486,10 @@ class ModuleStream(Uncopyable):
         scope = active_tensor_residency()  # (a closed pool's scope left over is left)
         if PENDING.scopes and leave_pending():
             scope = active_tensor_residency()
-        if self._orphans and self._handles and not pool.closed:
-            self._end_orphans()  # (first: a forward in another pool's scope reads the change)
+        if _ORPHANED:  # (first: a forward in another pool's scope reads their changes)
+            for stream in list(_ORPHANED):
+                if stream._handles and not stream.pool.closed:
+                    stream._end_orphans()
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
@@ -852,7 +862,7 @@ class ModuleStream(Uncopyable):
                 try:
                     index, entry = orphans.popleft()
                 except IndexError:  # (another thread took the last one)
-                    return
+                    break
                 try:
                     self._end_holdings(entry)
                 finally:
@@ -860,6 +870,9 @@ class ModuleStream(Uncopyable):
                         inside = any(state.held.get(index) for state in self._threads)
                     if not inside:
                         self._unbind(index)
+        _ORPHANED.discard(self)
+        if orphans:  # handed over meanwhile (the finalizer appends, then lists the stream)
+            _ORPHANED.add(self)
 
     def _end_interrupted_calls(self, state: _ThreadState) -> bool:
         """At a forward's pre-hook: end what module calls of this thread that are over still
