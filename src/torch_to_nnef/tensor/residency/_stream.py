@@ -258,14 +258,15 @@ def _forget_thread(
                 alive._calls.pop(entry.call, None)
                 if alive._handles:  # (a close ended what it held, and gave its places back)
                     alive._orphans.append((index, entry))  # (no lock: a finalizer runs this)
-                    _ORPHANED.add(alive)
+                    _ORPHANED.add(stream)
             entry.leave_scope()
 
 
-_ORPHANED: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
+_ORPHANED: set[weakref.ref[ModuleStream]] = set()
 """The streams holding what threads that ended inside their modules held: any stream's next
 forward ends it (a module of another stream may sit inside one of theirs, bound to their
-pool's value, where its own stream cannot bind it)."""
+pool's value, where its own stream cannot bind it). A plain set of weak references: every
+pre-hook looks at it."""
 
 
 class _Hook:
@@ -487,9 +488,12 @@ class ModuleStream(Uncopyable):
         if PENDING.scopes and leave_pending():
             scope = active_tensor_residency()
         if _ORPHANED:  # (first: a forward in another pool's scope reads their changes)
-            for stream in list(_ORPHANED):
-                if stream._handles and not stream.pool.closed:
-                    stream._end_orphans()
+            for reference in list(_ORPHANED):
+                orphaned = reference()
+                if orphaned is None:
+                    _ORPHANED.discard(reference)
+                elif orphaned._handles:
+                    orphaned._end_orphans()
         if scope is not None and scope[0] is not pool:
             # A forward in another pool's scope is that pool's (its own stream's), unless a
             # call of that pool's stream that is over left the scope set (a Ctrl-C inside
@@ -863,6 +867,8 @@ class ModuleStream(Uncopyable):
                     index, entry = orphans.popleft()
                 except IndexError:  # (another thread took the last one)
                     break
+                if self.pool.closed:  # (its close ended the leases: nothing is left to keep)
+                    entry.watched = []
                 try:
                     self._end_holdings(entry)
                 finally:
@@ -870,9 +876,10 @@ class ModuleStream(Uncopyable):
                         inside = any(state.held.get(index) for state in self._threads)
                     if not inside:
                         self._unbind(index)
-        _ORPHANED.discard(self)
+        reference = weakref.ref(self)
+        _ORPHANED.discard(reference)
         if orphans:  # handed over meanwhile (the finalizer appends, then lists the stream)
-            _ORPHANED.add(self)
+            _ORPHANED.add(reference)
 
     def _end_interrupted_calls(self, state: _ThreadState) -> bool:
         """At a forward's pre-hook: end what module calls of this thread that are over still
