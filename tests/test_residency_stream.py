@@ -1008,6 +1008,49 @@ def test_a_forward_failing_after_its_stream_closed_under_it_raises_its_own_error
     pool.close()
 
 
+def test_a_close_while_a_failing_forward_runs_its_hooks_leaves_it_its_error(
+    tmp_path: Path,
+) -> None:
+    """A forward of another thread fails with the user's error, and torch runs the module's
+    hooks from its live table; the stream closes while a hook of the user's, after the
+    stream's, runs: the close leaves the stream's post-hook, which goes at the module's next
+    call (it removed it from the table torch was walking, which raised RuntimeError in place
+    of the user's error)."""
+    probe = _Failing()
+    offload_module(probe, tmp_path)
+    in_hook, go_on = threading.Event(), threading.Event()
+
+    def blocking(module: torch.nn.Module, args: object, output: object) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            in_hook.set()
+            assert go_on.wait(10)
+
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe])
+    probe.register_forward_hook(blocking, always_call=True)
+    probe.register_forward_hook(lambda module, args, output: None)  # (the walk goes on)
+    raised: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            probe(torch.randn(2, WIDTH))
+        except BaseException as error:
+            raised.append(error)
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert in_hook.wait(10)
+    stream.close()
+    go_on.set()
+    worker.join(10)
+    assert [type(error) for error in raised] == [ValueError]
+    assert len(probe._forward_hooks) == 3  # the stream's, for now
+    probe.fail = False
+    probe(torch.randn(2, WIDTH))
+    assert len(probe._forward_hooks) == 2
+    pool.close()
+
+
 def test_a_users_scope_of_a_closed_pool_still_refuses(tmp_path: Path) -> None:
     """A user's ``with pool.scope():`` whose pool another thread closed is no scope left
     over: ops on offloaded tensors inside it still say the pool is closed."""

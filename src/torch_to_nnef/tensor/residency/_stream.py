@@ -198,6 +198,22 @@ def _module_call() -> FrameType | None:
     return None
 
 
+def _hook_tables_walked_elsewhere() -> set[int]:
+    """The identities of the forward-hook tables (``module._forward_hooks``) of the modules
+    whose call (``Module._call_impl``) runs in another thread, which may be walking one."""
+    tables: set[int] = set()
+    me = threading.get_ident()
+    for ident, top in sys._current_frames().items():
+        frame: FrameType | None = top
+        while ident != me and frame is not None:
+            if frame.f_code is _CALL_IMPL:
+                hooks = getattr(frame.f_locals.get("self"), "_forward_hooks", None)
+                if hooks is not None:
+                    tables.add(id(hooks))
+            frame = frame.f_back
+    return tables
+
+
 _CALL_DEPTHS = (4, 3, 5, 6)
 """Where :func:`_module_call` looks for the module call, counted from itself (it, then
 ``ModuleStream._before``, its ``_Hook``): torch 2.13 calls hooks from a closure of
@@ -676,13 +692,18 @@ class ModuleStream(Uncopyable):
 
     def _drop_post_hook(self, index: int) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
-        the module, once none is."""
+        the module, once none is, nor any call of it in another thread: torch runs the hooks
+        of a failing forward from the module's live table of hooks, where a removal makes it
+        raise ``RuntimeError`` in place of the forward's error (the hook then goes at the
+        module's next call, or with the stream)."""
         with self._lock:
             if any(state.held.get(index) for state in list(self._lingering)):
                 return
-            handle = self._post_handles.pop(index, None)
-        if handle is not None:
-            handle.remove()
+            handle = self._post_handles.get(index)
+            if handle is None or id(handle.hooks_dict_ref()) in _hook_tables_walked_elsewhere():
+                return
+            del self._post_handles[index]
+        handle.remove()
 
     # -- values bound in place of their tensors ------------------------------------------------
     def _bind(self, index: int, slots: dict[int, Slot]) -> list[_Watched]:
