@@ -902,14 +902,17 @@ def test_a_stream_collected_in_another_thread_after_an_interrupted_forward_stran
     assert active_tensor_residency() is None
 
 
-def test_a_forward_in_another_pools_scope_ends_this_streams_interrupted_call_first(
-    tmp_path: Path,
+@pytest.mark.parametrize("cut_in", ["this thread", "a thread that ended"])
+def test_a_forward_in_another_pools_scope_sees_the_change_of_an_interrupted_call(
+    tmp_path: Path, cut_in: str
 ) -> None:
-    """A forward that changed its weight in place is interrupted inside the streamed module;
-    another thread's forward gives the module its tensor back; the next forward of the first
-    thread runs in a user's scope of another pool. The stream's pre-hook ends the interrupted
-    call (its change kept) before it defers to that pool, which serves the changed weight (it
-    served the file's: the change stayed with the cut call, its lease held)."""
+    """A forward that changed its weight in place is cut inside the streamed module: in this
+    thread (then another thread's forward gives the module its tensor back), or in a thread
+    that then ended. The next forward of this thread runs in a user's scope of another pool:
+    the stream's pre-hook ends the cut call first, its change kept, so that the forward and
+    the reads of the tensor there see it. (The other pool served the file's value: the change
+    stayed with the cut call; and, for a dead thread's, the module stayed bound to the first
+    pool's changed value, which its forward used.)"""
     probe, weight = offloaded_probe(tmp_path)
     dense = weight.reload()
     x = torch.randn(2, WIDTH)
@@ -918,17 +921,21 @@ def test_a_forward_in_another_pools_scope_ends_this_streams_interrupted_call_fir
         TensorResidencyPool() as other,
         stream_modules(pool, [probe], depth=0),
     ):
-        probe.add_in_place, probe.interrupt = 0.25, True
-        with pytest.raises(KeyboardInterrupt):
-            probe(x)
-        probe.add_in_place, probe.interrupt = 0.0, False
-        forward = threading.Thread(target=probe, args=(x,))
-        forward.start()
-        forward.join(10)
-        assert probe.weight is weight  # given back by that forward's exit
+        if cut_in == "this thread":
+            probe.add_in_place, probe.interrupt = 0.25, True
+            with pytest.raises(KeyboardInterrupt):
+                probe(x)
+            probe.add_in_place, probe.interrupt = 0.0, False
+            forward = threading.Thread(target=probe, args=(x,))
+            forward.start()
+            forward.join(10)
+            assert probe.weight is weight  # given back by that forward's exit
+        else:
+            _cut_in_a_thread_that_ends(probe, x, 0.25)
         with other.scope():
             assert torch.allclose(probe(x), x @ (dense + 0.25).t(), atol=1e-5)
-        assert leased(pool) == 0
+            assert torch.allclose(weight + 0, dense + 0.25)
+        assert probe.weight is weight and leased(pool) == 0
     assert torch.allclose(weight.reload(), dense + 0.25)
 
 
@@ -952,6 +959,29 @@ def test_a_stream_collected_in_another_thread_leaves_no_scope_on_its_open_pool(
             assert pool_b.stats().misses == 1
         assert active_tensor_residency() is None
         assert pool_a.stats().misses == 1  # the interrupted forward's load only
+
+
+def _close_under_a_forward(
+    probe: Probe, stream: ModuleStream, reached: threading.Event, go_on: threading.Event
+) -> list[type[BaseException]]:
+    """Run a forward of ``probe`` in another thread, close ``stream`` once the forward
+    ``reached`` a point, then let it go on; the types of what the forward raised."""
+    raised: list[BaseException] = []
+
+    def forward() -> None:
+        try:
+            probe(torch.randn(2, WIDTH))
+        except BaseException as error:
+            raised.append(error)
+
+    worker = threading.Thread(target=forward)
+    worker.start()
+    assert reached.wait(10)
+    stream.close()
+    go_on.set()
+    worker.join(10)
+    assert not worker.is_alive()
+    return [type(error) for error in raised]
 
 
 class _Failing(Probe):
@@ -982,21 +1012,7 @@ def test_a_forward_failing_after_its_stream_closed_under_it_raises_its_own_error
     pool = TensorResidencyPool()
     stream = stream_modules(pool, [probe])
     probe.register_forward_hook(lambda module, args, output: None)
-    raised: list[BaseException] = []
-
-    def forward() -> None:
-        try:
-            probe(torch.randn(2, WIDTH))
-        except BaseException as error:
-            raised.append(error)
-
-    worker = threading.Thread(target=forward)
-    worker.start()
-    assert probe.entered.wait(10)
-    stream.close()
-    probe.go_on.set()
-    worker.join(10)
-    assert [type(error) for error in raised] == [ValueError]
+    assert _close_under_a_forward(probe, stream, probe.entered, probe.go_on) == [ValueError]
     assert len(probe._forward_hooks) == 2  # the user's, and the stream's for now
     probe.entered = probe.go_on = None
     with pytest.raises(ValueError, match="own error"):
@@ -1029,21 +1045,7 @@ def test_a_close_while_a_failing_forward_runs_its_hooks_leaves_it_its_error(
     stream = stream_modules(pool, [probe])
     probe.register_forward_hook(blocking, always_call=True)
     probe.register_forward_hook(lambda module, args, output: None)  # (the walk goes on)
-    raised: list[BaseException] = []
-
-    def forward() -> None:
-        try:
-            probe(torch.randn(2, WIDTH))
-        except BaseException as error:
-            raised.append(error)
-
-    worker = threading.Thread(target=forward)
-    worker.start()
-    assert in_hook.wait(10)
-    stream.close()
-    go_on.set()
-    worker.join(10)
-    assert [type(error) for error in raised] == [ValueError]
+    assert _close_under_a_forward(probe, stream, in_hook, go_on) == [ValueError]
     assert len(probe._forward_hooks) == 3  # the stream's, for now
     probe.fail = False
     probe(torch.randn(2, WIDTH))
@@ -1699,30 +1701,6 @@ def test_a_thread_that_ends_inside_a_streamed_module_loses_none_of_its_change(
     stream.close()
     pool.close()
     assert torch.allclose(weight.reload(), dense + 0.5)
-
-
-def test_a_thread_that_ended_inside_a_module_has_its_change_seen_in_another_pools_scope(
-    tmp_path: Path,
-) -> None:
-    """A forward cut inside a streamed module in a thread that then ended; the next forward
-    of that module runs in a user's scope of another pool: the stream ends the dead thread's
-    call first, so that the forward and the reads of the tensor there see its change (the
-    module stayed bound to the first pool's changed value, while the tensor, read through the
-    other pool, gave the file's)."""
-    probe, weight = offloaded_probe(tmp_path)
-    dense = weight.reload()
-    x = torch.randn(2, WIDTH)
-    with (
-        TensorResidencyPool() as pool,
-        TensorResidencyPool() as other,
-        stream_modules(pool, [probe], depth=0),
-    ):
-        _cut_in_a_thread_that_ends(probe, x, 0.25)
-        with other.scope():
-            assert torch.allclose(probe(x), x @ (dense + 0.25).t(), atol=1e-5)
-            assert torch.allclose(weight + 0, dense + 0.25)
-        assert probe.weight is weight and leased(pool) == 0
-    assert torch.allclose(weight.reload(), dense + 0.25)
 
 
 class _CutOuter(_Outer):
