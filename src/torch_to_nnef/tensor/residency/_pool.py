@@ -46,7 +46,7 @@ from torch_to_nnef.tensor.residency._requests import (
     Transition,
 )
 from torch_to_nnef.tensor.residency._runtime import Operation, Reply, Runtime
-from torch_to_nnef.tensor.residency._scope import PENDING, leave_pending, opener_of
+from torch_to_nnef.tensor.residency._scope import PENDING, leave_left_over, leave_pending
 from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._trace import ReadAhead
 from torch_to_nnef.tensor.sizing import parse_bytes
@@ -352,28 +352,10 @@ class TensorResidencyPool(Uncopyable):
         self._actor.note_alias(source)
 
     def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
-        """Whether ``scope``, the innermost in this context, is one a stream of this pool
-        set for a call that is not running here, once the pool closed or the stream went:
-        it is left then (what tensors call before they use a scope that is not a user's).
-        A call that a Ctrl-C cut ends as at that stream's next forward, and a scope waiting
-        to be left in this context (its call ended in a copy of it) is left. A scope with no
-        call of this thread under it (the stream was collected, or this context is a copy of
-        the one it was set in) is replaced by none: a stream sets its scope only where none
-        is active."""
-        stream = opener_of(scope)
-        if stream is not None:  # (none: it went, collected in another thread; nothing runs)
-            if not self._actor.closed:
-                return False
-            stream._end_calls_over()
-            if ACTIVE_RESIDENCY.get() is not scope:
-                return True
-            if stream._holds_scope(scope):
-                return False  # its call runs: the pool closed under it, as it says
-        # Its call ended, in a copy of this context perhaps, where it waits to be left here.
-        if PENDING.scopes and leave_pending() and ACTIVE_RESIDENCY.get() is not scope:
-            return True
-        ACTIVE_RESIDENCY.set(None)
-        return True
+        """Whether ``scope``, the innermost in this context, is a stream's of this pool that
+        is left over (what tensors call before they use a scope that is not a user's): it is
+        left then (see ``_scope.leave_left_over``)."""
+        return leave_left_over(scope, self._actor.closed)
 
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> TensorResidencyLease:
         """A ``read_write`` lease for an in-place op inside :meth:`scope` (what tensors call)."""

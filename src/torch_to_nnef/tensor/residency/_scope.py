@@ -24,6 +24,7 @@ __all__ = [
     "OpenedScope",
     "StreamScope",
     "active_tensor_residency",
+    "leave_left_over",
     "leave_or_wait",
     "leave_pending",
     "opener_of",
@@ -144,3 +145,26 @@ def leave_pending() -> bool:
                 pending.remove(scope)
             left = True
     return left
+
+
+def leave_left_over(scope: tuple[Any, Any], closed: bool) -> bool:
+    """Whether ``scope``, a stream's and the innermost in this context, is left over, its
+    pool ``closed`` or its stream gone, for a call that is not running here: it is left
+    then. A call that a Ctrl-C cut ends as at that stream's next forward, and a scope waiting
+    to be left in this context (its call ended in a copy of it) is left. A scope with no call
+    of this thread under it (the stream was collected, or this context is a copy of the one
+    it was set in) is replaced by none: a stream sets its scope only where none is active."""
+    stream = opener_of(scope)
+    if stream is not None:  # (none: it went, collected in another thread; nothing runs)
+        if not closed:
+            return False
+        stream._end_calls_over()
+        if ACTIVE_RESIDENCY.get() is not scope:
+            return True
+        if stream._holds_scope(scope):
+            return False  # its call runs: the pool closed under it, as it says
+    # Its call ended, in a copy of this context perhaps, where it waits to be left here.
+    if PENDING.scopes and leave_pending() and ACTIVE_RESIDENCY.get() is not scope:
+        return True
+    ACTIVE_RESIDENCY.set(None)
+    return True

@@ -690,17 +690,22 @@ class ModuleStream(Uncopyable):
                 # its call, made after this one, is over as this one ends.
                 self._end_interrupted_calls(state)
 
-    def _drop_post_hook(self, index: int) -> None:
+    def _drop_post_hook(self, index: int, walked: set[int] | None = None) -> None:
         """Remove module ``index``'s post-hook, which a close left for the forwards inside
         the module, once none is, nor any call of it in another thread: torch runs the hooks
         of a failing forward from the module's live table of hooks, where a removal makes it
         raise ``RuntimeError`` in place of the forward's error (the hook then goes at the
-        module's next call, or with the stream)."""
+        module's next call, or with the stream). ``walked``: the tables such calls may walk,
+        looked up once by a caller dropping several (see :func:`_hook_tables_walked_elsewhere`)."""
         with self._lock:
             if any(state.held.get(index) for state in list(self._lingering)):
                 return
             handle = self._post_handles.get(index)
-            if handle is None or id(handle.hooks_dict_ref()) in _hook_tables_walked_elsewhere():
+            if handle is None:
+                return
+            if walked is None:
+                walked = _hook_tables_walked_elsewhere()
+            if id(handle.hooks_dict_ref()) in walked:
                 return
             del self._post_handles[index]
         handle.remove()
@@ -814,8 +819,9 @@ class ModuleStream(Uncopyable):
         self.pool._streams.discard(self)
         # A forward of another thread inside a module leaves the scope the stream opened for
         # it in its own thread only: that module's post-hook stays until it has.
+        walked = _hook_tables_walked_elsewhere() if self._post_handles else set()
         for index in list(self._post_handles):
-            self._drop_post_hook(index)
+            self._drop_post_hook(index, walked)
         _carry_over(changed)  # last: a failed write leaves the stream closed all the same
 
     def _end_interrupted_forward(self) -> None:
