@@ -1756,6 +1756,33 @@ def test_a_module_inside_one_a_dead_thread_was_cut_in_is_its_own_streams_again(
     assert torch.allclose(inner_weight.reload(), dense_inner + 0.25)
 
 
+def test_a_forked_child_streams_its_own_model_while_the_parent_holds_a_dead_threads_call(
+    tmp_path: Path,
+) -> None:
+    """A forward cut inside a streamed module in a thread that then ended leaves its call to
+    the stream; a child forked then streams a model of its own through a pool of its own (its
+    pre-hook ended the parent's call first, through the parent's pool, which refused in the
+    child: every forward there failed). The parent keeps the call's change."""
+    probe, weight = offloaded_probe(tmp_path / "parent")
+    other, other_weight = offloaded_probe(tmp_path / "child")
+    dense = weight.reload()
+    x = torch.randn(2, WIDTH)
+    expected = x @ other_weight.reload().t()
+    pool = TensorResidencyPool()
+    stream = stream_modules(pool, [probe], depth=0)
+    _cut_in_a_thread_that_ends(probe, x, 0.5)
+
+    def child() -> str:
+        with TensorResidencyPool() as own, stream_modules(own, [other]):
+            right = torch.equal(other(x), expected)
+        return f"streamed, right: {right}"
+
+    assert in_forked_child(child) == "streamed, right: True"
+    stream.close()
+    pool.close()
+    assert torch.allclose(weight.reload(), dense + 0.5)
+
+
 def test_a_closed_stream_keeps_nothing_of_a_thread_that_ends_after_its_close(
     tmp_path: Path,
 ) -> None:

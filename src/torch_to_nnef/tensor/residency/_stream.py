@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -283,6 +284,21 @@ _ORPHANED: set[weakref.ref[ModuleStream]] = set()
 forward ends it (a module of another stream may sit inside one of theirs, bound to their
 pool's value, where its own stream cannot bind it). A plain set of weak references: every
 pre-hook looks at it."""
+
+
+def _forget_orphans_in_child() -> None:
+    """After ``fork``, in the child: what threads of the parent left to its streams is the
+    parent's to end (their pools' threads run there only); a stream of the child's own ends
+    none of it."""
+    for reference in list(_ORPHANED):
+        orphaned = reference()
+        if orphaned is not None:
+            orphaned._orphans.clear()
+    _ORPHANED.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_orphans_in_child)
 
 
 class _Hook:
