@@ -51,7 +51,8 @@ class InterruptAt:
 class SignalAt:
     """A profile function (``sys.setprofile``) that runs the SIGINT handler in force, as a
     Ctrl-C arriving there would, at the ``n``-th point counted where CPython runs a pending
-    handler: the entry to a function of a file whose path contains ``within``, and the
+    handler: the entry to a function of a file whose path contains ``within`` (or one of
+    them, given several), and the
     return of a call such a function makes (of a Python or a C function's). Python's default handler
     raises ``KeyboardInterrupt`` there, a hold's records the signal. ``fired`` once it ran,
     ``where`` says where (the event and the function's qualified name: ``"c_return
@@ -63,8 +64,9 @@ class SignalAt:
     :func:`in_finalizer` recognises are not counted. Calls of ``ctypes`` functions make no
     events: the point just after one is not counted."""
 
-    def __init__(self, n: int, within: str, finalizers: bool = True) -> None:
-        self.n, self.within, self.finalizers = n, within, finalizers
+    def __init__(self, n: int, within: str | tuple[str, ...], finalizers: bool = True) -> None:
+        self.n, self.finalizers = n, finalizers
+        self.within = (within,) if isinstance(within, str) else within
         self.events = 0
         self.fired = False
         self.exit_entry = False
@@ -74,10 +76,10 @@ class SignalAt:
         code = frame.f_code
         if event not in _HANDLED_AT:
             return
-        if self.within not in code.co_filename and not (
+        if not self._within(code.co_filename) and not (
             event == "return"  # a return lands in its caller: counted where the caller is
             and frame.f_back is not None
-            and self.within in frame.f_back.f_code.co_filename
+            and self._within(frame.f_back.f_code.co_filename)
         ):
             return
         if event == "return" and code.co_name == "__enter__":
@@ -97,6 +99,9 @@ class SignalAt:
             handler = signal.getsignal(signal.SIGINT)
             if callable(handler):
                 handler(signal.SIGINT, frame)
+
+    def _within(self, filename: str) -> bool:
+        return any(place in filename for place in self.within)
 
 
 _HANDLED_AT = ("call", "return", "c_return")  # not before a C call: after the previous one
@@ -151,7 +156,10 @@ def interrupted(trace: Trace, run: Callable[[], object]) -> bool:
 
 
 def signalled(
-    n: int, within: str, run: Callable[[], object], finalizers: bool = True
+    n: int,
+    within: str | tuple[str, ...],
+    run: Callable[[], object],
+    finalizers: bool = True,
 ) -> tuple[SignalAt, KeyboardInterrupt | None]:
     """Run ``run`` with a Ctrl-C at its ``n``-th point (:class:`SignalAt`); return that
     profile function and the ``KeyboardInterrupt`` that ended the run, if one did (a caller

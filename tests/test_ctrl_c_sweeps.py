@@ -4,12 +4,14 @@ file, descriptor or SIGINT handler is left behind, and the value on disk is whol
 from __future__ import annotations
 
 import asyncio
+import copy
 import gc
 import itertools
 import signal
 import sys
 import tempfile
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -233,6 +235,73 @@ def test_a_ctrl_c_anywhere_in_a_read_write_lease_leaves_no_lease_even_kept(
         assert points > 20, "the lease made fewer points than expected: the test proves little"
         kept.clear()
     assert pool.closed
+
+
+class _HeldUpWriteBack:
+    """A flush of ``pool`` (in a thread of its own) whose write-back of ``t`` is announced,
+    then held up until :meth:`let_go`, and ``seconds`` more: a thread holds the tensor's write
+    lock meanwhile, as a direct write of it does."""
+
+    def __init__(self, pool: TensorResidencyPool, t: OffloadedTensor, seconds: float) -> None:
+        self.go, locked = threading.Event(), threading.Event()
+
+        def hold() -> None:
+            with t._write_lock:
+                locked.set()
+                self.go.wait(10)
+                time.sleep(seconds)
+
+        self.holder = threading.Thread(target=hold)
+        self.holder.start()
+        locked.wait(10)
+        self.flusher = threading.Thread(target=pool.flush)
+        self.flusher.start()
+        deadline = time.monotonic() + 10
+        while not t._pending_writes and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert t._pending_writes, "the write-back was not announced"
+
+    def let_go(self) -> None:
+        self.go.set()
+
+    def ended(self) -> bool:
+        """Whether the write-back and the flush ended (within 10 s)."""
+        self.go.set()
+        self.holder.join(10)
+        self.flusher.join(10)
+        return not self.flusher.is_alive()
+
+
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_anywhere_in_a_copy_waiting_for_a_write_back_leaves_it_free_to_end(
+    tmp_path: Path,
+) -> None:
+    """A copy of a tensor (``copy.deepcopy``) waits for the write-back of it that a pool
+    announced. A Ctrl-C anywhere in that wait, ``threading``'s own code included, leaves
+    nothing held: the write-back ends, and the flush that waits for it. A
+    ``threading.Condition`` stood there once, whose ``__enter__`` a Ctrl-C cut with its lock
+    held: the pool's I/O worker then waited for that lock for ever, and flush and close with
+    it."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(256), "t", offload_dir=tmp_path)
+    pool = TensorResidencyPool()  # left open on a failure: its close would wait for ever
+    for n in itertools.count(1):
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1)
+        write_back = _HeldUpWriteBack(pool, t, seconds=0.02)
+
+        latest = torch.full((256,), float(n))
+
+        def copy_while_written(latest: torch.Tensor = latest) -> None:
+            assert torch.equal(copy.deepcopy(t), latest), "not the latest write"
+
+        write_back.let_go()  # (before the sweep: an Event's own code is threading's)
+        signal_at = signalled(n, (SOURCE, "threading.py"), copy_while_written, finalizers=False)[0]
+        assert write_back.ended(), f"a Ctrl-C at {signal_at.where} left the write-back waiting"
+        assert torch.equal(copy.deepcopy(t), latest)
+        if not signal_at.fired:
+            break
+    pool.close()
+    assert n > 10, "the copy made fewer points than expected: the test proves little"
 
 
 class _CallersLoop:

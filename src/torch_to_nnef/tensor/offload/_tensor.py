@@ -23,6 +23,7 @@ import torch
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef._owned import held_here, owned_lock
+from torch_to_nnef._waiting import LOOK, Waiters
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -634,8 +635,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     _private: _PrivateDir | None
     _write_lock: threading.RLock
     _hit_state: HitState
-    _pending: threading.Condition
     _pending_lock: threading.RLock
+    _write_waiters: Waiters
     _pending_writes: int
     _deriving: object | None
     _unsaved: tuple[object, object, torch.Tensor] | None
@@ -789,10 +790,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def _reset_writes(self) -> None:
         """No write under way: free locks, no write-back announced."""
         self._write_lock = owned_lock()
-        # The condition's lock, taken directly where nothing waits: its C-level context
-        # manager leaves no Python frame for an interrupt (Ctrl-C) to land in while it is held.
         self._pending_lock = owned_lock()
-        self._pending = threading.Condition(self._pending_lock)
+        self._write_waiters = Waiters()  # copies waiting for the announced writes' end
         self._pending_writes = 0
         # The latest write a direct read-modify-write (_rewrite) derived the value it is
         # writing from, while it writes it: a pool's change on that write is older than it.
@@ -1225,11 +1224,14 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         return T2NErrorStorage(f"offloaded tensor {self._name!r} cannot be read: {cause} ({error})")
 
     def _wait_announced_writes(self) -> None:
-        """Wait until the write-backs announced by residency pools have ended."""
-        if self._pending_writes:
-            with self._pending:
-                while self._pending_writes:
-                    self._pending.wait()
+        """Wait until the write-backs announced by residency pools have ended (a wait that
+        Ctrl-C cuts cleanly: see :mod:`torch_to_nnef._waiting`)."""
+        while self._pending_writes:
+            with self._pending_lock:
+                if not self._pending_writes:
+                    return
+                gate = self._write_waiters.enlist()
+            gate.acquire(timeout=LOOK)
 
     def _unsaved_copy(self, device: torch.device) -> torch.Tensor | None:
         """A copy on ``device`` of the value a pool changed and has not written yet, when it
@@ -1285,7 +1287,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def _announce_write(self) -> None:
         """A pool chose to write this tensor's value back: copies of the
         tensor (copy.deepcopy) wait for it from now on."""
-        with self._pending:
+        with self._pending_lock:
             self._pending_writes += 1
 
     def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
@@ -1326,9 +1328,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
     def _end_write(self) -> None:
         """End an announced write-back: copies waiting for it go on."""
-        with self._pending:
+        with self._pending_lock:
             self._pending_writes -= 1
-            self._pending.notify_all()
+            if not self._pending_writes:
+                self._write_waiters.release()
 
     def _replaced_since(self, binding: _Binding) -> bool:
         """Whether a write replaced ``binding`` (after any write in progress has committed).
@@ -1454,7 +1457,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         def switch(layout: storage.PayloadLayout) -> None:
             storage.forget_file(path)  # the descriptor of the file it replaced
-            with self._pending:
+            with self._pending_lock:
                 self._binding = (
                     _Binding.create(
                         layout, {n: n for n in layout.entries}, opaque=True, owned=owned

@@ -55,6 +55,7 @@ from typing import Any
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef._owned import collecting_here, held_here, owned_lock
+from torch_to_nnef._waiting import LOOK, Waiters
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import CLOSE_UNDER_WAY, Job
@@ -484,7 +485,8 @@ class Runtime:
         self._ended: collections.deque[Job] = collections.deque()
         self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
         # Notified as a job ends, while an inline wait for a close under way listens.
-        self._an_end = threading.Condition(fork_safe_lock())
+        self._end_lock = fork_safe_lock()  # a job's end against a close-join's look
+        self._end_waiters = Waiters()
         self._listening = False
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
@@ -876,8 +878,8 @@ class Runtime:
         thread that stopped it applies it once the workers ended: its waiters are answered."""
         self._ended.append(job)
         if self._listening:  # (read after the append: see _apply_ends_until)
-            with self._an_end:
-                self._an_end.notify_all()
+            with self._end_lock:
+                self._end_waiters.release()
         with contextlib.suppress(T2NErrorMisuse):
             self.post(self._apply_ended)
 
@@ -1008,9 +1010,11 @@ class Runtime:
                 self._apply_ended()
                 if mark.done:
                     return
-                with self._an_end:
-                    if not self._ended:
-                        self._an_end.wait()
+                with self._end_lock:
+                    if self._ended:
+                        continue
+                    gate = self._end_waiters.enlist()
+                gate.acquire(timeout=LOOK)  # (a wait Ctrl-C cuts cleanly: see _waiting)
         finally:
             self._listening = False
 

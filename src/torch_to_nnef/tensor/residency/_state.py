@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
+from torch_to_nnef._waiting import Waiters
 from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 
@@ -104,7 +104,7 @@ class Job:
         "ran",
         "value",
         "version",
-        "waiter",
+        "waiters",
     )
 
     def __init__(
@@ -120,7 +120,7 @@ class Job:
         self.outcome: Any = None
         self.failure: BaseException | None = None
         self.ran = False  # set by the worker (under its lock) once the outcome is stored
-        self.waiter: threading.Event | None = None  # an inline wait on the loop thread
+        self.waiters: Waiters | None = None  # an inline wait on the loop thread's
         self.done = False
         self.value: torch.Tensor | None = None
         self.error: BaseException | None = None

@@ -27,6 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_to_nnef._interrupts import hold_sigint, restore_sigint
+from torch_to_nnef._waiting import LOOK, Waiters
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._state import Job
 
@@ -152,19 +153,21 @@ class Workers:
             job.run()
             with lock:
                 job.ran = True
-                waiter = job.waiter
-            if waiter is not None:
-                waiter.set()
+                if job.waiters is not None:
+                    job.waiters.release()
             self._ended(job)
-            del job, waiter  # an idle worker keeps no value alive (its buffer may be reused)
+            del job  # an idle worker keeps no value alive (its buffer may be reused)
 
     def wait(self, job: Job) -> None:
         """Block until ``job``'s function has run (the loop thread's inline wait)."""
-        with self._lock:
-            if job.ran:
-                return
-            waiter = job.waiter = threading.Event()
-        waiter.wait()
+        while True:
+            with self._lock:
+                if job.ran:
+                    return
+                if job.waiters is None:
+                    job.waiters = Waiters()
+                gate = job.waiters.enlist()
+            gate.acquire(timeout=LOOK)  # (a wait Ctrl-C cuts cleanly: see _waiting)
 
     def shutdown(self, at_exit: bool = False) -> None:
         """Run the jobs queued so far to their end, then stop and join the threads

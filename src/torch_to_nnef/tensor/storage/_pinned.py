@@ -23,6 +23,7 @@ from typing import Protocol
 import torch
 
 from torch_to_nnef._forksafe import fork_safe_lock
+from torch_to_nnef._waiting import LOOK, Waiters
 from torch_to_nnef.exceptions import T2NErrorMisuse
 
 __all__ = ["CHUNKS_PER_DEVICE", "CHUNK_BYTES", "PinnedRing", "pinned_bytes", "ring_for"]
@@ -71,7 +72,8 @@ class PinnedRing:
         self._free: deque[tuple[torch.Tensor, CopyEvent | None]] = deque()  # oldest copy first
         self._chunks = 0
         self._out = 0
-        self._changed = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._changed = Waiters()  # threads waiting for a chunk
         self.waits = 0
         """How many times a caller waited for a chunk's copy to complete before reusing it."""
 
@@ -87,47 +89,49 @@ class PinnedRing:
 
     def acquire(self) -> torch.Tensor:
         """A chunk (``chunk_bytes`` bytes of ``uint8``) that no queued copy reads any more."""
-        with self._changed:
-            chunk: torch.Tensor | None
-            event: CopyEvent | None
-            while True:
+        chunk: torch.Tensor | None
+        event: CopyEvent | None
+        while True:  # (a wait Ctrl-C cuts cleanly: see torch_to_nnef._waiting)
+            with self._lock:
                 if self._free and (
                     self._free[0][1] is None
                     or self._chunks >= self.max_chunks
                     or self._free[0][1].query()
                 ):
                     chunk, event = self._free.popleft()
+                    self._out += 1
                     break
                 if self._chunks < self.max_chunks:
                     chunk, event = None, None
                     self._chunks += 1
+                    self._out += 1
                     break
-                self._changed.wait()
-            self._out += 1
+                gate = self._changed.enlist()
+            gate.acquire(timeout=LOOK)
         try:
             if chunk is None:
                 chunk = self._allocate(self.chunk_bytes)
             elif event is not None and not event.query():
-                with self._changed:
+                with self._lock:
                     self.waits += 1
                 event.synchronize()
         except BaseException:
-            with self._changed:
+            with self._lock:
                 self._out -= 1
                 if chunk is None:
                     self._chunks -= 1
                 else:
                     self._free.appendleft((chunk, event))
-                self._changed.notify()
+                self._changed.release()
             raise
         return chunk
 
     def release(self, chunk: torch.Tensor, event: CopyEvent | None) -> None:
         """Give ``chunk`` back; ``event`` completes when the copy that reads it has run."""
-        with self._changed:
+        with self._lock:
             self._free.append((chunk, event))
             self._out -= 1
-            self._changed.notify()
+            self._changed.release()
 
 
 _RINGS: dict[int, PinnedRing] = {}
