@@ -29,6 +29,7 @@ from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     TensorResidencyPool,
     _handles,
+    _runtime,
     _stream,
     active_tensor_residency,
     stream_modules,
@@ -270,6 +271,36 @@ class _HeldUpWriteBack:
         self.holder.join(10)
         self.flusher.join(10)
         return not self.flusher.is_alive()
+
+
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_anywhere_in_a_wait_for_a_reply_leaves_its_other_waiters_answered() -> None:
+    """Two threads wait for one request's reply (a prefetch handle waited for in two
+    places), the main thread first. Settling the reply opens its gate for one waiter, who
+    opens it for the next. A Ctrl-C landing in the main thread's wait just as it took the
+    gate, before it opened it again, once left the other thread waiting for ever."""
+    within = _runtime.__file__
+    for n in itertools.count(1):
+        reply = _runtime.Reply()
+        answered: list[object] = []
+
+        def second(reply: _runtime.Reply = reply, answered: list[object] = answered) -> None:
+            time.sleep(0.05)  # at the gate after the main thread
+            answered.append(reply.result())
+
+        waiter = threading.Thread(target=second, daemon=True)
+        settler = threading.Timer(0.15, reply.set_result, ("value",))
+        waiter.start()
+        settler.start()
+        signal_at, interrupt = signalled(n, within, reply.result)
+        if interrupt is None:  # not cut: it waited at the gate and was answered
+            assert reply.result() == "value"
+        settler.join(10)
+        waiter.join(10)
+        assert answered == ["value"], f"a Ctrl-C at {signal_at.where} left a waiter waiting"
+        if not signal_at.fired:
+            break
+    assert n > 2, "the wait made fewer points than expected: the test proves little"
 
 
 @pytest.mark.timeout(180)

@@ -247,7 +247,8 @@ class Reply:
     loop, the close of a collected pool.
 
     Its waiter blocks in the C ``acquire`` of a lock that settling it releases, and runs no
-    Python code that holds a lock: Ctrl-C cannot cut it in a bad place. The wait of a
+    Python code that holds a lock of the pool's: Ctrl-C cuts it cleanly (see :meth:`result`
+    for the gate it leaves closed). The wait of a
     ``concurrent.futures.Future`` runs ``threading.Condition``'s Python code, which Ctrl-C can
     cut between taking its lock and handing it on: the lock is then left held (the loop
     thread settling the future would block forever) or released twice (a ``RuntimeError``
@@ -312,10 +313,20 @@ class Reply:
     def result(self, timeout: float | None = None) -> Any:
         """The result once settled, waiting ``timeout`` seconds at most (``None``: for as
         long as it takes), or raise the error; ``TimeoutError`` when it is not settled by
-        then (as ``concurrent.futures.Future.result``)."""
+        then (as ``concurrent.futures.Future.result``).
+
+        Each waiter opens the gate again for the next one; one that Ctrl-C cut just as it
+        took the gate leaves it closed, so waiters look at the reply again every
+        :data:`~torch_to_nnef._waiting.LOOK` seconds."""
         if not self._settled:
-            if self._gate.acquire(timeout=-1 if timeout is None else timeout):
-                self._gate.release()  # for a later wait
+            deadline = None if timeout is None else time.monotonic() + timeout
+            while not self._settled:
+                left = LOOK if deadline is None else max(0.0, deadline - time.monotonic())
+                if self._gate.acquire(timeout=min(LOOK, left)):
+                    self._gate.release()  # for the next waiter
+                    break
+                if deadline is not None and time.monotonic() >= deadline:
+                    break
             if not self._settled:
                 raise TimeoutError
         if self._error is not None:
