@@ -164,6 +164,10 @@ pytestmark = [pytest.mark.timeout(60)]
         ({"max_workers": 0}, "max_workers must be an int >= 1, got 0"),
         ({"max_workers": True}, "max_workers must be an int >= 1, got True"),
         ({"strategy": "lru"}, "strategy must be a ResidencyStrategy"),
+        (
+            {"use_uvloop": "no"},
+            "use_uvloop must be True, False or None (as the environment says), got 'no'",
+        ),
     ],
 )
 def test_constructor_validates_its_arguments(options: dict[str, Any], message: str) -> None:

@@ -95,8 +95,9 @@ class TensorResidencyPool(Uncopyable):
             MiB without one), or ``None`` (off).
 
     Raises:
-        T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, or a strategy
-            that is not a :class:`ResidencyStrategy`.
+        T2NErrorMisuse: a negative or unreadable budget, ``max_workers < 1``, a strategy
+            that is not a :class:`ResidencyStrategy`, or a ``use_uvloop`` that is not a
+            bool or ``None``.
 
     Attributes:
         max_cached_bytes: the soft budget given at creation, in bytes.
@@ -129,6 +130,11 @@ class TensorResidencyPool(Uncopyable):
             raise T2NErrorMisuse(
                 "strategy must be a ResidencyStrategy (e.g. ResidencyStrategy.LRU), "
                 f"got {strategy!r}"
+            )
+        if use_uvloop is not None and not isinstance(use_uvloop, bool):
+            raise T2NErrorMisuse(
+                f"use_uvloop must be True, False or None (as the environment says), got "
+                f"{use_uvloop!r}"
             )
         self.max_cached_bytes = max_cached_bytes
         self.max_workers = max_workers
