@@ -101,6 +101,42 @@ def test_a_ctrl_c_anywhere_in_a_write_leaves_no_temporary_and_the_old_or_new_fil
     assert points > 50, "the write made fewer points than expected: the test proves little"
 
 
+@pytest.mark.timeout(180)
+def test_an_interrupt_anywhere_in_a_write_in_another_thread_leaves_the_tensor_readable(
+    tmp_path: Path,
+) -> None:
+    """An interrupt that no hold holds off (an asynchronous exception raised in a thread
+    other than the main one, as thread-killing helpers raise it) at each point of a direct
+    write made in that thread: the tensor reads its old value or its new one, a pool serves
+    the same, and the tensor can be written again. One landing just after the new file was
+    renamed over the old once left the tensor bound to the replaced file: every read failed
+    ("another process replaced its payload file") until the next write, while the pool
+    served the old value."""
+    t = OffloadedTensor.from_original_tensor(torch.zeros(1000), "t", offload_dir=tmp_path)
+    with TensorResidencyPool() as pool:
+        for n in itertools.count(1):
+            before = t.reload()
+            pool.resolve(t)
+            new = before + 1
+            swept: list[Any] = []
+
+            def write(n: int = n, new: torch.Tensor = new, swept: list[Any] = swept) -> None:
+                swept.append(signalled(n, SOURCE, lambda: t.update_values(new), False)[0])
+
+            writer = threading.Thread(target=write)
+            writer.start()
+            writer.join(30)
+            where = swept[0].where or "no point (ran to its end)"
+            value = t.reload()
+            assert torch.equal(value, before) or torch.equal(value, new), f"torn at {where}"
+            assert torch.equal(pool.resolve(t), value), f"an interrupt at {where}"
+            if not swept[0].fired:
+                break
+        t.update_values(torch.full((1000,), -1.0))
+        assert torch.equal(pool.resolve(t), torch.full((1000,), -1.0))
+    assert n > 50, f"the write made fewer points ({n - 1}) than expected: the test proves little"
+
+
 @needs_proc
 @pytest.mark.timeout(180)
 def test_a_ctrl_c_anywhere_in_an_offload_leaves_nothing_once_the_tensor_is_gone(

@@ -82,6 +82,17 @@ def _remove_file(path: Path, creator: int) -> None:
     storage.forget_file(path)
 
 
+def _renamed_over(path: Path, binding: _Binding) -> bool:
+    """Whether a write's new file was renamed to ``path``, which held ``binding``'s file
+    (or nothing, for a first write of a tensor's own file) before it."""
+    try:
+        now = file_identity(os.stat(path))
+    except FileNotFoundError:
+        return False
+    owned = binding.owned
+    return owned is None or owned.path != path or now != binding.layout.identity
+
+
 def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of a pool's unsaved ``value`` on ``device``, never an alias of it: an opaque
     value (a ``QTensor``) is rebuilt from copies of its offload state. The kernels that
@@ -1448,14 +1459,19 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         The tensor switches to the new file right after the rename, before the directory
         entry is forced to disk (a failure to force it is raised after the switch); from the
         rename to the end of the switch, Ctrl-C is held (raised once the switch is done): a
-        tensor never points at a replaced file."""
+        tensor never points at a replaced file. An interrupt that no hold holds off (an
+        asynchronous exception raised in another thread) landing there finds the rename done
+        and the switch not: the switch is finished before it propagates."""
         binding = self._binding
         if binding.owned is not None and binding.owned.creator == os.getpid():
             path, owned = binding.owned.path, binding.owned
         else:
             path, owned = self._copy_on_write_path()
 
+        switched = False
+
         def switch(layout: storage.PayloadLayout) -> None:
+            nonlocal switched
             storage.forget_file(path)  # the descriptor of the file it replaced
             with self._pending_lock:
                 self._binding = (
@@ -1472,15 +1488,21 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                     self._unsaved = None
             self.offloaded_tensor_type = encoded.value_type
             self._reshell(encoded.shape, encoded.dtype, device or self.device)
+            switched = True
 
-        with InterruptHold() as hold:
-            storage.write_payload(
-                path,
-                encoded.tensors,
-                encoded.metadata,
-                before_replace=hold.start,
-                after_replace=switch,
-            )
+        try:
+            with InterruptHold() as hold:
+                storage.write_payload(
+                    path,
+                    encoded.tensors,
+                    encoded.metadata,
+                    before_replace=hold.start,
+                    after_replace=switch,
+                )
+        except BaseException:
+            if not switched and _renamed_over(path, binding):
+                switch(storage.read_layout(path))  # (again from the start: it is idempotent)
+            raise
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
