@@ -87,7 +87,7 @@ def _renamed_over(path: Path, binding: _Binding) -> bool:
     (or nothing, for a first write of a tensor's own file) before it."""
     try:
         now = file_identity(os.stat(path))
-    except FileNotFoundError:
+    except OSError:  # (no file there, or no directory: the write failed before its rename)
         return False
     owned = binding.owned
     return owned is None or owned.path != path or now != binding.layout.identity
