@@ -13,21 +13,16 @@ no handler between taking it and entering the block), and each waiter blocks in 
 A waiter interrupted anywhere leaves nothing held: at worst a gate is released that nobody
 waits at any more. A release lost to an interrupt of the changing thread (between its change
 and the gates' release) costs a waiter one look at the state :data:`LOOK` seconds later,
-never a wait for ever::
-
-    while True:
-        with lock:
-            if ready():
-                break
-            gate = waiters.enlist()
-        gate.acquire(timeout=LOOK)
-
-and, where the change is made: ``with lock: change(); waiters.release()``.
+never a wait for ever. A waiter calls ``waiters.wait(lock, ready)`` (or, to act on the
+state under the lock as it finds it ready, loops on :meth:`Waiters.enlist` itself); where the
+change is made: ``with lock: change(); waiters.release()``.
 """
 
 from __future__ import annotations
 
 import _thread
+import threading
+from collections.abc import Callable
 
 __all__ = ["LOOK", "Waiters"]
 
@@ -42,6 +37,16 @@ class Waiters:
 
     def __init__(self) -> None:
         self._gates: list[_thread.LockType] = []
+
+    def wait(self, lock: threading.Lock | threading.RLock, ready: Callable[[], object]) -> None:
+        """Block until ``ready()``, asked under ``lock`` (the lock the change is made under),
+        is true."""
+        while True:
+            with lock:
+                if ready():
+                    return
+                gate = self.enlist()
+            gate.acquire(timeout=LOOK)
 
     def enlist(self) -> _thread.LockType:
         """A new gate, closed, that :meth:`release` opens: the calling thread waits at it

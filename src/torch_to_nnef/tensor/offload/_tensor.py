@@ -23,7 +23,7 @@ import torch
 from torch_to_nnef._forksafe import fork_safe_lock
 from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef._owned import held_here, owned_lock
-from torch_to_nnef._waiting import LOOK, Waiters
+from torch_to_nnef._waiting import Waiters
 from torch_to_nnef.exceptions import (
     T2NErrorCheckpoint,
     T2NErrorInconsistentTensor,
@@ -1237,12 +1237,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     def _wait_announced_writes(self) -> None:
         """Wait until the write-backs announced by residency pools have ended (a wait that
         Ctrl-C cuts cleanly: see :mod:`torch_to_nnef._waiting`)."""
-        while self._pending_writes:
-            with self._pending_lock:
-                if not self._pending_writes:
-                    return
-                gate = self._write_waiters.enlist()
-            gate.acquire(timeout=LOOK)
+        if self._pending_writes:
+            self._write_waiters.wait(self._pending_lock, lambda: not self._pending_writes)
 
     def _unsaved_copy(self, device: torch.device) -> torch.Tensor | None:
         """A copy on ``device`` of the value a pool changed and has not written yet, when it

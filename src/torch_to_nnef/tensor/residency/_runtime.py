@@ -1021,11 +1021,7 @@ class Runtime:
                 self._apply_ended()
                 if mark.done:
                     return
-                with self._end_lock:
-                    if self._ended:
-                        continue
-                    gate = self._end_waiters.enlist()
-                gate.acquire(timeout=LOOK)  # (a wait Ctrl-C cuts cleanly: see _waiting)
+                self._end_waiters.wait(self._end_lock, lambda: self._ended)  # (see _waiting)
         finally:
             self._listening = False
 

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from typing import Any
 
 from torch_to_nnef._interrupts import hold_sigint, restore_sigint
-from torch_to_nnef._waiting import LOOK, Waiters
+from torch_to_nnef._waiting import Waiters
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.residency._state import Job
 
@@ -160,14 +160,12 @@ class Workers:
 
     def wait(self, job: Job) -> None:
         """Block until ``job``'s function has run (the loop thread's inline wait)."""
-        while True:
-            with self._lock:
-                if job.ran:
-                    return
-                if job.waiters is None:
-                    job.waiters = Waiters()
-                gate = job.waiters.enlist()
-            gate.acquire(timeout=LOOK)  # (a wait Ctrl-C cuts cleanly: see _waiting)
+        with self._lock:
+            if job.ran:
+                return
+            if job.waiters is None:
+                job.waiters = Waiters()
+        job.waiters.wait(self._lock, lambda: job.ran)  # (Ctrl-C cuts it cleanly: see _waiting)
 
     def shutdown(self, at_exit: bool = False) -> None:
         """Run the jobs queued so far to their end, then stop and join the threads
