@@ -18,7 +18,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from residency_checks import check_invariants
+from residency_checks import check_invariants, on_disk, settle
 from stress.children import context, start_worker
 from stress.figures import record
 
@@ -125,3 +125,32 @@ def test_a_failed_write_back_in_async_code_is_retried_by_aflush(tmp_path: Path) 
     assert torch.equal(tensor._reload_unmanaged(), torch.full((NUMEL,), 5.0))
     assert sorted(os.listdir(offload_dir)) == [path.name]
     record("disk_full_async", faults=2, operations=6, lost=0)
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_write_back_leaves_the_other_values_within_the_budget(tmp_path: Path) -> None:
+    """An eviction whose write-back fails keeps the dirty value, out of the eviction order:
+    the clean values that the budget has no room for go, as they would had it succeeded."""
+    failing, working = tmp_path / "failing", tmp_path / "working"
+    dirty = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "dirty", failing)
+    clean = [
+        OffloadedTensor.from_original_tensor(torch.full((NUMEL,), float(i)), f"c{i}", working)
+        for i in (1, 2)
+    ]
+    with TensorResidencyPool(max_cached_bytes=2 * NUMEL * 4) as pool:
+        with pool.acquire(dirty, mode="read_write") as value:
+            value.add_(5)
+        pool.resolve(clean[0])
+        os.rename(failing, tmp_path / "moved")  # its write-back fails with ENOENT
+        pool.resolve(clean[1])  # evicts the dirty value, the least recently used
+        settle(pool)
+        assert pool.is_resident(dirty)  # stays, dirty, for a flush to retry
+        assert not pool.is_resident(clean[0])  # goes: the budget holds two values
+        assert pool.resident_bytes == 2 * NUMEL * 4
+        check_invariants(pool)
+        for tensor in clean:  # hits and misses go on as before
+            assert torch.equal(pool.resolve(tensor), tensor._reload_unmanaged())
+        check_invariants(pool)
+        os.rename(tmp_path / "moved", failing)
+    assert torch.equal(on_disk(dirty), torch.full((NUMEL,), 5.0))
+

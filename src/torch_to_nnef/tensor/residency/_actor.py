@@ -1015,6 +1015,7 @@ class Actor:
                 self._set_evicting(entry, False)
                 self._reopen(entry)
             job.finish(None, error)
+            self.enforce()  # the value stays, out of the order: others may have to go
             return
         version = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
