@@ -154,3 +154,24 @@ def test_a_failed_write_back_leaves_the_other_values_within_the_budget(tmp_path:
         os.rename(tmp_path / "moved", failing)
     assert torch.equal(on_disk(dirty), torch.full((NUMEL,), 5.0))
 
+
+@pytest.mark.timeout(60)
+def test_a_failed_flush_names_the_files_it_could_not_write(tmp_path: Path) -> None:
+    failing = tmp_path / "failing"
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.zeros(16), f"w{i}", failing) for i in range(4)
+    ]
+    with TensorResidencyPool() as pool:
+        for tensor in tensors:
+            with pool.acquire(tensor, mode="read_write") as value:
+                value.add_(1)
+        os.rename(failing, tmp_path / "moved")
+        for call in (pool.flush, pool.close):
+            with pytest.raises(T2NErrorStorage) as info:
+                call()
+            message = str(info.value)
+            assert message.startswith(("4 write-back(s) failed (", "closing the pool: 4"))
+            named = [tensor for tensor in tensors if tensor.offload_path.name in message]
+            assert len(named) == 3 and "and 1 more" in message, message
+        os.rename(tmp_path / "moved", failing)
+    assert all(torch.equal(on_disk(tensor), torch.ones(16)) for tensor in tensors)

@@ -187,12 +187,21 @@ def _pending_or_failed(jobs: list[Job], context: str, remedy: str) -> Job | None
     pending = next((job for job in jobs if not job.done), None)
     if pending is not None:
         return pending
-    failed = [job for job in jobs if job.kind == "write" and job.error is not None]
+    failed = [job.error for job in jobs if job.kind == "write" and job.error is not None]
     if failed:
+        shown = "; ".join(str(error) for error in failed[:_ERRORS_SHOWN])
+        more = len(failed) - _ERRORS_SHOWN
+        if more > 0:
+            shown += f"; and {more} more"
         raise T2NErrorStorage(
-            f"{context}{len(failed)} write-back(s) failed; the dirty values stay resident{remedy}"
-        ) from failed[0].error
+            f"{context}{len(failed)} write-back(s) failed ({shown}); the dirty values stay "
+            f"resident{remedy}"
+        ) from failed[0]
     return None
+
+
+_ERRORS_SHOWN = 3
+"""How many failed write-backs an error of a flush or a close quotes (each names its file)."""
 
 
 def write_error(source: PoolSource, error: BaseException) -> T2NErrorStorage:
