@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import gc
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -104,3 +106,87 @@ def test_switching_mapped_reads_while_a_pool_holds_values_reads_into_none_of_the
         assert torch.equal(pool.resolve(tensors[0]), torch.full((256, 256), 0.0))
         assert pool.stats().reused_buffers == 1  # mapped: tensors[2]'s buffer is not read into
         assert mappings_under(tmp_path) == 1
+
+
+def deleted_files_mapped(directory: Path) -> list[str]:
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return [line for line in lines if str(directory) in line and line.endswith("(deleted)")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.timeout(60)
+def test_a_value_written_back_and_kept_maps_the_new_file_not_the_replaced_one(
+    tmp_path: Path,
+) -> None:
+    """A mapped value changed by a ``read_write`` lease and flushed stays resident: the pool
+    serves it from the file written, so that no mapping keeps the replaced file (and its
+    disk space) alive. A thread reading it while the flushes run (not while the leases
+    change it: leases of one pool share its value) sees each written value whole."""
+    numel = storage.MAPPED_MIN_BYTES  # four times the mapping threshold, in float32
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.full((numel,), float(i)), f"w{i}", tmp_path)
+        for i in range(3)
+    ]
+    done, changing = threading.Event(), threading.Lock()
+    torn: list[str] = []
+    reads = 0
+
+    def read() -> None:
+        nonlocal reads
+        while not done.is_set():
+            for tensor in tensors:
+                with changing, pool.acquire(tensor) as value:
+                    if value.min() != value.max():
+                        torn.append(tensor.name)
+                    reads += 1
+
+    with TensorResidencyPool(max_cached_bytes=1 << 30) as pool:
+        reader = threading.Thread(target=read)
+        reader.start()
+        try:
+            for _ in range(5):
+                with changing:
+                    for tensor in tensors:
+                        with pool.acquire(tensor, mode="read_write") as value:
+                            value.add_(1)
+                del value  # (the last one maps the file its flush replaced)
+                pool.flush()
+        finally:
+            done.set()
+            reader.join(30)
+        pool.flush()  # (a transition: the remap that the reader's last lease asked for ran)
+        gc.collect()
+        assert not reader.is_alive() and not torn and reads
+        assert all(pool.is_resident(tensor) for tensor in tensors)
+        assert deleted_files_mapped(tmp_path) == []
+        for index, tensor in enumerate(tensors):
+            expected = torch.full((numel,), float(index + 5))
+            assert torch.equal(pool.resolve(tensor), expected)
+            assert torch.equal(tensor._reload_unmanaged(), expected)
+        assert pool.stats().write_backs == 15
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@pytest.mark.timeout(60)
+def test_a_value_leased_through_its_write_back_maps_the_new_file_once_the_lease_ends(
+    tmp_path: Path,
+) -> None:
+    numel = storage.MAPPED_MIN_BYTES
+    tensor = OffloadedTensor.from_original_tensor(torch.zeros(numel), "w", tmp_path)
+    with TensorResidencyPool(max_cached_bytes=1 << 30) as pool:
+        with pool.acquire(tensor, mode="read_write") as value:
+            value.add_(1)
+        del value
+        with pool.acquire(tensor) as held:
+            pool.flush()  # written while the lease holds the value: it keeps the old file
+            gc.collect()
+            assert len(deleted_files_mapped(tmp_path)) == 1
+            assert torch.equal(held, torch.ones(numel))
+        del held
+        # The lease's end tells the pool, which serves the value mapping the new file.
+        deadline = time.monotonic() + 10
+        while deleted_files_mapped(tmp_path) and time.monotonic() < deadline:
+            time.sleep(0.01)
+            gc.collect()
+        assert deleted_files_mapped(tmp_path) == []
+        assert torch.equal(pool.resolve(tensor), torch.ones(numel))

@@ -328,17 +328,21 @@ class Actor:
         if not slot.changed:
             self._changed.append(slot)
             slot.changed = True
-        if not slot.tracked:
-            return False
         # The slot was queued before this: a pending wake-up sees it.
         entry = slot.entry
-        self._released_bytes += entry.nbytes
-        # Else a value the policy did not retain leaves with its last holder.
-        if entry.retained:
-            budget = self.policy.budget
-            cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
-            if budget is None or cached + self._released_bytes <= budget:
-                return False
+        wake = entry.remapped is not None  # the file written is mapped now (see _remap)
+        if slot.tracked:
+            self._released_bytes += entry.nbytes
+            # Else a value the policy did not retain leaves with its last holder.
+            if entry.retained:
+                budget = self.policy.budget
+                cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
+                if budget is not None and cached + self._released_bytes > budget:
+                    wake = True
+            else:
+                wake = True
+        if not wake:
+            return False
         pending, self._wake_pending = self._wake_pending, True
         return not pending
 
@@ -396,6 +400,7 @@ class Actor:
             touch(key)
         released = False
         superseded = self.superseded
+        remaps = []
         for slot in changed:
             # The leases are counted and acted on in one hold of the lock: a lease that
             # ends meanwhile finds the value counted as held (and tells the actor if it
@@ -404,12 +409,17 @@ class Actor:
                 leased = slot.leases > 0
                 if superseded and not leased:
                     superseded.discard(slot)
+                entry = slot.entry
+                current = self.entries.get(entry.key) is entry and entry.slot is slot
+                if current and not leased and entry.remapped is not None:
+                    remaps.append(entry)
                 if leased == slot.tracked:
                     continue  # e.g. a lease taken and ended since the last look
-                entry = slot.entry
-                if self.entries.get(entry.key) is entry and entry.slot is slot:
+                if current:
                     self._hold(entry, track=leased)
                     released = released or not leased
+        for entry in remaps:
+            self._remap(entry)
         if released:
             self.enforce()
 
@@ -975,9 +985,15 @@ class Actor:
                 slot.writing = True
         source = entry.source
         source._announce_write()  # copies of the tensor wait for this write from now on
+        # A value that stays (no eviction, no close) and may map the file it was read from
+        # comes back mapping the file written (see _remap).
+        remap = not (entry.copied or entry.evicting or self.closing) and entry.device.type == "cpu"
         try:
             job = self._job(
-                "write", source._write_back, (value, self), partial(self._on_written, entry)
+                "write",
+                source._write_back,
+                (value, self, remap),
+                partial(self._on_written, entry, value),
             )
         except BaseException:
             source._end_write()
@@ -992,7 +1008,7 @@ class Actor:
             self._maybe_release(entry)
         return job
 
-    def _on_written(self, entry: Entry, job: Job) -> None:
+    def _on_written(self, entry: Entry, written: torch.Tensor, job: Job) -> None:
         self.sync()
         self.jobs.discard(job)
         entry.write = None
@@ -1017,7 +1033,7 @@ class Actor:
             job.finish(None, error)
             self.enforce()  # the value stays, out of the order: others may have to go
             return
-        version = job.outcome
+        version, mapping = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
             self._write_backs += 1
             self._bytes_written += entry.source.payload_nbytes  # the file's (see _on_loaded)
@@ -1035,7 +1051,32 @@ class Actor:
                 self._remove(entry)
         elif current:
             self._maybe_release(entry)  # back in the eviction order (after a failed write-back)
+            if mapping is not None and entry.value is written:
+                entry.remapped = (mapping, written._version)
+                self._remap(entry)
         self.enforce()
+
+    def _remap(self, entry: Entry) -> None:
+        """Serve the value mapping the file a write-back wrote (``entry.remapped``) instead
+        of the value written, which maps the replaced file: as long as a mapping of that file
+        lives, its disk space stays in use. Not while a lease holds the value: then at the
+        transition that sees its last lease end (:meth:`_apply`). Not once the value changed
+        again either (it goes with its eviction then, or a later write-back remaps it)."""
+        remapped = entry.remapped
+        if remapped is None or self.closing or not self._close_slot(entry):
+            return
+        entry.remapped = None
+        mapping, written = remapped
+        old = entry.slot
+        assert old is not None and entry.value is not None
+        # (_close_slot took the change of the leases that ended since into ``dirty``.)
+        if entry.dirty or old.dropped or old.writing or entry.value._version != written:
+            self._reopen(entry)
+            return
+        entry.value = mapping
+        entry.slot = Slot(entry, mapping, entry.version)
+        entry.slot.used = old.used
+        self._reopen(entry)
 
     def evict_step(self, source: PoolSource) -> Job | None:
         """Evict ``source`` now; return the job to wait for (a load or a write-back) first."""

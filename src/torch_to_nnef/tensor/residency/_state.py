@@ -285,6 +285,9 @@ class Entry:
     stuck: bool = False  # its write-back failed: kept, unevictable, until a flush writes it
     used: bool = False  # a request (not a prefetch) asked for the value since it was loaded
     copied: bool = False  # read into host buffers (not mapped): they may serve a later load
+    # The value mapping the file its write-back wrote, and the value's torch version counter
+    # then: served instead once no lease holds the value, unless it changed (Actor._remap).
+    remapped: tuple[torch.Tensor, int] | None = None
 
     @property
     def tracked(self) -> bool:
