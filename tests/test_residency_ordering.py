@@ -1647,6 +1647,37 @@ def test_an_in_place_op_on_a_view_in_a_scope_is_no_write_and_every_read_agrees(
     assert sum("changed in place outside a read_write lease" in m for m in caplog.messages) == 1
 
 
+@pytest.mark.parametrize(
+    "take",
+    [
+        lambda t: t.float(),
+        lambda t: t.contiguous(),
+        lambda t: t.cpu(),
+        lambda t: torch.Tensor.to(t, torch.float32),
+        lambda t: t.data.float(),  # (t.data is t: an in-place op on it writes t)
+    ],
+    ids=["float", "contiguous", "cpu", "to", "data-float"],
+)
+@pytest.mark.timeout(60)
+def test_an_op_that_returns_the_value_itself_in_a_scope_is_no_write_either(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, take: Any
+) -> None:
+    """An op that returns its input itself (``t.float()`` of a float tensor) hands out the
+    value the pool served, not a copy: an in-place op on it is one on a view, no write. The
+    pool does not serve the value so changed, and every read agrees."""
+    t = OffloadedTensor.from_original_tensor(torch.arange(6.0), "t", tmp_path)
+    with TensorResidencyPool() as pool:
+        with pool.scope():
+            taken = take(t)
+            taken.add_(10.0)
+            assert torch.equal(t * 1, torch.arange(6.0))
+        assert torch.equal(pool.resolve(t), torch.arange(6.0))
+        assert torch.equal(t.reload(), torch.arange(6.0))
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.arange(6.0))
+    assert sum("changed in place outside a read_write lease" in m for m in caplog.messages) == 1
+
+
 @pytest.mark.timeout(60)
 def test_an_in_place_op_on_a_view_of_a_changed_value_joins_the_unsaved_change(
     tmp_path: Path,

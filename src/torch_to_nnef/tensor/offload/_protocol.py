@@ -176,8 +176,9 @@ class ScopePool(Protocol):
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> _LeaseLike:
         """A ``read_write`` lease on ``source``'s value, for an in-place op."""
 
-    def _scope_aliased(self, source: PoolSource) -> None:
-        """An op returned a view of ``source``'s value (a change through it is no write)."""
+    def _scope_aliased(self, source: PoolSource, results: list[torch.Tensor]) -> None:
+        """An op given ``source`` returned ``results``: a view among them, or ``source``'s
+        value itself, may alias that value (a change through it is no write)."""
 
     def _scope_left_over(self, scope: tuple[ScopePool, torch.device | None]) -> bool:
         """Whether ``scope``, the innermost in this context, is one a stream of this pool set

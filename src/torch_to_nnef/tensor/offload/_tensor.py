@@ -36,6 +36,7 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
     HitState,
     PoolSource,
+    ScopePool,
     active_tensor_residency,
     count_load_outside_scopes,
 )
@@ -556,13 +557,20 @@ def _looked_up_table(
     return table if few else None
 
 
-def _is_view_of_a_value(result: Any) -> bool:
-    """Whether an op's ``result`` holds a view (of an argument's value, served by a pool)."""
+def _note_aliases(pool: ScopePool, args: tuple[Any, ...], result: Any) -> None:
+    """Tell ``pool`` (a scope's) the tensors an op returned, for each offloaded argument: a
+    view among them, or the value the pool served itself (an op that returns its input:
+    ``t.float()`` of a float tensor, ``t.contiguous()``), may alias that value."""
     if isinstance(result, torch.Tensor):
-        return result._is_view()
-    if type(result) in (list, tuple):
-        return any(isinstance(item, torch.Tensor) and item._is_view() for item in result)
-    return False
+        results = [result]
+    elif type(result) in (list, tuple):
+        results = [item for item in result if isinstance(item, torch.Tensor)]
+    else:
+        return
+    if results:
+        for argument in args:
+            if isinstance(argument, OffloadedTensor):
+                pool._scope_aliased(argument, results)
 
 
 def _expand_argument(value: Any) -> Any:
@@ -1856,10 +1864,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         else:
             result = super().__torch_function__(func, types, args, kwargs)
             scope = active_tensor_residency()
-            if scope is not None and _is_view_of_a_value(result):
-                for argument in args:
-                    if isinstance(argument, OffloadedTensor):
-                        scope[0]._scope_aliased(argument)
+            if scope is not None:
+                _note_aliases(scope[0], args, result)
         if _GC_REQUEST.pending:
             _GC_REQUEST.pending = False
             gc.collect()

@@ -153,11 +153,13 @@ class Actor:
             return None
         return slot
 
-    def note_alias(self, source: PoolSource) -> None:
-        """A view of ``source``'s resident value was handed out (any thread): hits check from
-        now on that it was not changed through the view (see :meth:`fresh_slot`)."""
+    def note_alias(self, source: PoolSource, results: list[torch.Tensor]) -> None:
+        """An op given ``source`` returned ``results`` (any thread): when a view is among
+        them, or the resident value itself (``t.float()`` of a float tensor, ``t.data``),
+        hits check from now on that the value was not changed through it (see
+        :meth:`fresh_slot`)."""
         slot = self.published.get(id(source))
-        if slot is not None:
+        if slot is not None and any(_aliases(result, slot.value) for result in results):
             slot.aliased = True
 
     def count_hit(self, slot: Slot) -> None:
@@ -1184,6 +1186,16 @@ class Actor:
         ended, self.close_ended = self.close_ended, None
         if ended is not None:
             ended.finish(None, None)
+
+
+def _aliases(result: torch.Tensor, value: torch.Tensor) -> bool:
+    """Whether an op's ``result`` may alias ``value``: a view (of it or not), or it itself."""
+    if result is value or result._is_view():
+        return True
+    try:
+        return result.data_ptr() == value.data_ptr()
+    except RuntimeError:  # no storage to read (a sparse or fake tensor): not the value
+        return False
 
 
 def _nothing(*args: Any) -> None:

@@ -353,9 +353,9 @@ class TensorResidencyPool(Uncopyable):
                 return None
         return self._scope_resolve(source, device)
 
-    def _scope_aliased(self, source: PoolSource) -> None:
-        """An op of the scope returned a view of ``source``'s value (what tensors call)."""
-        self._actor.note_alias(source)
+    def _scope_aliased(self, source: PoolSource, results: list[torch.Tensor]) -> None:
+        """An op of the scope given ``source`` returned ``results`` (what tensors call)."""
+        self._actor.note_alias(source, results)
 
     def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
         """Whether ``scope``, the innermost in this context, is a stream's of this pool that
