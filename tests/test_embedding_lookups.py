@@ -10,11 +10,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import ctypes
+import functools
 import gc
 import mmap
 import os
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -157,7 +159,14 @@ def test_a_value_the_pool_is_loading_is_taken_from_the_pool(tmp_path: Path) -> N
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("where", ["outside", "scope"])
-def test_a_lookup_with_max_norm_writes_the_rows_it_renormalizes(tmp_path: Path, where: str) -> None:
+@pytest.mark.parametrize(
+    "lookup",
+    [F.embedding, functools.partial(F.embedding_bag, mode="sum")],
+    ids=["embedding", "embedding_bag"],
+)
+def test_a_lookup_with_max_norm_writes_the_rows_it_renormalizes(
+    tmp_path: Path, where: str, lookup: Callable[..., torch.Tensor]
+) -> None:
     """max_norm renormalizes the rows a lookup gathers, in the table: an in-place write of
     the offloaded table, kept as any in-place op's (to the file outside a scope, as a
     read_write lease's change in one)."""
@@ -166,8 +175,8 @@ def test_a_lookup_with_max_norm_writes_the_rows_it_renormalizes(tmp_path: Path, 
         TensorResidencyPool(max_cached_bytes=10 * 2**20) as pool,
         pool.scope() if where == "scope" else contextlib.nullcontext(),
     ):
-        got = F.embedding(IDS, offloaded, max_norm=1.0)
-        assert torch.equal(got, F.embedding(IDS, dense, max_norm=1.0))  # dense renormed
+        got = lookup(IDS, offloaded, max_norm=1.0)
+        assert torch.equal(got, lookup(IDS, dense, max_norm=1.0))  # dense renormed
         assert pool.stats().loads == (where == "scope")
         assert torch.equal(offloaded.reload(), dense)
     assert torch.equal(offloaded.reload(), dense)

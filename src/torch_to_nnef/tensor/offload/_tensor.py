@@ -456,9 +456,9 @@ def _arguments_written(
     (argument positions, or keywords): the running mean and variance of a batch norm in
     training mode (its second and third arguments) and of an instance norm using its input's
     statistics (keywords), those of torch's own batch and instance norms updating them
-    (:data:`_RUNNING_STATS_FLAG`), the table of an embedding lookup with ``max_norm`` (which
-    renormalizes the rows it gathers, in the table). Their kernels write them in place,
-    without torch's version counter knowing."""
+    (:data:`_RUNNING_STATS_FLAG`), the table of an embedding lookup (or bag) with
+    ``max_norm`` (which renormalizes the rows it gathers, in the table). Their kernels write
+    them in place, without torch's version counter knowing."""
     flag = _RUNNING_STATS_FLAG.get(getattr(func, "overloadpacket", func))
     if func is torch.nn.functional.batch_norm and kwargs.get("training"):
         places: list[int | str] = [1, 2]
@@ -467,7 +467,7 @@ def _arguments_written(
     elif flag is not None and _argument(args, kwargs, _place(args, 5, flag)):
         places = [_place(args, 3, "running_mean"), _place(args, 4, "running_var")]
     elif (
-        func is torch.nn.functional.embedding
+        func in _LOOKUPS_WITH_MAX_NORM
         and _argument(args, kwargs, _place(args, 3, "max_norm")) is not None
     ):
         places = [_place(args, 1, "weight")]
@@ -477,6 +477,9 @@ def _arguments_written(
         place for place in places if isinstance(_argument(args, kwargs, place), OffloadedTensor)
     ]
 
+
+_LOOKUPS_WITH_MAX_NORM = (torch.nn.functional.embedding, torch.nn.functional.embedding_bag)
+"""Lookups whose fourth argument, ``max_norm``, has them renormalize their table's rows."""
 
 _RUNNING_STATS_FLAG: dict[Any, str] = {
     torch.batch_norm: "training",
