@@ -8,6 +8,7 @@ import pickle
 import platform
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -704,6 +705,78 @@ def test_invalid_offload_state_raises_storage_error(
     with pytest.raises(T2NErrorStorage, match=re.escape(message)):
         QTensorTractScaleOnly.write_offload_state_in_file(state, tmp_path, "w")
     assert not list(tmp_path.iterdir())
+
+
+def _codes_past_4_bits(q: QTensorTractScaleOnly) -> None:
+    q.u8_blob[0] = 16
+
+
+def _scale_of_float32(q: QTensorTractScaleOnly) -> None:
+    q.qscheme.scale = q.qscheme.scale.float() * 2
+
+
+def _scale_past_float16(q: QTensorTractScaleOnly) -> None:
+    q.qscheme.scale[0] = float("inf")
+
+
+CHANGES_NO_STATE_HOLDS = pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (_codes_past_4_bits, "codes must lie in 0..15"),
+        (_scale_of_float32, "scale must be 64 float16 values"),
+        (_scale_past_float16, "scale must hold finite float16 values"),
+    ],
+    ids=["codes", "float32-scale", "inf-scale"],
+)
+
+
+@CHANGES_NO_STATE_HOLDS
+def test_a_value_no_offload_state_holds_is_refused_before_its_file_is_replaced(
+    change: Any, message: str, tmp_path: Path
+) -> None:
+    """A quantized value changed into what its offload state cannot hold as it is (which
+    would read back as other values, or not at all) is refused where it is written."""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    t = OffloadedTensor.from_original_tensor(
+        fp_to_tract_q4_0_with_min_max_calibration(weight), "q", tmp_path
+    )
+    before = t.reload().decompress()
+    changed = fp_to_tract_q4_0_with_min_max_calibration(weight)
+    change(changed)
+    with pytest.raises(T2NErrorMisuse, match=re.escape(message)):
+        changed.to_offload_state()
+    with pytest.raises(T2NErrorMisuse, match=re.escape(message)):
+        t.update_values(changed)
+    with pytest.raises(T2NErrorMisuse, match=re.escape(message)):
+        OffloadedTensor.from_original_tensor(changed, "other", tmp_path)
+    assert torch.equal(t.reload().decompress(), before)
+
+
+@CHANGES_NO_STATE_HOLDS
+@pytest.mark.timeout(60)
+def test_a_lease_change_no_offload_state_holds_is_not_written_back(
+    change: Any, message: str, tmp_path: Path
+) -> None:
+    """Changed under a ``read_write`` lease, such a value is not written back: the flush
+    says why, the file keeps the earlier value, and a write of a value it holds replaces
+    the change."""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    t = OffloadedTensor.from_original_tensor(
+        fp_to_tract_q4_0_with_min_max_calibration(weight), "q", tmp_path
+    )
+    written = t.offload_path.read_bytes()
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            change(value)
+        with pytest.raises(T2NErrorStorage, match=re.escape(message)) as info:
+            pool.flush()
+        assert isinstance(info.value.__cause__, T2NErrorMisuse)
+        assert t.offload_path.read_bytes() == written
+        mended = fp_to_tract_q4_0_with_min_max_calibration(weight * 2)
+        t.update_values(mended)
+        pool.flush()
+        assert torch.equal(pool.resolve(t).decompress(), mended.decompress())
+    assert torch.equal(t.reload().decompress(), mended.decompress())
 
 
 @CUDA

@@ -246,17 +246,20 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
 
         Raises:
             T2NErrorNotImplemented: the tensor has u8 compressors, which are not serializable.
+            T2NErrorMisuse: what it keeps was changed into what the state cannot hold: codes
+                outside 0..15, or a scale that is not one float16 value per group (see
+                :meth:`_checked_parts`).
         """
         if self.u8_compressors:
             raise T2NErrorNotImplemented(
                 f"{type(self).__name__} with u8 compressors {self.u8_compressors} cannot be "
                 "offloaded: compressors are not serializable; build it without compressors"
             )
-        codes = self.decompress_to_u8().reshape(-1)
+        codes, scale = self._checked_parts()
         return {
             OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
             "u8_blob": codes[0::2] | (codes[1::2] << 4),
-            "scale": self.qscheme.scale.reshape(-1),
+            "scale": scale,
             "format": _STATE_FORMAT,
             "shape": [int(d) for d in self.shape],
             "group_size": self.qscheme.group_size,
@@ -267,6 +270,39 @@ class QTensorTractScaleOnly(QTensorTract, SupportsOffloadState):
             "specific_machine": self.specific_machine,
             "nnef_name": self.nnef_name,
         }
+
+    def _checked_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The codes and the scale, flat, once checked to be what the offload state holds as
+        they are (a payload written from anything else would read back as other values, or
+        not at all): uint8 codes in 0..15, one per element, and one float16 scale per group
+        of :data:`Q40_GROUP_SIZE` elements."""
+        name = f"{type(self).__name__} {self.nnef_name or ''}".rstrip()
+        codes = self.decompress_to_u8().reshape(-1)
+        if codes.dtype != torch.uint8 or codes.numel() != self.numel():
+            raise T2NErrorMisuse(
+                f"{name}: its codes must be {self.numel()} uint8 values (one per element of "
+                f"shape {tuple(self.shape)}), got {codes.numel()} {codes.dtype}; keep u8_blob "
+                "as quantization made it, or quantize again"
+            )
+        if codes.numel() and int(codes.max()) > 15:
+            raise T2NErrorMisuse(
+                f"{name}: its 4-bit codes must lie in 0..15 (Q4_0 stores two per byte), got "
+                f"{int(codes.max())}; clamp them (u8_blob.clamp_(0, 15)) or quantize again"
+            )
+        scale = self.qscheme.scale.reshape(-1)
+        groups = self.numel() // Q40_GROUP_SIZE
+        if scale.dtype != torch.float16 or scale.numel() != groups:
+            raise T2NErrorMisuse(
+                f"{name}: its scale must be {groups} float16 values (one per group of "
+                f"{Q40_GROUP_SIZE}), got {scale.numel()} {scale.dtype}; assign it as float16 "
+                "(qscheme.scale = scale.half())"
+            )
+        if not bool(torch.isfinite(scale).all()):
+            raise T2NErrorMisuse(
+                f"{name}: its scale must hold finite float16 values, got an inf or a nan (a "
+                "value above 65504 does not fit float16); quantize again"
+            )
+        return codes, scale
 
     @classmethod
     def from_offload_state(
