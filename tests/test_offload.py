@@ -267,6 +267,20 @@ def test_a_nested_value_is_refused_as_misuse_and_the_payload_stays(
     assert not (tmp_path / "p.safetensors").exists()
 
 
+def test_a_sparse_value_is_refused_naming_the_tensor(
+    offloaded: OffloadedTensor, tmp_path: Path
+) -> None:
+    sparse = torch.zeros(offloaded.shape).to_sparse()
+    before = offloaded.reload()
+    for write in (
+        lambda: offloaded.update_values(sparse),
+        lambda: OffloadedTensor.from_original_tensor(sparse, "sparse_weight", tmp_path),
+    ):
+        with pytest.raises(T2NErrorMisuse, match=r"'(layers.0.weight|sparse_weight)' has layout"):
+            write()
+    assert torch.equal(offloaded.reload(), before)
+
+
 def test_update_values_from_another_offloaded_tensor(
     offloaded: OffloadedTensor, tmp_path: Path
 ) -> None:

@@ -47,7 +47,7 @@ from torch_to_nnef.tensor.opaque import (
     _writes_first_argument,
     opaque_to_final_tensor,
 )
-from torch_to_nnef.tensor.storage._buffers import refuse_nested
+from torch_to_nnef.tensor.storage._buffers import refuse_unstorable
 from torch_to_nnef.tensor.storage._format import file_identity
 from torch_to_nnef.tensor.storage._paths import path_argument
 
@@ -321,7 +321,7 @@ def _encode(value: torch.Tensor, what: str = "the value") -> _Encoded:
     """Describe ``value`` as payload tensors (an opaque value by its offload state); ``what``
     names it in errors."""
     if isinstance(value, torch.Tensor):
-        refuse_nested(value, what)
+        refuse_unstorable(value, what)
     shape, dtype = tuple(value.shape), value.dtype
     if isinstance(value, SupportsOffloadState):
         tensors, metadata = storage.encode_opaque(value)
@@ -1447,7 +1447,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             raise T2NErrorMisuse(
                 f"update_values of {self._name!r} needs a torch.Tensor, got {type(values).__name__}"
             )
-        refuse_nested(values, f"the value of {self._name!r}")
+        refuse_unstorable(values, f"the value of {self._name!r}")
         if strict_shape and tuple(values.shape) != tuple(self.shape):
             raise T2NErrorValueMismatch(
                 f"update_values of {self._name!r}: new shape {tuple(values.shape)} differs from "

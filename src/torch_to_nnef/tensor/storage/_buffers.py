@@ -104,14 +104,20 @@ def empty_buffer(shape: tuple[int, ...], dtype: torch.dtype, *, pin: bool = Fals
     return buffer
 
 
-def refuse_nested(tensor: torch.Tensor, what: str) -> None:
-    """Refuse a nested tensor, which no payload stores: it has no single shape (checked before
-    its shape is read, which torch refuses from deep inside). ``what`` names it."""
+def refuse_unstorable(tensor: torch.Tensor, what: str) -> None:
+    """Refuse a tensor that no payload stores as it is: a nested tensor, which has no single
+    shape (checked before its shape is read, which torch refuses from deep inside), or one of
+    another layout than the dense, strided one (sparse). ``what`` names it."""
     if tensor.is_nested:
         raise T2NErrorMisuse(
             f"{what} cannot be a nested tensor (layout {tensor.layout}): a payload holds dense "
             "values; store each of its parts (value.unbind()) as a tensor of its own, or pad "
             "it into one with value.to_padded_tensor(0.0)"
+        )
+    if tensor.layout != torch.strided:
+        raise T2NErrorMisuse(
+            f"{what} has layout {tensor.layout}; a payload holds dense values: convert it "
+            "with .to_dense() first"
         )
 
 
@@ -299,11 +305,7 @@ def prepare_tensors(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torc
             raise T2NErrorMisuse(
                 f"tensor {name!r} must be a torch.Tensor, got {type(tensor).__name__}"
             )
-        refuse_nested(tensor, f"tensor {name!r}")
-        if tensor.layout != torch.strided:
-            raise T2NErrorMisuse(
-                f"tensor {name!r} has layout {tensor.layout}; convert it with .to_dense() first"
-            )
+        refuse_unstorable(tensor, f"tensor {name!r}")
         if tensor.device.type == "meta":
             raise T2NErrorMisuse(f"tensor {name!r} is on the meta device and holds no data")
         dtype_code(tensor.dtype)
