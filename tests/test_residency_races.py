@@ -873,6 +873,36 @@ def test_a_generator_inside_with_pool_collected_on_a_worker_leaves_the_pool_to_i
     assert pool.closed
 
 
+@pytest.mark.parametrize("request_", ["close", "flush", "resolve"])
+def test_a_request_a_finalizer_makes_on_a_worker_is_refused_not_waited_for(
+    tmp_path: Path, request_: str
+) -> None:
+    """A finalizer that a garbage collection runs on the pool's only I/O worker, amid its
+    write for a flush, asks the pool for something that waits (an object closing its pool
+    as it is dropped): the pool would wait for that worker's job, queued behind it. Refused
+    at once; the flush ends, and the pool works on."""
+    t, other = _tensor(tmp_path, "t"), _tensor(tmp_path, "other", 3.0)
+    refused: list[BaseException] = []
+
+    def finalizer() -> None:
+        try:
+            getattr(pool, request_)(*([other] if request_ == "resolve" else []))
+        except T2NErrorMisuse as error:
+            refused.append(error)
+
+    pool = TensorResidencyPool(max_workers=1)
+    with _closed_at_a_workers_write(finalizer) as flushing:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(8.0)
+        ended = flushing(pool.flush)
+    assert ended, "the flush and the finalizer's request on its worker wait for each other"
+    assert len(refused) == 1 and "I/O worker thread" in str(refused[0])
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 8.0))
+    assert torch.equal(pool.resolve(other), torch.full((NUMEL,), 3.0))
+    pool.close()
+    assert pool.closed
+
+
 @pytest.mark.parametrize("mode", ["read", "read_write"])
 def test_a_task_inside_a_lease_collected_amid_the_pools_own_code_ends_the_lease_later(
     tmp_path: Path, mode: str

@@ -578,13 +578,19 @@ class Runtime:
         return held_here(self.actor.lock) or held_here(self._lock) or held_here(self._start_lock)
 
     def _refuse_a_wait_for_itself(self) -> None:
-        """A blocking request made amid the pool's own code on this thread (by a finalizer
-        that a garbage collection ran there) would wait for that very code: refused."""
-        if self._amid_its_own_code():
+        """A blocking request made amid the pool's own code on this thread, or on an I/O
+        worker (by a finalizer that a garbage collection ran there), would wait for that
+        very code, or for a job queued behind it: refused."""
+        if self._amid_its_own_code() or on_worker_thread():
+            where = (
+                "on a pool's I/O worker thread"
+                if on_worker_thread()
+                else "amid the pool's own code on this thread"
+            )
             raise T2NErrorMisuse(
-                "a TensorResidencyPool request that may wait was made amid the pool's own "
-                "code on this thread (by a finalizer a garbage collection ran there, say): it "
-                "would wait for itself; make it outside finalizers"
+                f"a TensorResidencyPool request that may wait was made {where} (by a "
+                "finalizer a garbage collection ran there, say): it would wait for itself; "
+                "make it outside finalizers"
             )
 
     def _check_process(self) -> None:
