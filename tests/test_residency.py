@@ -935,6 +935,34 @@ threading.Thread(target=later).start()
 
 
 @pytest.mark.timeout(120)
+def test_a_pool_served_by_a_loop_of_a_daemon_thread_is_written_back_at_exit(
+    tmp_path: Path,
+) -> None:
+    """A background loop thread (a daemon) serves the pool in `async with pool` for the life
+    of the process: nothing leaves that block. At exit, the pool is closed through that
+    loop, which still runs: its changes, and those other threads made, reach their files."""
+    values, result = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+ready = threading.Event()
+async def serve():
+    async with pool:
+        async with pool.acquire(ts[0], mode="read_write") as value:
+            value.fill_(4.0)
+        ready.set()
+        await asyncio.Event().wait()
+threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
+assert ready.wait(30)
+with pool.acquire(ts[1], mode="read_write") as value:  # served by that loop
+    value.fill_(6.0)
+""",
+    )
+    assert values == [4.0, 6.0, 0.0], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("then", ["", "del pool\ngc.collect()"], ids=["kept", "dropped"])
 def test_a_pool_whose_async_with_exit_failed_is_written_back_at_exit(
     tmp_path: Path, then: str

@@ -823,6 +823,9 @@ class _Unclosed:
         if self._runtime.stranded():
             self._close_stranded()
             return
+        if self._runtime.served_by_callers_loop():
+            self._close_served_elsewhere()
+            return
         closing = self._closing
         if closing is not None:
             try:
@@ -874,6 +877,29 @@ class _Unclosed:
             "held are lost",
             refused,
         )
+
+    def _close_served_elsewhere(self) -> None:
+        """Interpreter exit while a loop of the caller's still serves the pool: a daemon
+        thread runs it (the interpreter waited for the others), and nothing will leave its
+        ``async with`` block. That loop is sent the close, and waited for a bounded time."""
+        runtime, actor = self._runtime, self._runtime.actor
+        if actor.closed or not _has_changes(actor):
+            return
+        pool = self._pool()
+        close = pool._close_request() if pool is not None else Close(actor, _nothing)
+        call = partial(runtime.call_within, timeout=_EXIT_WRITE_TIMEOUT)
+        try:
+            call(close)
+        except TimeoutError:
+            LOGGER.error(
+                "the event loop serving a TensorResidencyPool on a daemon thread did not close "
+                "it within %.0f s at interpreter exit; its changes may be lost",
+                _EXIT_WRITE_TIMEOUT,
+            )
+        except T2NErrorMisuse as error:  # leased: by the daemon thread's tasks, say
+            self._flush_unleased(error, call)
+        except T2NError as error:  # a write failed
+            _log_unwritten("served on a daemon thread at interpreter exit", error)
 
     def _close_stranded(self) -> None:
         """Close a pool whose ``async with`` block on a loop of the caller's was never left,

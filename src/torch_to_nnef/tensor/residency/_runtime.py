@@ -166,12 +166,13 @@ _exit = _Exit()
 
 def _close_and_stop_at_exit() -> None:
     """Once the interpreter waited for the threads that are not daemons, and before the
-    workers stop: run the exit work (``at_exit``) of every pool that no running loop of the
-    caller's serves (a private loop; a loop that no longer runs, see :meth:`Runtime.stranded`;
-    none, after an ``async with`` exit that failed), then stop private loop threads (they are
-    daemons): each runs what was posted, then its workers' jobs to their end; then wait for
-    the loop threads a collected pool's close stops. No thread of a pool is left running
-    Python or torch code while the interpreter tears down."""
+    workers stop: run the exit work (``at_exit``) of every pool (served by a private loop; by
+    a loop of the caller's that still runs, on a daemon thread then; by one that no longer
+    runs, see :meth:`Runtime.stranded`; by none, after an ``async with`` exit that failed),
+    then stop private loop threads (they are daemons): each runs what was posted, then its
+    workers' jobs to their end; then wait for the loop threads a collected pool's close
+    stops. No thread of a pool is left running Python or torch code while the interpreter
+    tears down."""
     exit_interrupts.hold()  # until the workers' hook ends
     _exit.thread = threading.current_thread()
     try:
@@ -184,7 +185,7 @@ def _close_and_stop_pools() -> None:
     for runtime in list(_runtimes):
         if runtime._pid != os.getpid():  # a forked child has none of its parent's threads
             continue
-        if runtime.at_exit is not None and not runtime.served_by_callers_loop():
+        if runtime.at_exit is not None:
             try:
                 runtime.at_exit()
             except BaseException:  # the loops still stop
@@ -627,6 +628,18 @@ class Runtime:
                     "enter `async with pool` once, before any synchronous use"
                 )
             self._attach(asyncio.get_running_loop())
+
+    def call_within(self, operation: Operation, timeout: float) -> Any:
+        """The sync face, waiting ``timeout`` seconds at most for the end (a thread other
+        than the loop's, a loop serving the pool): ``TimeoutError`` then, and the request is
+        abandoned, in order after it."""
+        reply = Reply()
+        try:
+            self._post_request(self.drive, operation, reply)
+            return reply.result(timeout=timeout)
+        except BaseException:
+            self.notify(operation.abandon)
+            raise
 
     def call_stranded(self, operation: Operation) -> Any:
         """Run ``operation`` to its end on the calling thread, for a pool that only this
