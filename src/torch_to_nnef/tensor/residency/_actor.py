@@ -958,7 +958,7 @@ class Actor:
                 slot.open = False
                 self.published.pop(entry.key, None)
         self.policy.forget(entry.key, entry.nbytes, entry.retained)
-        value, entry.value = entry.value, None
+        value, entry.value, entry.remapped = entry.value, None, None
         if value is not None:
             self.resident_bytes -= entry.nbytes
             self._evictions += 1
