@@ -92,11 +92,13 @@ class PoolSource:
       when it is the tensor's unsaved latest write, reads outside the pool keep seeing it
       as it was (a copy) while the lease changes it.
     - ``_announce_write()``: a write-back was chosen; copies (``copy.deepcopy``) of the
-      tensor from now on wait until it ends, by ``_write_back(value, owner, remap)``
-      (write ``value`` unless a later write superseded it, blocking, on a worker; returns
-      its version as ``owner`` sees it, or ``None``, and, with ``remap``, the value mapping
-      the file written when a CPU value maps the file, or ``None``; the announcement ends
-      whatever happens) or by ``_end_write()`` when it never started.
+      tensor from now on wait until it ends, by ``_write_back(value, owner)`` (write
+      ``value`` unless a later write superseded it, blocking, on a worker; returns its
+      version as ``owner`` sees it, or ``None``; the announcement ends whatever happens) or
+      by ``_end_write()`` when it never started.
+    - ``_map_written(version, owner)``: the CPU value mapping the file while it holds the
+      write-back of ``version`` by ``owner`` and nothing since, for a payload a CPU load
+      maps; else ``None`` (blocking, on a worker).
     - ``_reads_rows_on_demand(device)``: whether an embedding lookup in the tensor, its value
       wanted on ``device``, reads only the rows it gathers, without a load (a module stream
       then leaves the table out of what it reads ahead).
@@ -154,9 +156,10 @@ class PoolSource:
     def _end_write(self) -> None:
         raise NotImplementedError
 
-    def _write_back(
-        self, value: torch.Tensor, owner: object, remap: bool = False
-    ) -> tuple[object | None, torch.Tensor | None]:
+    def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
+        raise NotImplementedError
+
+    def _map_written(self, version: object, owner: object) -> torch.Tensor | None:
         raise NotImplementedError
 
     def _write_unsaved(self, owner: object) -> None:

@@ -1160,17 +1160,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
     def _reads_rows_on_demand(self, device: torch.device) -> bool:
         """Whether :meth:`_rows_value` maps the value for ``device`` (see there)."""
-        return self._maps_file(device)
+        return device.type == "cpu" and self._mappable() and storage.mapped_reads()
 
-    def _maps_file(self, device: torch.device) -> bool:
-        """Whether a load of the value for ``device`` maps the file (a plain payload large
-        enough, for the CPU, mapped reads on; see ``storage.load_payload``)."""
-        return (
-            device.type == "cpu"
-            and not self._binding.opaque
-            and self.payload_nbytes >= storage.MAPPED_MIN_BYTES
-            and storage.mapped_reads()
-        )
+    def _mappable(self) -> bool:
+        """Whether a CPU load maps the payload, mapped reads on (``storage.load_payload``):
+        a plain payload large enough."""
+        return not self._binding.opaque and self.payload_nbytes >= storage.MAPPED_MIN_BYTES
 
     def _reload_unmanaged(
         self,
@@ -1313,18 +1308,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         with self._pending_lock:
             self._pending_writes += 1
 
-    def _write_back(
-        self, value: torch.Tensor, owner: object, remap: bool = False
-    ) -> tuple[object | None, torch.Tensor | None]:
+    def _write_back(self, value: torch.Tensor, owner: object) -> object | None:
         """Write a pool's announced value (blocking) unless a later write superseded it.
 
         Returns the version of the value written as ``owner`` sees it, or ``None`` when the
         value was superseded (a direct write, or another pool's change, came after it in
-        program order), and, with ``remap``, the value mapping the file just written when a
-        CPU value of the tensor maps its file (else ``None``): the holder of a value mapping
-        the replaced file, which keeps that file's disk space in use, swaps it for this one.
-        The announcement ends whatever happens. The kernels that changed a CUDA value under
-        a ``read_write`` lease are waited for first.
+        program order). The announcement ends whatever happens. The kernels that changed a
+        CUDA value under a ``read_write`` lease are waited for first.
         """
         try:
             storage.wait_for_writes(value)
@@ -1332,25 +1322,28 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 with self._pending_lock:  # the value's version: a later change is not in it
                     unsaved, version = self._unsaved, self._hit_state.version_for(owner)
                 if unsaved is None or unsaved[0] is not owner:
-                    return None, None
+                    return None
                 self._write_encoded(self._check_update(value, True, True), None, keep=unsaved[1])
-                return version, self._map_written() if remap else None
+                return version
         finally:
             self._end_write()
 
-    def _map_written(self) -> torch.Tensor | None:
-        """The CPU value mapping the file just written (its pages are the written ones), when
-        a CPU value of the tensor maps its file; ``None`` otherwise, or when the file cannot
-        be mapped (the write stands all the same)."""
-        cpu = torch.device("cpu")
-        if not self._maps_file(cpu):
+    def _map_written(self, version: object, owner: object) -> torch.Tensor | None:
+        """The CPU value mapping the file, while it holds the pool ``owner``'s write-back of
+        ``version`` and nothing came since (no other write, no unsaved change of the pool's),
+        for a payload a CPU load maps; ``None`` otherwise, or when the file cannot be mapped."""
+        if not self._mappable():
             return None
-        binding = self._binding
-        try:
-            host = storage.load_payload(binding.layout, names=binding.file_names, mapped=True)
-        except T2NErrorStorage:
-            return None
-        return _materialize(binding, host, cpu)
+        with self._write_lock:
+            with self._pending_lock:
+                if self._unsaved is not None or self._hit_state.version_for(owner) is not version:
+                    return None
+            binding = self._binding
+            try:
+                host = storage.load_payload(binding.layout, names=binding.file_names, mapped=True)
+            except T2NErrorStorage:
+                return None
+        return _materialize(binding, host, torch.device("cpu"))
 
     def _write_unsaved(self, owner: object) -> None:
         """Write the pool ``owner``'s unsaved value, when it is the latest write (blocking).

@@ -987,15 +987,9 @@ class Actor:
                 slot.writing = True
         source = entry.source
         source._announce_write()  # copies of the tensor wait for this write from now on
-        # A value that stays (no eviction, no close) and may map the file it was read from
-        # comes back mapping the file written (see _remap).
-        remap = not (entry.copied or entry.evicting or self.closing) and entry.device.type == "cpu"
         try:
             job = self._job(
-                "write",
-                source._write_back,
-                (value, self, remap),
-                partial(self._on_written, entry, value),
+                "write", source._write_back, (value, self), partial(self._on_written, entry, value)
             )
         except BaseException:
             source._end_write()
@@ -1035,7 +1029,7 @@ class Actor:
             job.finish(None, error)
             self.enforce()  # the value stays, out of the order: others may have to go
             return
-        version, mapping = job.outcome
+        version = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
             self._write_backs += 1
             self._bytes_written += entry.source.payload_nbytes  # the file's (see _on_loaded)
@@ -1053,10 +1047,33 @@ class Actor:
                 self._remove(entry)
         elif current:
             self._maybe_release(entry)  # back in the eviction order (after a failed write-back)
-            if mapping is not None and entry.value is written:
-                entry.remapped = (mapping, written._version)
-                self._remap(entry)
+            if version is not None and entry.value is written:
+                self._start_remap(entry, version)
         self.enforce()
+
+    def _start_remap(self, entry: Entry, version: object) -> None:
+        """A value that stays after its write-back (a flush, or an eviction a lease took
+        back), loaded as a mapping of the file the write replaced, keeps that file and its
+        disk space alive: a job maps the file written, which :meth:`_remap` serves instead."""
+        if entry.copied or entry.device.type != "cpu" or self.closing:
+            return  # (not loaded as a mapping, or about to go)
+        value = entry.value
+        assert value is not None
+        self._job(
+            "remap",
+            entry.source._map_written,
+            (version, self),
+            partial(self._on_remapped, entry, value, value._version),
+        )
+
+    def _on_remapped(self, entry: Entry, written: torch.Tensor, counter: int, job: Job) -> None:
+        self.sync()
+        self.jobs.discard(job)
+        mapping: torch.Tensor | None = job.outcome if job.failure is None else None
+        job.finish(None, None)
+        if mapping is not None and self.entries.get(entry.key) is entry and entry.value is written:
+            entry.remapped = (mapping, counter)
+            self._remap(entry)
 
     def _remap(self, entry: Entry) -> None:
         """Serve the value mapping the file a write-back wrote (``entry.remapped``) instead
