@@ -1655,8 +1655,9 @@ def test_an_in_place_op_on_a_view_in_a_scope_is_no_write_and_every_read_agrees(
         lambda t: t.cpu(),
         lambda t: torch.Tensor.to(t, torch.float32),
         lambda t: t.data.float(),  # (t.data is t: an in-place op on it writes t)
+        lambda t: torch.flatten(input=t),  # (given by keyword)
     ],
-    ids=["float", "contiguous", "cpu", "to", "data-float"],
+    ids=["float", "contiguous", "cpu", "to", "data-float", "keyword"],
 )
 @pytest.mark.timeout(60)
 def test_an_op_that_returns_the_value_itself_in_a_scope_is_no_write_either(

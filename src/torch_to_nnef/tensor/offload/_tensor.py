@@ -6,6 +6,7 @@ import collections
 import contextlib
 import dataclasses
 import gc
+import itertools
 import logging
 import multiprocessing.context
 import os
@@ -560,10 +561,13 @@ def _looked_up_table(
     return table if few else None
 
 
-def _note_aliases(pool: ScopePool, args: tuple[Any, ...], result: Any) -> None:
-    """Tell ``pool`` (a scope's) the tensors an op returned, for each offloaded argument: a
-    view among them, or the value the pool served itself (an op that returns its input:
-    ``t.float()`` of a float tensor, ``t.contiguous()``), may alias that value."""
+def _note_aliases(
+    pool: ScopePool, args: tuple[Any, ...], kwargs: Mapping[str, Any], result: Any
+) -> None:
+    """Tell ``pool`` (a scope's) the tensors an op returned, for each offloaded argument
+    (positional or keyword): a view among them, or the value the pool served itself (an op
+    that returns its input: ``t.float()`` of a float tensor, ``t.contiguous()``), may alias
+    that value."""
     if isinstance(result, torch.Tensor):
         results = [result]
     elif type(result) in (list, tuple):
@@ -571,7 +575,7 @@ def _note_aliases(pool: ScopePool, args: tuple[Any, ...], result: Any) -> None:
     else:
         return
     if results:
-        for argument in args:
+        for argument in itertools.chain(args, kwargs.values()):
             if isinstance(argument, OffloadedTensor):
                 pool._scope_aliased(argument, results)
 
@@ -1861,7 +1865,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             result = super().__torch_function__(func, types, args, kwargs)
             scope = active_tensor_residency()
             if scope is not None:
-                _note_aliases(scope[0], args, result)
+                _note_aliases(scope[0], args, kwargs, result)
         if _GC_REQUEST.pending:
             _GC_REQUEST.pending = False
             gc.collect()
