@@ -963,6 +963,42 @@ with pool.acquire(ts[1], mode="read_write") as value:  # served by that loop
 
 
 @pytest.mark.timeout(120)
+def test_a_pool_whose_daemon_loop_stops_as_exit_waits_for_it_is_closed_by_exit(
+    tmp_path: Path,
+) -> None:
+    """The daemon thread's loop serving the pool is busy as the interpreter exits, then
+    stops: the close sent to it is abandoned once it has not run for a while, and exit
+    closes the pool it left stranded."""
+    values, result = _files_at_exit(
+        tmp_path,
+        """
+pool = TensorResidencyPool()
+ready = threading.Event()
+async def serve():
+    async with pool:
+        async with pool.acquire(ts[0], mode="read_write") as value:
+            value.fill_(7.0)
+        ready.set()
+        await asyncio.Event().wait()
+def run():
+    loop = asyncio.new_event_loop()
+    loop.create_task(serve())
+    def busy_then_stop():
+        time.sleep(1.0)  # the main thread ends meanwhile
+        loop.stop()
+    loop.call_later(0.2, busy_then_stop)
+    loop.run_forever()
+    time.sleep(3600)
+threading.Thread(target=run, daemon=True).start()
+assert ready.wait(30)
+time.sleep(0.4)  # the loop is busy now
+""",
+    )
+    assert values == [7.0, 0.0, 0.0], result.stderr
+    assert "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.parametrize("then", ["", "del pool\ngc.collect()"], ids=["kept", "dropped"])
 def test_a_pool_whose_async_with_exit_failed_is_written_back_at_exit(
     tmp_path: Path, then: str

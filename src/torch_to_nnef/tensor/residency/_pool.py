@@ -881,9 +881,18 @@ class _Unclosed:
     def _close_served_elsewhere(self) -> None:
         """Interpreter exit while a loop of the caller's still serves the pool: a daemon
         thread runs it (the interpreter waited for the others), and nothing will leave its
-        ``async with`` block. That loop is sent the close, and waited for a bounded time."""
+        ``async with`` block. That loop is sent the close, and waited for a bounded time,
+        once per loop (one that let a close wait that long is not waited for again); a
+        loop that stops meanwhile leaves the pool stranded, for this thread to close."""
         runtime, actor = self._runtime, self._runtime.actor
         if actor.closed or not _has_changes(actor):
+            return
+        loop = runtime.loop
+        if id(loop) in _LOOPS_PAST_EXIT_WAIT:
+            LOGGER.error(
+                "a TensorResidencyPool served on a daemon thread by an event loop that does "
+                "not answer could not write its changes back at interpreter exit"
+            )
             return
         pool = self._pool()
         close = pool._close_request() if pool is not None else Close(actor, _nothing)
@@ -891,13 +900,17 @@ class _Unclosed:
         try:
             call(close)
         except TimeoutError:
+            _LOOPS_PAST_EXIT_WAIT.add(id(loop))
             LOGGER.error(
                 "the event loop serving a TensorResidencyPool on a daemon thread did not close "
                 "it within %.0f s at interpreter exit; its changes may be lost",
                 _EXIT_WRITE_TIMEOUT,
             )
-        except T2NErrorMisuse as error:  # leased: by the daemon thread's tasks, say
-            self._flush_unleased(error, call)
+        except T2NErrorMisuse as error:
+            if runtime.stranded():  # that loop stopped meanwhile
+                self._close_stranded()
+            else:  # leased: by the daemon thread's tasks, say
+                self._flush_unleased(error, call)
         except T2NError as error:  # a write failed
             _log_unwritten("served on a daemon thread at interpreter exit", error)
 
@@ -941,6 +954,9 @@ _ORPHANS: set[_Unclosed] = set()
 
 _EXIT_WRITE_TIMEOUT = 300.0
 """Seconds interpreter exit waits for the write-backs of a collected pool."""
+
+_LOOPS_PAST_EXIT_WAIT: set[int] = set()
+"""The loops (by id) that let a close at interpreter exit wait :data:`_EXIT_WRITE_TIMEOUT`."""
 
 
 async def _to_its_end(coroutine: Coroutine[Any, Any, None]) -> None:

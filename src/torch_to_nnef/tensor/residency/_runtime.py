@@ -631,12 +631,23 @@ class Runtime:
 
     def call_within(self, operation: Operation, timeout: float) -> Any:
         """The sync face, waiting ``timeout`` seconds at most for the end (a thread other
-        than the loop's, a loop serving the pool): ``TimeoutError`` then, and the request is
-        abandoned, in order after it."""
+        than the loop's, a loop serving the pool): ``TimeoutError`` then, and
+        :class:`T2NErrorMisuse` once a loop of the caller's stopped running (as
+        :meth:`wait` says); the request is abandoned either way, in order after it."""
+        loop = self.loop
+        watch = None if self.private or loop is None else _LoopWatch(loop)
+        deadline = time.monotonic() + timeout
         reply = Reply()
         try:
             self._post_request(self.drive, operation, reply)
-            return reply.result(timeout=timeout)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                with contextlib.suppress(TimeoutError):
+                    return reply.result(timeout=min(_WATCH_INTERVAL, left))
+                if watch is not None:
+                    watch.look(self.actor.closed)
         except BaseException:
             self.notify(operation.abandon)
             raise
