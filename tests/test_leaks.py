@@ -4,11 +4,14 @@ A thousand pools are created, used a little and closed, through ``with pool:`` (
 and stops its own loop thread) and ``async with pool:`` (each runs in the caller's loop).
 Afterwards no pool object survives a garbage collection, no thread or file descriptor is left,
 and the resident memory does not grow from the 100th pool to the 1000th beyond noise. An
-``OffloadedTensor`` that is garbage collected removes its own payload file and only it.
+``OffloadedTensor`` that is garbage collected removes its own payload file and only it. Pools
+dropped inside an ``async with`` block whose loop closed are closed by the next pool created:
+their workers stop, their values go and their changes reach the files.
 """
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import os
 import threading
@@ -16,11 +19,14 @@ import time
 import weakref
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import anyio
 import psutil
 import pytest
 import torch
+from forking import in_forked_child
+from residency_checks import on_disk
 from stress.figures import record, scaled
 
 from torch_to_nnef.tensor import storage
@@ -245,3 +251,127 @@ def test_a_thousand_tensors_created_and_collected_leave_no_file(tmp_path: Path) 
     gc.collect()
     assert os.listdir(tmp_path) == []
     assert settled(lambda: not open_fds() - fds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pools dropped inside an `async with` block whose loop closed
+# ---------------------------------------------------------------------------------------------
+STRANDED = 5
+
+
+def strand_and_drop(tensors: list[OffloadedTensor], mode: str) -> list[weakref.ref[torch.Tensor]]:
+    """Serve a new pool per tensor with ``async with pool`` in a task of a loop that is then
+    closed with the task still inside the block (its lease of the tensor ended: with
+    ``read_write``, after adding 1), then drop the pools and tasks, all at once (a pool
+    created or entered meanwhile would close those dropped before). Returns weak references
+    to the values the leases handed out."""
+    pools = [TensorResidencyPool() for _ in tensors]
+    held: list[weakref.ref[torch.Tensor]] = []
+
+    async def serve(pool: TensorResidencyPool, tensor: OffloadedTensor, inside: Any) -> None:
+        async with pool:
+            async with pool.acquire(tensor, mode=mode) as value:  # type: ignore[arg-type]
+                if mode == "read_write":
+                    value.add_(1)
+                held.append(weakref.ref(value))
+            inside.set()
+            await asyncio.Event().wait()
+
+    for pool, tensor in zip(pools, tensors, strict=True):
+        loop = asyncio.new_event_loop()
+        inside = asyncio.Event()
+        task = loop.create_task(serve(pool, tensor, inside))
+        loop.run_until_complete(inside.wait())
+        loop.close()  # the task is left pending inside `async with pool`
+        task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+        del task
+    del pools, pool
+    gc.collect()
+    return held
+
+
+def io_threads_since(before: set[threading.Thread]) -> set[threading.Thread]:
+    return {t for t in set(threading.enumerate()) - before if t.name.startswith("t2n-residency-io")}
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_stranded_pools_dropped_with_changes_write_them_back_and_stop(tmp_path: Path) -> None:
+    """A finalizer closes nothing itself (it may run on any thread, amid anything): it leaves
+    the pool to the reaper that the next pool created starts. Their workers then stop and
+    their changes reach the files, long before interpreter exit."""
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), f"s{i}", tmp_path)
+        for i in range(STRANDED)
+    ]
+    before = set(threading.enumerate())
+    strand_and_drop(tensors, "read_write")
+    workers = io_threads_since(before)
+    assert len(workers) == STRANDED  # still running: nothing closed them yet
+    TensorResidencyPool().close()
+    assert settled(lambda: not any(t.is_alive() for t in workers)), workers
+    for tensor in tensors:
+        assert torch.equal(on_disk(tensor), torch.ones(NUMEL))
+        assert torch.equal(tensor.reload(), torch.ones(NUMEL))
+    assert settled(lambda: not pool_threads()), pool_threads()  # the reaper ended too
+
+
+@pytest.mark.timeout(60)
+def test_stranded_pools_dropped_read_only_release_their_values(tmp_path: Path) -> None:
+    """Nothing to write: the reaper still stops their workers and drops their values."""
+    tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "r", tmp_path)
+    before = set(threading.enumerate())
+    values = strand_and_drop([tensor] * STRANDED, "read")
+    workers = io_threads_since(before)
+    assert len(workers) == STRANDED
+    assert all(value() is not None for value in values)  # each held by its dropped pool
+    with TensorResidencyPool():
+        pass
+    assert settled(lambda: not any(t.is_alive() for t in workers)), workers
+    assert settled(lambda: all(value() is None for value in values))
+    assert settled(lambda: not pool_threads()), pool_threads()
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_a_forked_child_leaves_the_parents_dropped_pools_to_it(tmp_path: Path) -> None:
+    """The pools left to the reaper are the parent's, their workers there only: a pool
+    created in a forked child starts no reaper; the parent's next pool closes them."""
+    tensor = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "f", tmp_path)
+    before = set(threading.enumerate())
+    strand_and_drop([tensor], "read_write")
+    workers = io_threads_since(before)
+
+    def child() -> str:
+        TensorResidencyPool()
+        time.sleep(0.2)
+        return repr([t.name for t in threading.enumerate() if t.name.startswith("t2n-")])
+
+    assert in_forked_child(child) == "[]"
+    assert torch.equal(on_disk(tensor), torch.zeros(NUMEL))  # the child wrote nothing
+    TensorResidencyPool()
+    assert settled(lambda: not any(t.is_alive() for t in workers)), workers
+    assert torch.equal(on_disk(tensor), torch.ones(NUMEL))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_a_stranded_pool_dropped_whose_write_back_fails_says_so_and_stops(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Nobody is left to retry: the failure is logged, the workers stop all the same, and
+    the file keeps its earlier, whole value."""
+    directory, moved = tmp_path / "d", tmp_path / "moved"
+    directory.mkdir()
+    tensor = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "w", directory)
+    before = set(threading.enumerate())
+    strand_and_drop([tensor], "read_write")
+    workers = io_threads_since(before)
+    os.rename(directory, moved)  # the directory is gone: the write-back fails with ENOENT
+    try:
+        TensorResidencyPool()
+        assert settled(lambda: not any(t.is_alive() for t in workers)), workers
+    finally:
+        os.rename(moved, directory)
+    assert "could not write its changes back" in caplog.text
+    assert torch.equal(on_disk(tensor), torch.zeros(NUMEL))

@@ -45,7 +45,13 @@ from torch_to_nnef.tensor.residency._requests import (
     Resolve,
     Transition,
 )
-from torch_to_nnef.tensor.residency._runtime import Operation, Reply, Runtime
+from torch_to_nnef.tensor.residency._runtime import (
+    Operation,
+    Reply,
+    Runtime,
+    reap_later,
+    reap_pending,
+)
 from torch_to_nnef.tensor.residency._scope import PENDING, leave_left_over, leave_pending
 from torch_to_nnef.tensor.residency._state import PoolStats
 from torch_to_nnef.tensor.residency._trace import ReadAhead
@@ -150,6 +156,7 @@ class TensorResidencyPool(Uncopyable):
         # closing releases first.
         self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
         self.read_ahead = _read_ahead(self, read_ahead)
+        reap_pending()  # pools collected since, which only a thread of their own can close
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -226,6 +233,7 @@ class TensorResidencyPool(Uncopyable):
     # Running
     # ------------------------------------------------------------------------------------------
     def __enter__(self) -> TensorResidencyPool:
+        reap_pending()
         self._actor.check_open()
         self._runtime.ensure_running()
         return self
@@ -249,6 +257,7 @@ class TensorResidencyPool(Uncopyable):
             LOGGER.exception("closing the TensorResidencyPool failed")
 
     async def __aenter__(self) -> TensorResidencyPool:
+        reap_pending()
         self._actor.check_open()
         self._runtime.attach_current()
         return self
@@ -770,8 +779,9 @@ class _Unclosed:
     """Writes back the changes of a pool that was never closed, as :meth:`close` would:
     when the pool is garbage collected (in the background: gc may run on any thread, amid
     anything), or at interpreter exit (waited for, before the loop thread stops). Holds the
-    pool weakly. A pool collected while no loop served it (its ``async with`` exit failed)
-    is kept for interpreter exit, which closes it."""
+    pool weakly. A pool collected while stranded on a closed loop of the caller's is closed
+    by the reaper (see :func:`reap_later`); one collected while no loop served it (its
+    ``async with`` exit failed) is kept for interpreter exit, which closes it."""
 
     def __init__(self, pool: TensorResidencyPool, runtime: Runtime) -> None:
         self._pool = weakref.ref(pool)
@@ -779,13 +789,17 @@ class _Unclosed:
         self._closing: Reply | None = None
 
     def collected(self) -> None:
-        """The pool was garbage collected (a finalizer): close it on its loop thread."""
+        """The pool was garbage collected (a finalizer): close it on its loop thread, or on
+        the reaper's when that loop is a closed one of the caller's. Nothing here waits nor
+        starts a thread: this may run on any thread, amid anything."""
         runtime = self._runtime
         actor = runtime.actor
         if actor.closed:
             return
         dirty = _has_changes(actor)
-        if not runtime.private:
+        if runtime.stranded_on_closed_loop():  # its workers and values stay until closed
+            reap_later(self._reap)
+        elif not runtime.private:
             if runtime.loop is not None or not dirty:
                 return  # a loop of the caller's serves it: closed by it, or at exit
             _ORPHANS.add(self)  # no loop: nothing here can write; interpreter exit will
@@ -815,6 +829,23 @@ class _Unclosed:
             _log_unwritten("garbage collected without close()", error)
         self._runtime.stop_private(wait=False)
         closing.set_result(None)
+
+    def _reap(self) -> None:
+        """The reaper's thread: close the collected pool stranded on a closed loop, as
+        interpreter exit would (its changes written back, its workers stopped, its values
+        released). A close refused (values leased by a thread still running, a daemon say)
+        leaves the pool to interpreter exit, which writes back what it can. A failed write
+        is logged, and the workers stop all the same, as those of a pool collected on its
+        private loop: nobody is left to retry, and the files keep their earlier values."""
+        runtime = self._runtime
+        try:
+            runtime.close_stranded(Close(runtime.actor, _nothing))
+        except T2NErrorMisuse:
+            _ORPHANS.add(self)
+        except Exception as error:
+            _log_unwritten("garbage collected without close()", error)
+            self._closing = Reply.of(None)  # (interpreter exit has nothing left to do)
+            runtime.detach_current()
 
     def at_exit(self) -> None:
         """Interpreter exit, before the loop thread stops: finish the close of a collected
@@ -950,7 +981,8 @@ def _has_changes(actor: Actor) -> bool:
 
 
 _ORPHANS: set[_Unclosed] = set()
-"""Pools collected with changes while no loop served them, closed at interpreter exit."""
+"""Pools collected with changes while no loop served them, or stranded with values leased,
+closed at interpreter exit."""
 
 _EXIT_WRITE_TIMEOUT = 300.0
 """Seconds interpreter exit waits for the write-backs of a collected pool."""

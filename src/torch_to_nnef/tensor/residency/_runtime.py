@@ -17,7 +17,8 @@ of yours may use a pool after the main thread ended), an ``atexit`` hook runs th
 of each pool that no running loop of the caller's serves (the pool writes back what it never
 closed), then stops the private loops (each runs what was posted, then its workers' queued
 jobs to their end), and waits for those a collected pool's close was stopping, before the
-interpreter tears down.
+interpreter tears down. A pool collected while stranded on a closed loop of the caller's is
+closed sooner, by the reaper (:class:`_Reaper`), which that hook waits for first.
 
 **Ended leases.** The actor grants a lease on a loaded value as a thread takes one on a hit:
 its next transition counts the lease as holding the value if it still does. A thread ending a
@@ -66,7 +67,7 @@ from torch_to_nnef.tensor.residency._workers import (
     on_worker_thread,
 )
 
-__all__ = ["Operation", "Runtime", "uvloop_wanted"]
+__all__ = ["Operation", "Runtime", "reap_later", "reap_pending", "uvloop_wanted"]
 
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
@@ -164,6 +165,98 @@ class _Exit:
 _exit = _Exit()
 
 
+class _Reaper:
+    """Closes the pools that their finalizers left to it, on a short-lived daemon thread of
+    its own (``t2n-residency-reaper``): pools garbage collected while stranded on a closed
+    loop of the caller's (:meth:`Runtime.stranded_on_closed_loop`), whose workers and values
+    would otherwise stay until interpreter exit.
+
+    A finalizer runs on any thread, amid anything (on one of the pool's own workers, whose
+    job a close waits for; inside ``threading``'s own locks, which starting a thread takes):
+    it may neither close the pool nor start a thread. It only queues the close
+    (:meth:`add`, lock-free); the next pool created or entered, ordinary code, starts the
+    reaper (:meth:`start`), which runs the queued closes and ends when none is left. One
+    reaper runs at a time. Interpreter exit waits for it before its own work
+    (:meth:`join_at_exit`), which closes what is still queued: those pools' runtimes are
+    still referenced, so their ``at_exit`` runs.
+    """
+
+    def __init__(self) -> None:
+        self._pending: collections.deque[Callable[[], None]] = collections.deque()
+        self._lock = fork_safe_lock()  # the reaper's end against its start
+        self._thread: threading.Thread | None = None
+
+    def add(self, close: Callable[[], None]) -> None:
+        """Queue ``close`` for the reaper (any thread, at any moment: takes no lock)."""
+        self._pending.append(close)
+
+    def start(self) -> None:
+        """Start the reaper when closes are queued and none runs (a pool's creation or entry).
+        Not once interpreter exit began: its work closes them. Ctrl-C is held over the
+        thread's start, so that the reaper started is the one recorded."""
+        if not self._pending or _exit.thread is not None or _exit.done:
+            return
+        with self._lock:
+            if self._thread is not None or not self._pending:
+                return
+            thread = threading.Thread(target=self._run, name="t2n-residency-reaper", daemon=True)
+            with InterruptHold() as hold:
+                hold.start()
+                try:
+                    thread.start()
+                except RuntimeError:  # no thread to be had now: the next start, or exit
+                    return
+                self._thread = thread
+
+    def _run(self) -> None:
+        while (close := self._next()) is not None:
+            try:
+                close()
+            except Exception:
+                LOGGER.exception("closing a collected TensorResidencyPool failed")
+
+    def _next(self) -> Callable[[], None] | None:
+        """The next queued close, or ``None``: the reaper ends, which it records under the
+        lock its start takes, so that a close queued meanwhile starts another one. None once
+        interpreter exit began: its work closes the rest."""
+        with self._lock:
+            if self._pending and _exit.thread is None:
+                return self._pending.popleft()
+            self._thread = None
+            return None
+
+    def join_at_exit(self) -> None:
+        """Interpreter exit, once it began (the reaper takes no more closes): wait for the
+        reaper's close under way, so that no exit work runs with it (bounded)."""
+        thread = self._thread
+        if thread is not None:
+            join_at_exit(thread)
+
+    def forget_in_child(self) -> None:
+        """After ``fork``, in the child: the queued pools are the parent's, their threads
+        there only; no reaper runs here."""
+        self._pending.clear()
+        self._thread = None
+
+
+_reaper = _Reaper()
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_reaper.forget_in_child)
+
+
+def reap_later(close: Callable[[], None]) -> None:
+    """Have ``close`` run by the reaper, started by the next pool created or entered (a
+    finalizer's call: takes no lock, starts nothing)."""
+    _reaper.add(close)
+
+
+def reap_pending() -> None:
+    """Start the reaper when closes wait for it (a pool's creation or entry: never a
+    finalizer, nor a caller holding a pool's lock)."""
+    _reaper.start()
+
+
 def _close_and_stop_at_exit() -> None:
     """Once the interpreter waited for the threads that are not daemons, and before the
     workers stop: run the exit work (``at_exit``) of every pool (served by a private loop; by
@@ -176,6 +269,7 @@ def _close_and_stop_at_exit() -> None:
     exit_interrupts.hold()  # until the workers' hook ends
     _exit.thread = threading.current_thread()
     try:
+        _reaper.join_at_exit()  # never two threads closing a pool at once
         _close_and_stop_pools()
     finally:
         _exit.done = True
@@ -547,6 +641,12 @@ class Runtime:
         the actor any more; only the calling thread can."""
         loop = self.loop
         return self._thread is None and loop is not None and not loop.is_running()
+
+    def stranded_on_closed_loop(self) -> bool:
+        """Stranded on a loop that is closed: it will never run the pool again, and any
+        thread may drive the actor (one at a time)."""
+        loop = self.loop
+        return self.stranded() and loop is not None and loop.is_closed()
 
     def stranded_here(self) -> bool:
         """Stranded, and the calling thread may drive the actor: that loop is closed, or this
