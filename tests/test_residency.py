@@ -934,6 +934,18 @@ threading.Thread(target=later).start()
     assert "Traceback" not in result.stderr, result.stderr
 
 
+_SERVED_FOR_GOOD = """
+pool = TensorResidencyPool()
+ready = threading.Event()
+async def serve():  # the pool's `async with` block, which nothing leaves
+    async with pool:
+        async with pool.acquire(ts[0], mode="read_write") as value:
+            value.fill_(7.0)
+        ready.set()
+        await asyncio.Event().wait()
+"""
+
+
 @pytest.mark.timeout(120)
 def test_a_pool_served_by_a_loop_of_a_daemon_thread_is_written_back_at_exit(
     tmp_path: Path,
@@ -943,22 +955,15 @@ def test_a_pool_served_by_a_loop_of_a_daemon_thread_is_written_back_at_exit(
     loop, which still runs: its changes, and those other threads made, reach their files."""
     values, result = _files_at_exit(
         tmp_path,
-        """
-pool = TensorResidencyPool()
-ready = threading.Event()
-async def serve():
-    async with pool:
-        async with pool.acquire(ts[0], mode="read_write") as value:
-            value.fill_(4.0)
-        ready.set()
-        await asyncio.Event().wait()
+        _SERVED_FOR_GOOD
+        + """
 threading.Thread(target=asyncio.run, args=(serve(),), daemon=True).start()
 assert ready.wait(30)
 with pool.acquire(ts[1], mode="read_write") as value:  # served by that loop
     value.fill_(6.0)
 """,
     )
-    assert values == [4.0, 6.0, 0.0], result.stderr
+    assert values == [7.0, 6.0, 0.0], result.stderr
     assert "Traceback" not in result.stderr, result.stderr
 
 
@@ -971,15 +976,8 @@ def test_a_pool_whose_daemon_loop_stops_as_exit_waits_for_it_is_closed_by_exit(
     closes the pool it left stranded."""
     values, result = _files_at_exit(
         tmp_path,
-        """
-pool = TensorResidencyPool()
-ready = threading.Event()
-async def serve():
-    async with pool:
-        async with pool.acquire(ts[0], mode="read_write") as value:
-            value.fill_(7.0)
-        ready.set()
-        await asyncio.Event().wait()
+        _SERVED_FOR_GOOD
+        + """
 def run():
     loop = asyncio.new_event_loop()
     loop.create_task(serve())
