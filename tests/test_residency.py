@@ -593,6 +593,24 @@ async def test_scope_follows_worker_threads_and_forwards_run_in_both_places(
         check_invariants(pool)
 
 
+@pytest.mark.timeout(60)
+def test_a_load_for_a_stranded_pool_says_nothing_of_a_blocked_loop(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The thread of a loop closed inside `async with` drives the pool it left stranded,
+    waiting for its own load: no loop is blocked, and no warning says one is."""
+    t = OffloadedTensor.from_original_tensor(torch.ones(8), "t", offload_dir=tmp_path)
+    pool = TensorResidencyPool()
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(pool.__aenter__())
+    loop.close()  # the block is never left
+    with caplog.at_level(logging.WARNING, "torch_to_nnef.tensor.residency"):
+        assert torch.equal(pool.resolve(t), torch.ones(8))
+    assert not [r for r in caplog.records if "event-loop thread" in r.getMessage()]
+    pool.close()
+    assert pool.closed
+
+
 @pytest.mark.asyncio
 async def test_async_and_thread_faces_share_one_pool(tmp_path: Path) -> None:
     ts = make_tensors(tmp_path, 20)

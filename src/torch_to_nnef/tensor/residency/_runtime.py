@@ -1122,7 +1122,9 @@ class Runtime:
             return
 
     def _wait_inline(self, operation: Operation, job: Job) -> None:
-        if job.kind == "load" and not self._warned_inline:
+        # Said of a load that blocks the running loop only: a thread driving a stranded
+        # pool waits for its own request.
+        if job.kind == "load" and not self._warned_inline and self._loop_runs():
             self._warned_inline = True
             LOGGER.warning(
                 "TensorResidencyPool.%s loaded a value synchronously on the pool's event-loop "
