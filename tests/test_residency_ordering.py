@@ -1656,26 +1656,30 @@ def test_an_in_place_op_on_a_view_in_a_scope_is_no_write_and_every_read_agrees(
         lambda t: torch.Tensor.to(t, torch.float32),
         lambda t: t.data.float(),  # (t.data is t: an in-place op on it writes t)
         lambda t: torch.flatten(input=t),  # (given by keyword)
+        lambda t: t.T,  # (a property)
+        lambda t: t.mT,
     ],
-    ids=["float", "contiguous", "cpu", "to", "data-float", "keyword"],
+    ids=["float", "contiguous", "cpu", "to", "data-float", "keyword", "T", "mT"],
 )
 @pytest.mark.timeout(60)
 def test_an_op_that_returns_the_value_itself_in_a_scope_is_no_write_either(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, take: Any
 ) -> None:
-    """An op that returns its input itself (``t.float()`` of a float tensor) hands out the
-    value the pool served, not a copy: an in-place op on it is one on a view, no write. The
-    pool does not serve the value so changed, and every read agrees."""
-    t = OffloadedTensor.from_original_tensor(torch.arange(6.0), "t", tmp_path)
+    """An op that returns its input itself (``t.float()`` of a float tensor), or a view of
+    it through a property (``t.T``), hands out the value the pool served, not a copy: an
+    in-place op on it is one on a view, no write. The pool does not serve the value so
+    changed, and every read agrees."""
+    value = torch.arange(6.0).reshape(2, 3)
+    t = OffloadedTensor.from_original_tensor(value, "t", tmp_path)
     with TensorResidencyPool() as pool:
         with pool.scope():
             taken = take(t)
             taken.add_(10.0)
-            assert torch.equal(t * 1, torch.arange(6.0))
-        assert torch.equal(pool.resolve(t), torch.arange(6.0))
-        assert torch.equal(t.reload(), torch.arange(6.0))
+            assert torch.equal(t * 1, value)
+        assert torch.equal(pool.resolve(t), value)
+        assert torch.equal(t.reload(), value)
         check_invariants(pool)
-    assert torch.equal(on_disk(t), torch.arange(6.0))
+    assert torch.equal(on_disk(t), value)
     assert sum("changed in place outside a read_write lease" in m for m in caplog.messages) == 1
 
 

@@ -295,11 +295,20 @@ _METADATA_FUNCTIONS: frozenset[Callable[..., Any]] = frozenset(
 _NOWRAP_FUNCTIONS = get_default_nowrap_functions()
 
 
+# Properties whose value is a view of the tensor's value, not metadata: read on the value, as
+# methods are (``t.T`` as ``t.t()``), so that the view is one of that value (a change through
+# it moves the value's version counter, which a pool serving the value watches).
+_VALUE_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH"})
+
+
 def _is_passthrough(func: Callable[..., Any]) -> bool:
     if func in _METADATA_FUNCTIONS or func in _NOWRAP_FUNCTIONS:
         return True
     name = getattr(func, "__name__", "")
-    return name in ("__get__", "__set__", "__delete__")
+    if name == "__get__":
+        prop = getattr(getattr(func, "__self__", None), "__name__", "")
+        return prop not in _VALUE_VIEW_PROPERTIES
+    return name in ("__set__", "__delete__")
 
 
 def _expand(value: Any) -> Any:
