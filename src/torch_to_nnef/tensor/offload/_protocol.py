@@ -8,7 +8,7 @@ manages any :class:`PoolSource`, and the tensor finds the pool serving its reloa
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextvars import ContextVar
 from types import TracebackType
 from typing import Protocol
@@ -179,9 +179,11 @@ class ScopePool(Protocol):
     def _scope_lease(self, source: PoolSource, device: torch.device | None) -> _LeaseLike:
         """A ``read_write`` lease on ``source``'s value, for an in-place op."""
 
-    def _scope_aliased(self, source: PoolSource, results: list[torch.Tensor]) -> None:
-        """An op given ``source`` returned ``results``: a view among them, or ``source``'s
-        value itself, may alias that value (a change through it is no write)."""
+    def _scope_aliased(
+        self, sources: Sequence[PoolSource], results: tuple[torch.Tensor, ...]
+    ) -> None:
+        """An op given ``sources`` returned ``results``: a view among them, or the value of a
+        source itself, may alias that value (a change through it is no write)."""
 
     def _scope_left_over(self, scope: tuple[ScopePool, torch.device | None]) -> bool:
         """Whether ``scope``, the innermost in this context, is one a stream of this pool set

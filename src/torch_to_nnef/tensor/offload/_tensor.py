@@ -6,7 +6,6 @@ import collections
 import contextlib
 import dataclasses
 import gc
-import itertools
 import logging
 import multiprocessing.context
 import os
@@ -569,15 +568,16 @@ def _note_aliases(
     that returns its input: ``t.float()`` of a float tensor, ``t.contiguous()``), may alias
     that value."""
     if isinstance(result, torch.Tensor):
-        results = [result]
+        results: tuple[torch.Tensor, ...] = (result,)
     elif type(result) in (list, tuple):
-        results = [item for item in result if isinstance(item, torch.Tensor)]
+        results = tuple(item for item in result if isinstance(item, torch.Tensor))
     else:
         return
-    if results:
-        for argument in itertools.chain(args, kwargs.values()):
-            if isinstance(argument, OffloadedTensor):
-                pool._scope_aliased(argument, results)
+    sources = [argument for argument in args if isinstance(argument, OffloadedTensor)]
+    if kwargs:
+        sources += [value for value in kwargs.values() if isinstance(value, OffloadedTensor)]
+    if results and sources:
+        pool._scope_aliased(sources, results)
 
 
 def _expand_argument(value: Any) -> Any:

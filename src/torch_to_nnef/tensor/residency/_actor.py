@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -153,14 +153,17 @@ class Actor:
             return None
         return slot
 
-    def note_alias(self, source: PoolSource, results: list[torch.Tensor]) -> None:
-        """An op given ``source`` returned ``results`` (any thread): when a view is among
-        them, or the resident value itself (``t.float()`` of a float tensor, ``t.data``),
-        hits check from now on that the value was not changed through it (see
-        :meth:`fresh_slot`)."""
-        slot = self.published.get(id(source))
-        if slot is not None and any(_aliases(result, slot.value) for result in results):
-            slot.aliased = True
+    def note_alias(self, sources: Sequence[PoolSource], results: tuple[torch.Tensor, ...]) -> None:
+        """An op given ``sources`` returned ``results`` (any thread): for each resident value
+        of theirs that a view among the results, or a result that is the value itself
+        (``t.float()`` of a float tensor), may alias, hits check from now on that it was not
+        changed through it (see :meth:`fresh_slot`). A mark is never taken back: a value
+        marked once is not looked at again."""
+        published = self.published
+        for source in sources:
+            slot = published.get(id(source))
+            if slot is not None and not slot.aliased and _aliases(results, slot.value):
+                slot.aliased = True
 
     def count_hit(self, slot: Slot) -> None:
         """Count a hit served from ``slot``, found in :attr:`published` (any thread)."""
@@ -402,7 +405,7 @@ class Actor:
             touch(key)
         released = False
         superseded = self.superseded
-        remaps = []
+        remaps = []  # (a removed entry holds no remapped value)
         for slot in changed:
             # The leases are counted and acted on in one hold of the lock: a lease that
             # ends meanwhile finds the value counted as held (and tells the actor if it
@@ -412,12 +415,11 @@ class Actor:
                 if superseded and not leased:
                     superseded.discard(slot)
                 entry = slot.entry
-                current = self.entries.get(entry.key) is entry and entry.slot is slot
-                if current and not leased and entry.remapped is not None:
+                if not leased and entry.remapped is not None:
                     remaps.append(entry)
                 if leased == slot.tracked:
                     continue  # e.g. a lease taken and ended since the last look
-                if current:
+                if self.entries.get(entry.key) is entry and entry.slot is slot:
                     self._hold(entry, track=leased)
                     released = released or not leased
         for entry in remaps:
@@ -1085,11 +1087,11 @@ class Actor:
         if remapped is None or self.closing or not self._close_slot(entry):
             return
         entry.remapped = None
-        mapping, written = remapped
+        mapping, counter = remapped
         old = entry.slot
         assert old is not None and entry.value is not None
         # (_close_slot took the change of the leases that ended since into ``dirty``.)
-        if entry.dirty or old.dropped or old.writing or entry.value._version != written:
+        if entry.dirty or old.dropped or old.writing or entry.value._version != counter:
             self._reopen(entry)
             return
         entry.value = mapping
@@ -1205,14 +1207,18 @@ class Actor:
             ended.finish(None, None)
 
 
-def _aliases(result: torch.Tensor, value: torch.Tensor) -> bool:
-    """Whether an op's ``result`` may alias ``value``: a view (of it or not), or it itself."""
-    if result is value or result._is_view():
-        return True
-    try:
-        return result.data_ptr() == value.data_ptr()
-    except RuntimeError:  # no storage to read (a sparse or fake tensor): not the value
-        return False
+def _aliases(results: tuple[torch.Tensor, ...], value: torch.Tensor) -> bool:
+    """Whether one of an op's ``results`` may alias ``value``: a view (of it or not), or it
+    itself."""
+    for result in results:
+        if result is value or result._is_view():
+            return True
+        try:
+            if result.data_ptr() == value.data_ptr():
+                return True
+        except RuntimeError:  # no storage to read (a sparse or fake tensor): not the value
+            pass
+    return False
 
 
 def _nothing(*args: Any) -> None:

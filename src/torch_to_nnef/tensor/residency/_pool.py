@@ -14,7 +14,7 @@ import contextvars
 import logging
 import warnings
 import weakref
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Callable, Coroutine, Iterable, Sequence
 from functools import partial
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, NoReturn
@@ -362,9 +362,11 @@ class TensorResidencyPool(Uncopyable):
                 return None
         return self._scope_resolve(source, device)
 
-    def _scope_aliased(self, source: PoolSource, results: list[torch.Tensor]) -> None:
-        """An op of the scope given ``source`` returned ``results`` (what tensors call)."""
-        self._actor.note_alias(source, results)
+    def _scope_aliased(
+        self, sources: Sequence[PoolSource], results: tuple[torch.Tensor, ...]
+    ) -> None:
+        """An op of the scope given ``sources`` returned ``results`` (what tensors call)."""
+        self._actor.note_alias(sources, results)
 
     def _scope_left_over(self, scope: tuple[Any, torch.device | None]) -> bool:
         """Whether ``scope``, the innermost in this context, is a stream's of this pool that
@@ -927,7 +929,7 @@ class _Unclosed:
             return
         pool = self._pool()
         close = pool._close_request() if pool is not None else Close(actor, _nothing)
-        call = partial(runtime.call_within, timeout=_EXIT_WRITE_TIMEOUT)
+        call = partial(runtime.call, timeout=_EXIT_WRITE_TIMEOUT)
         try:
             call(close)
         except TimeoutError:

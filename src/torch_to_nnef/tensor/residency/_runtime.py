@@ -729,29 +729,6 @@ class Runtime:
                 )
             self._attach(asyncio.get_running_loop())
 
-    def call_within(self, operation: Operation, timeout: float) -> Any:
-        """The sync face, waiting ``timeout`` seconds at most for the end (a thread other
-        than the loop's, a loop serving the pool): ``TimeoutError`` then, and
-        :class:`T2NErrorMisuse` once a loop of the caller's stopped running (as
-        :meth:`wait` says); the request is abandoned either way, in order after it."""
-        loop = self.loop
-        watch = None if self.private or loop is None else _LoopWatch(loop)
-        deadline = time.monotonic() + timeout
-        reply = Reply()
-        try:
-            self._post_request(self.drive, operation, reply)
-            while True:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise TimeoutError
-                with contextlib.suppress(TimeoutError):
-                    return reply.result(timeout=min(_WATCH_INTERVAL, left))
-                if watch is not None:
-                    watch.look(self.actor.closed)
-        except BaseException:
-            self.notify(operation.abandon)
-            raise
-
     def call_stranded(self, operation: Operation) -> Any:
         """Run ``operation`` to its end on the calling thread, for a pool that only this
         thread drives (:meth:`stranded_here`, the exiting thread, or a close with no loop
@@ -1157,10 +1134,11 @@ class Runtime:
         finally:
             self._listening = False
 
-    def call(self, operation: Operation) -> Any:
+    def call(self, operation: Operation, timeout: float | None = None) -> Any:
         """The sync face: run ``operation`` and block until it ends (any thread). On the
         loop's thread, it runs inline: while that loop runs (a callback of it), only what
-        does not wait for a write; while it is stopped, everything."""
+        does not wait for a write; while it is stopped, everything. From another thread,
+        with ``timeout``: ``TimeoutError`` once it has waited that long (see :meth:`wait`)."""
         self._refuse_a_wait_for_itself()  # (on the loop's thread: a step inside a step)
         if self.on_loop_thread():
             if operation.twin is not None and self._loop_runs():
@@ -1179,7 +1157,7 @@ class Runtime:
         reply = Reply()
         try:
             self._post_request(self.drive, operation, reply)  # start(), knowing the thread
-            result = self.wait(reply)
+            result = self.wait(reply, timeout)
             self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it
@@ -1188,24 +1166,31 @@ class Runtime:
             raise
         return result
 
-    def wait(self, done: Reply) -> Any:
+    def wait(self, done: Reply, timeout: float | None = None) -> Any:
         """Block until ``done`` is settled and return its result (a thread other than the
-        loop's). On a loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has
-        not been running for :data:`STOPPED_LOOP_PATIENCE` seconds (at once when the pool is
-        closed meanwhile), and at once in a forked child (the threads that would settle
-        ``done`` are its parent's): the request would wait forever. The caller abandons what
-        the request holds, in order after it."""
+        loop's); with ``timeout``, raise ``TimeoutError`` once it has waited that long. On a
+        loop of the caller's, raise :class:`T2NErrorMisuse` once that loop has not been
+        running for :data:`STOPPED_LOOP_PATIENCE` seconds (at once when the pool is closed
+        meanwhile), and at once in a forked child (the threads that would settle ``done`` are
+        its parent's): the request would wait forever. The caller abandons what the request
+        holds, in order after it."""
         if done.done():
             return done.result()
         self._check_process()
         self._refuse_a_wait_for_itself()
         loop = self.loop
         if self.private or loop is None:
-            return done.result()
+            return done.result(timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
         watch = _LoopWatch(loop)
         while True:
+            interval = _WATCH_INTERVAL
+            if deadline is not None:
+                interval = min(interval, deadline - time.monotonic())
+                if interval <= 0:
+                    raise TimeoutError
             with contextlib.suppress(TimeoutError):
-                return done.result(timeout=_WATCH_INTERVAL)
+                return done.result(timeout=interval)
             watch.look(self.actor.closed)
             self._serve_soon(loop)
 
