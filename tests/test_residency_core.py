@@ -14,12 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 from residency_checks import check_invariants
 from test_residency import faces, make_tensors, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyLease, TensorResidencyPool
+from torch_to_nnef.tensor.residency._actor import Actor
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -289,6 +291,57 @@ async def test_prefetch_of_a_resident_value_is_done_at_once(tmp_path: Path, face
         assert handle.done()
         assert torch.equal(handle.wait(), torch.zeros(256))
         assert torch.equal(await handle, torch.zeros(256))
+
+
+def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:
+    # A payload of up to 1 MiB for the CPU: the thread that missed reads it, with no hand-off
+    # to an I/O worker; a larger one goes to the workers; a prefetch never reads on its
+    # caller's thread.
+    small = make_tensors(tmp_path, 3, numel=1024)
+    big = OffloadedTensor.from_original_tensor(
+        torch.full(((1 << 20) // 4 + 1,), 5.0), "big", offload_dir=tmp_path
+    )
+    with TensorResidencyPool() as pool:
+        assert torch.equal(pool.resolve(small[0]), torch.zeros(1024))
+        with pool.acquire(small[1]) as value:
+            assert torch.equal(value, torch.ones(1024))
+        assert torch.equal(pool.resolve(big), torch.full(((1 << 20) // 4 + 1,), 5.0))
+        pool.prefetch(small[2]).wait()
+        stats = pool.stats()
+        assert (stats.loads, stats.caller_reads, stats.misses) == (4, 2, 3)
+        assert stats.bytes_read == 2 * 4096 + (1 << 20) + 4 + 4096
+        check_invariants(pool)
+
+
+@pytest.mark.parametrize("writer", ["direct", "this pool"])
+def test_a_read_of_its_own_thread_that_a_write_overtook_is_not_served(
+    tmp_path: Path, writer: str
+) -> None:
+    # The thread that missed read the old value; before its request reached the pool, the
+    # tensor was written: by update_values, or by a read_write lease of the same pool whose
+    # value was then evicted (written back). The pool reads the value again: the request, and
+    # every later one, sees the write.
+    t = make_tensors(tmp_path, 1, numel=1024)[0]
+    got: list[torch.Tensor] = []
+    with TensorResidencyPool() as pool:
+        with paused_in_new_threads(Actor.read_for_caller.__code__, on="return") as point:
+            point.armed.set()
+            reader = threading.Thread(target=lambda: got.append(pool.resolve(t).clone()))
+            reader.start()
+            assert point.paused.wait(30)
+            if writer == "direct":
+                t.update_values(torch.full((1024,), 9.0))
+            else:
+                with pool.acquire(t, mode="read_write") as value:
+                    value.fill_(9.0)
+                pool.evict(t)
+            point.go()
+            reader.join(30)
+        assert not reader.is_alive()
+        assert torch.equal(got[0], torch.full((1024,), 9.0))
+        assert torch.equal(pool.resolve(t), torch.full((1024,), 9.0))
+        check_invariants(pool)
+    assert torch.equal(t.reload(), torch.full((1024,), 9.0))
 
 
 @pytest.mark.asyncio

@@ -739,8 +739,9 @@ def test_a_real_sigint_during_a_wait_for_a_load_interrupts_it_and_leaks_nothing(
 ) -> None:
     """Ctrl-C (a real SIGINT, which interrupts the wait in C) while the main thread waits
     for a load that a worker holds paused: the wait raises KeyboardInterrupt at once, no
-    lease is left, and the pool serves the value and closes once the load goes on."""
-    t = _tensor(tmp_path, numel=1 << 16)
+    lease is left, and the pool serves the value and closes once the load goes on. (A
+    payload over 1 MiB: the main thread would read a smaller one itself.)"""
+    t = _tensor(tmp_path, numel=1 << 19)
     code = OffloadedTensor._reload_unmanaged.__code__
     with paused_in_new_threads(code, on="call") as load, TensorResidencyPool() as pool:
         load.armed.set()
@@ -753,7 +754,7 @@ def test_a_real_sigint_during_a_wait_for_a_load_interrupts_it_and_leaks_nothing(
             ctrl_c.join()
         assert load.paused.is_set()
         load.go()
-        assert torch.equal(pool.resolve(t), torch.zeros(1 << 16))
+        assert torch.equal(pool.resolve(t), torch.zeros(1 << 19))
         check_invariants(pool)
         assert "leased: 0," in repr(pool)
     assert pool.closed

@@ -56,6 +56,10 @@ class HitState:
         token, by, before = self.latest
         return before if by is owner else token
 
+    def last_write(self) -> object:
+        """The latest write of the value, whoever made it (compare by identity)."""
+        return self.latest[0]
+
     def count_write(self, owner: object) -> None:
         """A new write of the value, by the pool ``owner`` (``None``: a direct write); the
         caller serializes writes."""

@@ -32,6 +32,7 @@ from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPol
 from torch_to_nnef.tensor.residency._spares import SpareBuffers
 from torch_to_nnef.tensor.residency._state import (
     CLOSE_UNDER_WAY,
+    CallerRead,
     Entry,
     Holder,
     Job,
@@ -44,8 +45,12 @@ __all__ = ["Actor", "SubmitJob"]
 
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
-SubmitJob = Callable[[str, Callable[..., Any], tuple[Any, ...], Callable[[Job], None]], Job]
-"""How the actor starts a disk job: ``submit(kind, function, args, transition)``."""
+SubmitJob = Callable[[Job], None]
+"""How the actor starts a disk job: ``submit(job)`` (one that ran already is only ended)."""
+
+CALLER_READ_MAX_BYTES = 1 << 20
+"""The largest payload a thread's sync request reads itself on a miss (see
+:meth:`Actor.read_for_caller`); larger ones go to the I/O workers."""
 
 
 class Actor:
@@ -82,7 +87,7 @@ class Actor:
         self.spares = SpareBuffers()
         self._hits = self._misses = self._loads = self._bytes_read = 0
         self._evictions = self._write_backs = self._bytes_written = self._load_errors = 0
-        self._reused_buffers = self._wasted_prefetches = 0
+        self._reused_buffers = self._wasted_prefetches = self._caller_reads = 0
         self._stall_seconds = 0.0  # added by any thread, under the lock
         self._lock_hits = 0  # hits served without the actor, counted under the lock
         # Recency of those hits, replayed by the next transition (bounded: only the most
@@ -122,6 +127,7 @@ class Actor:
             reused_buffers=self._reused_buffers,
             stall_seconds=self._stall_seconds,
             wasted_prefetches=self._wasted_prefetches,
+            caller_reads=self._caller_reads,
             pinned_bytes=storage.pinned_bytes(),
         )
 
@@ -461,8 +467,34 @@ class Actor:
     # ------------------------------------------------------------------------------------------
     # Requests
     # ------------------------------------------------------------------------------------------
-    def _entry_for(self, source: PoolSource, device: torch.device) -> Entry:
-        """The entry of ``source`` on ``device``, created (and its load started) when absent."""
+    def read_for_caller(self, source: PoolSource, device: torch.device) -> CallerRead | None:
+        """Read ``source``'s value on the calling thread, a thread other than the loop's about
+        to request it (a sync ``resolve`` or ``acquire`` whose lock-free hit failed), so that
+        its load is no hand-off to an I/O worker and back: a small payload for the CPU, read
+        as mapped reads say (with them switched off, loads read into the buffers of evicted
+        values, which only the actor hands out), that no load of this pool reads already.
+        ``None`` when it does not apply or the read failed (the load then reads it, and
+        reports the failure)."""
+        if (
+            device.type != "cpu"
+            or source.payload_nbytes > CALLER_READ_MAX_BYTES
+            or not storage.mapped_reads()
+            or id(source) in self.entries  # (a hint: the step decides)
+            or self.closing
+        ):
+            return None
+        token = source._hit_state.last_write()  # what it reads is this write, or a later one
+        try:
+            value = source._reload_unmanaged(device, None, None)
+        except Exception:
+            return None
+        return CallerRead(token, value)
+
+    def _entry_for(
+        self, source: PoolSource, device: torch.device, read: CallerRead | None = None
+    ) -> Entry:
+        """The entry of ``source`` on ``device``, created (and its load started) when absent;
+        ``read``: what the caller read itself, the load's outcome unless a write came since."""
         key = id(source)
         entry = self.entries.get(key)
         pinned = entry is not None and entry.pinned
@@ -481,7 +513,7 @@ class Actor:
                 f"two devices at once: evict it first or request it on {entry.device}"
             )
         if entry.value is None and entry.load is None:
-            self._start_load(entry)
+            self._start_load(entry, read)
         return entry
 
     def _stale(self, entry: Entry) -> bool:
@@ -579,14 +611,14 @@ class Actor:
         return slot is not None and slot.dropped
 
     def resolve_step(
-        self, source: PoolSource, device: torch.device, first: bool
+        self, source: PoolSource, device: torch.device, first: bool, read: CallerRead | None
     ) -> torch.Tensor | Job:
         """Serve a resident value, or return the job to wait for. ``first``: the request's
         first step, which counts it once, whatever comes after (a hit when it serves the
-        value at once, else a miss) and notes the access."""
+        value at once, else a miss) and notes the access. ``read``: what the caller read."""
         self.sync()
         self.check_open()
-        entry = self._entry_for(source, device)
+        entry = self._entry_for(source, device, read)
         write = self._superseded_write(entry)
         entry.used = True
         if first:
@@ -633,7 +665,8 @@ class Actor:
             ticket.waiting = False  # its reservation left with that value
             entry = None
         if entry is None:
-            entry = ticket.entry = self._entry_for(ticket.source, ticket.device)
+            entry = ticket.entry = self._entry_for(ticket.source, ticket.device, ticket.read)
+            ticket.read = None
         request = not ticket.holder.ahead  # a read-ahead's lease is no request
         if request:
             entry.used = True
@@ -712,31 +745,44 @@ class Actor:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         transition: Callable[[Job], None],
+        ran: bool = False,
     ) -> Job:
+        """Start a job; ``ran``: its function only hands over what was done already (it runs
+        here, and the job ends as a worker's does)."""
         if self.submit is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-        job = self.submit(kind, function, args, transition)
+        job = Job(kind, function, args, transition)
+        if ran:
+            job.run()
+            job.ran = True
+        self.submit(job)
         self.jobs.add(job)
         return job
 
-    def _start_load(self, entry: Entry) -> None:
+    def _start_load(self, entry: Entry, read: CallerRead | None = None) -> None:
         source = entry.source
         version = source._hit_state.version_for(self)  # the load reads this version or a newer one
-        # Mapped reads off: the value is read into host buffers (those of a value evicted
-        # before, if free), which may serve a later load in turn. Decided here, once: a value
-        # whose pages are the file's is never read into.
-        copied = entry.copied = entry.device.type == "cpu" and not storage.mapped_reads()
-        out = self.spares.take(source.storage_key) if copied else None
-        # The whole load (read into the host buffers, copy to the device, decode) is one job
-        # of the I/O workers; it runs to its end whatever happens to its waiters.
-        entry.load = self._job(
-            "load",
-            source._reload_unmanaged,
-            (entry.device, out, False if copied else None),
-            partial(self._on_loaded, entry),
-        )
+        if read is not None and read.token is source._hit_state.last_write():
+            # The caller read it (no write since): a load that ran already.
+            entry.copied = False
+            self._caller_reads += 1
+            entry.load = self._job("load", read.take, (), partial(self._on_loaded, entry), ran=True)
+        else:
+            # Mapped reads off: the value is read into host buffers (those of a value evicted
+            # before, if free), which may serve a later load in turn. Decided here, once: a
+            # value whose pages are the file's is never read into.
+            copied = entry.copied = entry.device.type == "cpu" and not storage.mapped_reads()
+            out = self.spares.take(source.storage_key) if copied else None
+            # The whole load (read into the host buffers, copy to the device, decode) is one
+            # job of the I/O workers; it runs to its end whatever happens to its waiters.
+            entry.load = self._job(
+                "load",
+                source._reload_unmanaged,
+                (entry.device, out, False if copied else None),
+                partial(self._on_loaded, entry),
+            )
+            self._reused_buffers += out is not None
         entry.load.version = entry.version = version
-        self._reused_buffers += out is not None
         self.loading_bytes += entry.nbytes
         self._note_active()
 

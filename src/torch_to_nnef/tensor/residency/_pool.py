@@ -91,7 +91,9 @@ class TensorResidencyPool(Uncopyable):
             ``storage.PINNED_CHUNKS_PER_DEVICE`` chunks of ``storage.PINNED_CHUNK_BYTES``
             (8 chunks of 8 MiB: 64 MiB) per device, shared by the process, reported by
             ``stats().pinned_bytes``.
-        max_workers: at most this many disk jobs (loads, write-backs) run at once.
+        max_workers: at most this many disk jobs (loads, write-backs) run at once. A sync
+            ``resolve`` or ``acquire`` that misses on a small payload for the CPU (up to
+            1 MiB) reads it on its own thread, beside them (``stats().caller_reads``).
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).

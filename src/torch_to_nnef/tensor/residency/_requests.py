@@ -15,7 +15,13 @@ from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._runtime import Operation
-from torch_to_nnef.tensor.residency._state import Holder, Job, Ticket, as_storage_error
+from torch_to_nnef.tensor.residency._state import (
+    CallerRead,
+    Holder,
+    Job,
+    Ticket,
+    as_storage_error,
+)
 
 __all__ = ["Acquire", "Close", "Evict", "Flush", "Prefetch", "Resolve", "Transition"]
 
@@ -30,13 +36,18 @@ class Resolve(Operation):
         super().__init__()
         self.actor, self.source, self.device = actor, source, device
         self.first = True  # its first step counts it (abandoned or retried after)
+        self.read: CallerRead | None = None
+
+    def prepare(self) -> None:
+        self.read = self.actor.read_for_caller(self.source, self.device)
 
     def step(self) -> torch.Tensor | Job:
         loaded = _loaded(self.waited, self.source, self.actor)
         if loaded is not None:
             return loaded  # not retained values are only delivered by the load
         first, self.first = self.first, False
-        return self.actor.resolve_step(self.source, self.device, first)
+        read, self.read = self.read, None
+        return self.actor.resolve_step(self.source, self.device, first, read)
 
 
 class Prefetch(Resolve):
@@ -48,6 +59,9 @@ class Prefetch(Resolve):
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device, pin: bool) -> None:
         super().__init__(actor, source, device)
         self.pin = pin
+
+    def prepare(self) -> None:
+        """Nothing: a prefetch reads on the I/O workers, never on its caller's thread."""
 
     def step(self) -> torch.Tensor | Job:
         loaded = _loaded(self.waited, self.source, self.actor)
@@ -79,6 +93,9 @@ class Acquire(Operation, Ticket):
         Operation.__init__(self)
         Ticket.__init__(self, source, device, holder)
         self.actor = actor
+
+    def prepare(self) -> None:
+        self.read = self.actor.read_for_caller(self.source, self.device)
 
     def step(self) -> torch.Tensor | Job:
         waited = self.waited

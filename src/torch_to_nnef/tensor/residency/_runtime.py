@@ -96,6 +96,10 @@ class Operation:
         """Advance (loop thread): return the result, or a :class:`Job` to wait for."""
         raise NotImplementedError
 
+    def prepare(self) -> None:
+        """What the calling thread does before the request goes to the loop thread (a sync
+        call from another thread; see :meth:`Runtime.call`)."""
+
     def abandon(self) -> None:
         """Undo what the operation holds: it failed or its caller left (idempotent)."""
         self.abandoned = True
@@ -976,23 +980,20 @@ class Runtime:
     # ------------------------------------------------------------------------------------------
     # Workers
     # ------------------------------------------------------------------------------------------
-    def _submit(
-        self,
-        kind: str,
-        function: Callable[..., Any],
-        args: tuple[Any, ...],
-        transition: Callable[[Job], None],
-    ) -> Job:
+    def _submit(self, job: Job) -> None:
+        """Queue ``job`` for the I/O workers; one that ran already (a caller's read) ends."""
+        if job.ran:
+            self._job_ended(job)
+            return
         workers = self._workers
         if workers is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-        job = Job(kind, function, args, transition)
         workers.submit(job)
-        return job
 
     def _job_ended(self, job: Job) -> None:
-        """A worker ran ``job`` (worker thread): its transition is queued for the actor's
-        thread, and the loop told to apply it. When the loop stopped serving meanwhile, the
+        """A worker ran ``job`` (worker thread), or it ran as it was started (a caller's read,
+        on the loop thread): its transition is queued for the actor's thread, and the loop
+        told to apply it. When the loop stopped serving meanwhile, the
         thread that stopped it applies it once the workers ended: its waiters are answered."""
         self._ended.append(job)
         if self._listening:  # (read after the append: see _apply_ends_until)
@@ -1155,6 +1156,8 @@ class Runtime:
         self.ensure_running()
         started = time.perf_counter()
         reply = Reply()
+        if not self.stranded():
+            operation.prepare()
         try:
             self._post_request(self.drive, operation, reply)  # start(), knowing the thread
             result = self.wait(reply, timeout)

@@ -14,6 +14,7 @@ from torch_to_nnef.tensor.offload._protocol import PoolSource
 
 __all__ = [
     "CLOSE_UNDER_WAY",
+    "CallerRead",
     "Entry",
     "Holder",
     "Job",
@@ -56,6 +57,10 @@ class PoolStats(NamedTuple):
     that left the pool before any request used them: reads for nothing (a budget too small for
     the read-ahead window, or a forward that left the learned order). The read-ahead's own
     leases are no requests: they count in neither ``hits`` nor ``misses``."""
+    caller_reads: int = 0
+    """Loads that the thread of a sync ``resolve`` or ``acquire`` (a scope's reads among them)
+    read itself, without a hand-off to an I/O worker and back: small payloads (up to 1 MiB)
+    for the CPU. Counted in ``loads`` too."""
     pinned_bytes: int = 0
     """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
     pool: ``storage.pinned_bytes()``), on top of ``max_cached_bytes``."""
@@ -333,6 +338,24 @@ class Holder:
         self.slot: Slot | None = None
 
 
+class CallerRead:
+    """A value that the thread making a sync request read itself, before the request reached
+    the actor (``Actor.read_for_caller``): the outcome of the load it would start, taken
+    unless the tensor was written since ``token`` (its ``_hit_state.latest`` write)."""
+
+    __slots__ = ("token", "value")
+
+    def __init__(self, token: object, value: torch.Tensor) -> None:
+        self.token = token
+        self.value: torch.Tensor | None = value
+
+    def take(self) -> torch.Tensor:
+        """The value, handed over once (the load's outcome)."""
+        value, self.value = self.value, None
+        assert value is not None
+        return value
+
+
 class Ticket:
     """One acquire: its reservation while it waits for the value; the lease goes to
     ``holder`` (the caller's lease object) in the step that grants it."""
@@ -344,3 +367,4 @@ class Ticket:
         self.entry: Entry | None = None
         self.waiting = False  # counted in the entry's waiters
         self.first = True  # the first try (counts the hit or the miss)
+        self.read: CallerRead | None = None  # what the caller read itself (its first try)
