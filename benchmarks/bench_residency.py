@@ -60,12 +60,13 @@ torch shared with this environment), in alternation, three rounds; medians kept.
 written by its own library (``from_original_tensor``). Target: >= 3x upstream's operations per
 second, sync ``resolve`` and sync ``acquire``. Without the wheel, or when installing it fails
 (no network), and with ``--quick``, the figures say "not measured". For context, each round
-also times the hand-offs alone that a miss of the sync face takes (:func:`handoff_floor`: to
-the loop thread, to an I/O worker, back to the loop, back to the caller; no work): on a machine
-where waking a thread is slow, they set how close any pool built this way can come to a
-single-threaded one. The same jobs time resident hits on a pool of 10 tensors, both libraries:
-the sync acquire target of ``--part latency`` (3 us) was set where upstream's took 2.6 us, so
-its figure here is set against upstream's in the same run too, at that ratio (1.15x).
+also times the hand-offs alone that a miss of the sync face on a small payload takes
+(:func:`handoff_floor`: to the loop thread and back to the caller, which read the payload; no
+work): on a machine where waking a thread is slow, they set how close any pool built this way
+can come to a single-threaded one. The same jobs time resident hits on a pool of 10 tensors,
+both libraries: the sync acquire target of ``--part latency`` (3 us) was set where upstream's
+took 2.6 us, so its figure here is set against upstream's in the same run too, at that ratio
+(1.15x).
 
 Run: ``python benchmarks/bench_residency.py --part {latency,churn,bulk,upstream} [--quick]
 [--output PATH] [--repeat N]``.
@@ -950,13 +951,12 @@ HANDOFF_OPERATIONS = 6_000
 
 
 def handoff_floor(operations: int = HANDOFF_OPERATIONS) -> float:
-    """Microseconds per request of the hand-offs alone that a miss of the pool's sync face
-    takes, with no work at all: a request posted to an event-loop thread (uvloop where
-    installed, as the pool's), a job queued from there to a worker thread, its completion
-    posted back to the loop, the answer set on the caller's ``concurrent.futures.Future``.
-    The median of three runs of ``operations`` requests."""
+    """Microseconds per request of the hand-offs alone that a miss of the pool's sync face on
+    a small payload takes, with no work at all (its caller reads the payload): a request
+    posted to an event-loop thread (uvloop where installed, as the pool's), the load's end
+    posted there again, the answer set on the caller's ``concurrent.futures.Future``. The
+    median of three runs of ``operations`` requests."""
     import concurrent.futures
-    import queue
 
     try:
         import uvloop
@@ -964,32 +964,27 @@ def handoff_floor(operations: int = HANDOFF_OPERATIONS) -> float:
         loop: asyncio.AbstractEventLoop = uvloop.new_event_loop()
     except ImportError:
         loop = asyncio.new_event_loop()
-    jobs: queue.SimpleQueue[concurrent.futures.Future[None] | None] = queue.SimpleQueue()
 
     def answer(done: concurrent.futures.Future[None]) -> None:
         done.set_result(None)
 
-    def work() -> None:
-        while (done := jobs.get()) is not None:
-            loop.call_soon_threadsafe(answer, done)
+    def request(done: concurrent.futures.Future[None]) -> None:
+        loop.call_soon_threadsafe(answer, done)
 
-    threads = [threading.Thread(target=loop.run_forever), threading.Thread(target=work)]
-    for thread in threads:
-        thread.start()
+    thread = threading.Thread(target=loop.run_forever)
+    thread.start()
     runs = []
     try:
         for _ in range(3):
             start = time.perf_counter()
             for _ in range(operations):
                 done: concurrent.futures.Future[None] = concurrent.futures.Future()
-                loop.call_soon_threadsafe(jobs.put, done)
+                loop.call_soon_threadsafe(request, done)
                 done.result()
             runs.append((time.perf_counter() - start) / operations * 1e6)
     finally:
-        jobs.put(None)
         loop.call_soon_threadsafe(loop.stop)
-        for thread in threads:
-            thread.join()
+        thread.join()
         loop.close()
     return statistics.median(runs)
 
@@ -1057,7 +1052,7 @@ def upstream(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     results["handoff_floor_us"] = floors
     summary.append(
         summary_row(
-            "hand-offs of a miss alone, no work (caller, loop thread, I/O worker, loop, caller)",
+            "hand-offs of a small miss alone, no work (caller, loop thread, caller)",
             f"{floor:.0f} us per miss ({misses:.0%} of the ops miss: "
             f"{floor * misses:.0f} us per op, before any read or bookkeeping)",
             f"sync resolve per op: upstream {theirs_us:.0f} us, this pool {ours_us:.0f} us",
