@@ -522,6 +522,32 @@ def test_a_write_between_forwards_reaches_the_modules_begun_ahead(
         assert torch.equal(model(x), dense(x)), "a forward read a value from before a write"
 
 
+@pytest.mark.parametrize(("layer", "depth"), [(0, 1), (0, 2), (1, 2)])
+def test_a_change_through_a_view_between_forwards_is_no_write_for_the_modules_begun_ahead(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, layer: int, depth: int
+) -> None:
+    """Past its last module, a forward begins leases on the next forward's first modules. An
+    in-place op on a view of one of their values in the scope, before the next forward, is
+    no write: that forward computes with the file's value, as any other read would (it
+    computed with the changed one, which only the forward after it loaded again), and the
+    pool says why once."""
+    dense, model = offloaded_blocks(tmp_path, 3)
+    x = torch.randn(3, WIDTH)
+    expected = dense(x)
+    with (
+        caplog.at_level(logging.WARNING, logger="torch_to_nnef.tensor.residency"),
+        TensorResidencyPool() as pool,
+        stream_modules(pool, list(model.blocks), depth=depth),
+        pool.scope(),
+    ):
+        assert torch.equal(model(x), expected)
+        model.blocks[layer].weight[0].mul_(5)
+        assert torch.equal(model(x), expected), "a forward computed with a view's change"
+        assert torch.equal(model(x), expected)
+    assert sum("changed in place outside a read_write lease" in m for m in caplog.messages) == 1
+    assert torch.equal(model.blocks[layer].weight.reload(), dense.blocks[layer].weight)
+
+
 def test_a_parameter_replaced_by_its_owner_is_left_alone(tmp_path: Path) -> None:
     probe, weight = offloaded_probe(tmp_path)
     x = torch.randn(2, WIDTH)

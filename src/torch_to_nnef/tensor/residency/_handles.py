@@ -276,11 +276,21 @@ class TensorResidencyLease(Holder, Uncopyable):
 
     def _outdated(self) -> bool:
         """Whether the value granted is older than the tensor's latest write (a lease begun
-        before that write), or holds a ``read_write`` lease's change that was dropped since:
-        the holder keeps it, but entering reads the latest."""
+        before that write), holds a ``read_write`` lease's change that was dropped since, or
+        was changed in place through a view of it (see ``Actor.fresh_slot``): the holder
+        keeps it, but entering reads the latest.
+
+        A lease begun ahead (a stream's, for a forward to come) holds the value before its
+        owner has it: a change through a view made meanwhile is not its owner's, yet the
+        lease exempts the value from the check of hits. Entering asks the pool again, as any
+        read: it loads the value again (or, on its unsaved change, keeps the change with it),
+        unless another holder may make the change its own. Only a marked value's version
+        counter is read."""
         slot = self.slot
         return slot is not None and (
-            slot.dropped or slot.version is not slot.hit_state.version_for(self._pool._actor)
+            slot.dropped
+            or slot.version is not slot.hit_state.version_for(self._pool._actor)
+            or (slot.aliased and slot.value._version != slot.seen)
         )
 
     def _acquire(self) -> Acquire:
@@ -365,7 +375,7 @@ class TensorResidencyLease(Holder, Uncopyable):
                 self._pool._runtime.wait(begun)
                 if request is not None:  # a wait for its read ahead, if it ran late
                     self._pool._runtime.count_stall(request, started)
-                if self._outdated():  # a write came since it began: enter the latest value
+                if self._outdated():  # changed since it began: enter the latest value
                     end_lease(self._pool, self, False)
                     if not self._fast():
                         self._pool._runtime.call(self._acquire())

@@ -1013,9 +1013,10 @@ def stream_modules(
     Past the last module, leases begin on the next forward's first ``depth`` modules: they
     are read while the last modules compute, so that the next forward (in any thread) starts
     without waiting, and stay held until it runs them; a write made meanwhile
-    (``model.half()``, ``update_values``) is what that forward reads. Between forwards the pool
-    thus holds them on top of its budget (``pool.evict`` refuses them); closing the stream or
-    the pool releases them.
+    (``model.half()``, ``update_values``) is what that forward reads, and an in-place op on
+    a view of such a value, no write, is not (the pool loads the value again). Between
+    forwards the pool thus holds them on top of its budget (``pool.evict`` refuses them);
+    closing the stream or the pool releases them.
 
     While a module runs, the places where it (or a submodule) holds its offloaded tensors
     hold the plain values its leases hold instead (an alias of each: a ``.data`` assigned
