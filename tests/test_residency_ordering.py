@@ -1050,6 +1050,16 @@ def test_a_dropped_pool_whose_write_back_fails_says_so_and_stops(
 # ---------------------------------------------------------------------------------------------
 # 10. A fork after the pool started
 # ---------------------------------------------------------------------------------------------
+def _first_step(request: Coroutine[Any, Any, object]) -> None:
+    """Run ``request`` to its first suspension, then close it: a forked child runs on inside
+    its parent's loop callback, where a request's first step raises, or suspends the task
+    (for a load nobody will run)."""
+    try:
+        request.send(None)
+    finally:
+        request.close()
+
+
 def _outcomes(*calls: Callable[[], object]) -> str:
     """What each call did, in a forked child: "forked" when it refused to use the parent's
     pool, "returned", or the error."""
@@ -1098,24 +1108,44 @@ async def test_a_child_forked_from_the_loop_serving_the_pool_is_told_to_create_i
     async with TensorResidencyPool() as pool:
         await pool.aresolve(ts[0])
 
-        def first_step(request: Coroutine[Any, Any, object]) -> None:
-            # The child runs on inside this loop's callback: a request's first step there
-            # raises, or suspends the task (for a load nobody will run).
-            try:
-                request.send(None)
-            finally:
-                request.close()
-
         def child() -> str:
             return _outcomes(
                 lambda: pool.resolve(ts[0]),  # resident in the parent
                 lambda: pool.resolve(ts[1]),
-                lambda: first_step(pool.aresolve(ts[1])),
+                lambda: _first_step(pool.aresolve(ts[1])),
                 lambda: pool.acquire(ts[0]).__enter__(),
             )
 
         assert in_forked_child(child, seconds=20) == ",".join(["forked"] * 4)
         assert torch.equal(await pool.aresolve(ts[1]), torch.zeros(NUMEL))  # the parent serves on
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+@pytest.mark.asyncio
+async def test_a_child_forked_inside_async_with_pool_is_told_so_as_it_leaves_the_block(
+    tmp_path: Path,
+) -> None:
+    """Forked inside `async with pool`, on the loop serving it: in the child, leaving the
+    block says the pool is the parent's, as every request of it there does (anyio's
+    NoEventLoopError came out instead: asyncio runs no loop in a forked child). The pool is
+    left as the fork left it, so that a request after it says so too, rather than start a
+    loop of the child's for the parent's pool; the parent leaves the block as usual, its
+    change written back."""
+    t = _tensor(tmp_path)
+    async with TensorResidencyPool() as pool:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.fill_(2.0)
+
+        def child() -> str:
+            return _outcomes(
+                lambda: _first_step(pool.__aexit__(None, None, None)),  # the block's exit
+                lambda: pool.resolve(t),
+            )
+
+        assert in_forked_child(child, seconds=20) == "forked,forked"
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

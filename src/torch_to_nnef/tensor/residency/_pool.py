@@ -276,7 +276,15 @@ class TensorResidencyPool(Uncopyable):
             # perhaps, whose write the pool's close waits for). Nothing may wait here: the
             # pool stays open, and close() from any thread, or interpreter exit, closes it.
             return
+        runtime = self._runtime
+        # In a forked child, the loop serving the pool and the block are the parent's: its
+        # exit is refused as the pool's requests are there, and leaves the pool as the fork
+        # left it, so that they go on saying so (stopped serving, it would start a loop of
+        # the child's for the parent's pool).
+        forked = runtime.forked()
         try:
+            if forked:
+                runtime.check_process()
             if not self._actor.closed:
                 # Shielded: an anyio cancel scope cancels every await inside it, and the end
                 # of a cancelled block would leave the pool open with its changes unwritten.
@@ -290,7 +298,8 @@ class TensorResidencyPool(Uncopyable):
                 raise
             LOGGER.exception("closing the TensorResidencyPool failed; it stays open")
         finally:
-            self._runtime.detach_current()
+            if not forked:
+                runtime.detach_current()
 
     def _call_blocking(self, operation: Operation) -> None:
         """The sync face of a write-back operation: nothing to do when nothing was loaded."""

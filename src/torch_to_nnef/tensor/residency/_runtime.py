@@ -607,7 +607,7 @@ class Runtime:
         """In a forked child, which has none of the threads of its parent's pools: renew the
         locks those threads may have held at the fork, and stop serving resident values
         without the loop, so that every request of a started pool says it was forked (see
-        :meth:`_check_process`) instead of waiting for a thread that is not there."""
+        :meth:`check_process`) instead of waiting for a thread that is not there."""
         self._lock = owned_lock()
         self._start_lock = owned_lock()
         self.actor.lock = owned_lock()
@@ -698,8 +698,12 @@ class Runtime:
                 "make it outside finalizers"
             )
 
-    def _check_process(self) -> None:
-        if os.getpid() != self._pid:
+    def forked(self) -> bool:
+        """Whether this process is a forked child of the one whose threads serve the pool."""
+        return os.getpid() != self._pid
+
+    def check_process(self) -> None:
+        if self.forked():
             raise T2NErrorMisuse(
                 "this TensorResidencyPool was started in the parent of this forked process: its "
                 "loop thread and workers do not exist here; create a new pool in the child"
@@ -768,7 +772,7 @@ class Runtime:
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
         if self.loop is not None:
-            self._check_process()
+            self.check_process()
             return
         with self._start_lock:  # two threads' first calls start one loop
             if self.loop is not None:
@@ -842,7 +846,7 @@ class Runtime:
 
     def post(self, callback: Callable[..., Any], *args: Any) -> None:
         """Run ``callback(*args)`` on the loop thread, after what was posted before."""
-        self._check_process()
+        self.check_process()
         with self._lock:
             loop = self.loop
             if loop is None:
@@ -1179,7 +1183,7 @@ class Runtime:
         holds, in order after it."""
         if done.done():
             return done.result()
-        self._check_process()
+        self.check_process()
         self._refuse_a_wait_for_itself()
         loop = self.loop
         if self.private or loop is None:
@@ -1255,7 +1259,7 @@ class Runtime:
         as :meth:`wait`). Cancelling the awaiting task never cancels ``done``: the operation
         is abandoned in order instead."""
         if not done.done():
-            self._check_process()
+            self.check_process()
         orphaned = None
         if operation is not None:
             orphaned = partial(self.abandon_later, operation)
