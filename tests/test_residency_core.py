@@ -21,7 +21,7 @@ from test_residency import faces, make_tensors, open_pool
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyLease, TensorResidencyPool
-from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._requests import read_by_caller
 
 pytestmark = [pytest.mark.timeout(90)]
 
@@ -324,7 +324,7 @@ def test_a_read_of_its_own_thread_that_a_write_overtook_is_not_served(
     t = make_tensors(tmp_path, 1, numel=1024)[0]
     got: list[torch.Tensor] = []
     with TensorResidencyPool() as pool:
-        with paused_in_new_threads(Actor.read_for_caller.__code__, on="return") as point:
+        with paused_in_new_threads(read_by_caller.__code__, on="return") as point:
             point.armed.set()
             reader = threading.Thread(target=lambda: got.append(pool.resolve(t).clone()))
             reader.start()

@@ -48,10 +48,6 @@ LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 SubmitJob = Callable[[Job], None]
 """How the actor starts a disk job: ``submit(job)`` (one that ran already is only ended)."""
 
-CALLER_READ_MAX_BYTES = 1 << 20
-"""The largest payload a thread's sync request reads itself on a miss (see
-:meth:`Actor.read_for_caller`); larger ones go to the I/O workers."""
-
 
 class Actor:
     """Owner of a pool's entries, counters and jobs (see the module docstring)."""
@@ -467,29 +463,6 @@ class Actor:
     # ------------------------------------------------------------------------------------------
     # Requests
     # ------------------------------------------------------------------------------------------
-    def read_for_caller(self, source: PoolSource, device: torch.device) -> CallerRead | None:
-        """Read ``source``'s value on the calling thread, a thread other than the loop's about
-        to request it (a sync ``resolve`` or ``acquire`` whose lock-free hit failed), so that
-        its load is no hand-off to an I/O worker and back: a small payload for the CPU, read
-        as mapped reads say (with them switched off, loads read into the buffers of evicted
-        values, which only the actor hands out), that no load of this pool reads already.
-        ``None`` when it does not apply or the read failed (the load then reads it, and
-        reports the failure)."""
-        if (
-            device.type != "cpu"
-            or source.payload_nbytes > CALLER_READ_MAX_BYTES
-            or not storage.mapped_reads()
-            or id(source) in self.entries  # (a hint: the step decides)
-            or self.closing
-        ):
-            return None
-        token = source._hit_state.last_write()  # what it reads is this write, or a later one
-        try:
-            value = source._reload_unmanaged(device, None, None)
-        except Exception:
-            return None
-        return CallerRead(token, value)
-
     def _entry_for(
         self, source: PoolSource, device: torch.device, read: CallerRead | None = None
     ) -> Entry:

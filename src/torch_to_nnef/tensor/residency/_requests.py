@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorStorage
+from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._runtime import Operation
@@ -24,6 +25,10 @@ from torch_to_nnef.tensor.residency._state import (
 )
 
 __all__ = ["Acquire", "Close", "Evict", "Flush", "Prefetch", "Resolve", "Transition"]
+
+CALLER_READ_MAX_BYTES = 1 << 20
+"""The largest payload a thread's sync request reads itself on a miss (:func:`read_by_caller`);
+larger ones go to the I/O workers."""
 
 
 class Resolve(Operation):
@@ -39,7 +44,7 @@ class Resolve(Operation):
         self.read: CallerRead | None = None
 
     def prepare(self) -> None:
-        self.read = self.actor.read_for_caller(self.source, self.device)
+        self.read = read_by_caller(self.actor, self.source, self.device)
 
     def step(self) -> torch.Tensor | Job:
         loaded = _loaded(self.waited, self.source, self.actor)
@@ -48,6 +53,30 @@ class Resolve(Operation):
         first, self.first = self.first, False
         read, self.read = self.read, None
         return self.actor.resolve_step(self.source, self.device, first, read)
+
+
+def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> CallerRead | None:
+    """Read ``source``'s value on the calling thread, a thread other than the loop's about to
+    request it (a sync ``resolve`` or ``acquire`` whose lock-free hit failed), so that its load
+    is no hand-off to an I/O worker and back (the step takes it: ``Actor._start_load``): a
+    small payload for the CPU, read as mapped reads say (with them switched off, loads read
+    into the buffers of evicted values, which only the actor hands out), that no load of the
+    pool reads already. ``None`` when that does not apply or the read failed (the load then
+    reads it, and reports the failure)."""
+    if (
+        device.type != "cpu"
+        or source.payload_nbytes > CALLER_READ_MAX_BYTES
+        or not storage.mapped_reads()
+        or id(source) in actor.entries  # (a hint, read without the actor: the step decides)
+        or actor.closing
+    ):
+        return None
+    token = source._hit_state.last_write()  # what it reads is this write, or a later one
+    try:
+        value = source._reload_unmanaged(device, None, None)
+    except Exception:
+        return None
+    return CallerRead(token, value)
 
 
 class Prefetch(Resolve):
@@ -95,7 +124,7 @@ class Acquire(Operation, Ticket):
         self.actor = actor
 
     def prepare(self) -> None:
-        self.read = self.actor.read_for_caller(self.source, self.device)
+        self.read = read_by_caller(self.actor, self.source, self.device)
 
     def step(self) -> torch.Tensor | Job:
         waited = self.waited

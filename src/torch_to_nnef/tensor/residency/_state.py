@@ -340,8 +340,8 @@ class Holder:
 
 class CallerRead:
     """A value that the thread making a sync request read itself, before the request reached
-    the actor (``Actor.read_for_caller``): the outcome of the load it would start, taken
-    unless the tensor was written since ``token`` (its ``_hit_state.latest`` write)."""
+    the actor (``_requests.read_by_caller``): the outcome of the load it would start, taken
+    unless the tensor was written since ``token`` (its ``_hit_state.last_write()``)."""
 
     __slots__ = ("token", "value")
 
