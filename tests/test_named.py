@@ -253,6 +253,50 @@ def test_named_model_survives_dtype_conversion_and_deepcopy() -> None:
     assert model.embed.weight.dtype == torch.float32
 
 
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.compile")
+def test_compiled_named_model_computes_the_values_and_gradients_of_the_unnamed_one() -> None:
+    """AOT autograd (aot_eager, inductor) failed with a ``TypeError`` from inside torch on the
+    first call of a graph taking a named parameter or buffer as input; each operation on a
+    NamedTensor now runs outside the compiled graph, with the values of an unnamed model."""
+    model = TinyLM()
+    reference = copy.deepcopy(model)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    apply_name_to_tensor_in_module(model)
+    try:
+        compiled = torch.compile(model, backend="aot_eager")
+        first, second = compiled(ids), compiled(ids)
+        first.sum().backward()
+    finally:
+        torch._dynamo.reset()
+    expected = reference(ids)
+    expected.sum().backward()
+    torch.testing.assert_close(first, expected)
+    torch.testing.assert_close(second, expected)
+    for (name, named), (_, plain) in zip(
+        model.named_parameters(), reference.named_parameters(), strict=True
+    ):
+        assert type(named) is NamedTensor and named.grad is not None, name
+        torch.testing.assert_close(named.grad, plain.grad)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.export")
+def test_strictly_exported_named_model_keeps_its_operations_in_the_graph() -> None:
+    """torch.export traces with dynamo too; unlike torch.compile it keeps the operations on
+    NamedTensors in its graph (it has no graph breaks to fall back on)."""
+    model = nn.Linear(4, 2)
+    x = _dense(3, 4)
+    expected = model(x)
+    apply_name_to_tensor_in_module(model)
+    try:
+        exported = torch.export.export(model, (x,), strict=True)
+    finally:
+        torch._dynamo.reset()
+    assert "aten.linear" in str(exported.graph)
+    torch.testing.assert_close(exported.module()(x), expected)
+
+
 @pytest.mark.filterwarnings(IGNORE_TRACE_DEPRECATION)
 def test_named_model_can_be_traced() -> None:
     model = TinyLM().eval()

@@ -84,6 +84,11 @@ class NamedTensor(torch.Tensor):
     what ``module.half()`` or ``module.to(dtype)`` do). ``nn.Parameter(named, requires_grad=...)``
     returns a :class:`NamedTensor` that is a parameter.
 
+    Under ``torch.compile``, each operation on a NamedTensor runs outside the compiled graph (a
+    graph break), with the same values as without compiling: torch's AOT autograd cannot take
+    a NamedTensor as a graph input. ``fullgraph=True`` is therefore refused; compile a model
+    whose tensors are not named. ``torch.export`` keeps the operations in its graph.
+
     Args:
         fp_tensor: the tensor to name; it must own storage (an opaque tensor cannot be named
             this way).
@@ -166,15 +171,43 @@ class NamedTensor(torch.Tensor):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
-            result = func(*args, **kwargs)
-            if func in _NOWRAP_FUNCTIONS:
+        if torch.compiler.is_dynamo_compiling():
+            return _apply_outside_compiled_graph(func, args, kwargs)
+        return _apply(func, args, kwargs)
+
+
+def _apply(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> Any:
+    """Run ``func`` on the tensors as plain tensors, naming its result as NamedTensor says."""
+    with torch._C.DisableTorchFunctionSubclass():
+        result = func(*args, **kwargs)
+        if func in _NOWRAP_FUNCTIONS:
+            return result
+        if func in _NAME_KEEPING_FUNCTIONS and args and isinstance(args[0], NamedTensor):
+            if result is args[0]:
                 return result
-            if func in _NAME_KEEPING_FUNCTIONS and args and isinstance(args[0], NamedTensor):
-                if result is args[0]:
-                    return result
-                return args[0]._renamed(result)
-            return _strip_names(result, args)
+            return args[0]._renamed(result)
+        return _strip_names(result, args)
+
+
+@torch.compiler.disable(  # type: ignore[untyped-decorator]
+    reason="operations on a NamedTensor run outside compiled graphs; for one whole graph "
+    "(fullgraph=True), compile a model whose tensors are not named "
+    "(named.as_subclass(torch.Tensor) is a plain tensor sharing the values)"
+)
+def _apply_outside_compiled_graph(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> Any:
+    """:func:`_apply`, as a graph break of ``torch.compile``: run eagerly, so that no
+    operation of a compiled graph is ever given a NamedTensor.
+
+    AOT autograd (the inductor and aot_eager backends) runs the first call of each compiled
+    graph under a dispatch mode that checks custom operators. On torch 2.13 that mode refuses
+    any input whose type is not a plain tensor (for a parameter: whose ``data`` is not),
+    leaving it to the ``__torch_dispatch__`` of its class, which a NamedTensor has not: the
+    call fails with a ``TypeError`` from inside torch (pytorch/pytorch#193932). A named buffer
+    is such an input, and so is a named parameter, its ``data`` being itself.
+    """
+    return _apply(func, args, kwargs)
 
 
 def get_or_add_named_tensor(
