@@ -941,6 +941,50 @@ def test_module_to_retargets_and_casts_in_place(tmp_path: Path) -> None:
     assert model(x).dtype == torch.float16
 
 
+class _Scaled(nn.Module):
+    """A module holding a buffer only: a conversion reaches it before the next module's
+    parameters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((4,), 2.0))
+
+
+@pytest.mark.timeout(60)
+def test_module_conversion_swapping_parameters_is_refused_before_anything_offloaded_changes(
+    tmp_path: Path,
+) -> None:
+    """Under torch's switch ``set_swap_module_params_on_conversion(True)``, torch swaps each
+    converted parameter in with ``torch.utils.swap_tensors``, which refuses an offloaded
+    tensor (it has weak references): ``model.to(dtype)`` raised torch's ``RuntimeError`` with
+    the buffer and the first weight already cast. It is refused before any offloaded tensor
+    changes; a tensor's own ``to()`` is no module conversion, and with the switch off the
+    module's conversion works."""
+    model = nn.Sequential(_Scaled(), nn.Linear(4, 4), nn.Linear(4, 4))
+    values = {name: tensor.detach().clone() for name, tensor in model.state_dict().items()}
+    offload_module(model, tmp_path)
+    tensors = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+    direct = OffloadedTensor.from_original_tensor(seeded(2, 3), "direct", tmp_path)
+    refusal = r"'1\.weight', 4 in all.*set_swap_module_params_on_conversion\(False\)"
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        for convert in (lambda m: m.to(torch.float16), nn.Module.half, nn.Module.float):
+            with pytest.raises(T2NErrorNotImplemented, match=refusal):
+                convert(model)
+        assert direct.to(torch.float16) is direct
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    assert direct.dtype == torch.float16
+    for name, tensor in {**dict(model.named_parameters()), **dict(model.named_buffers())}.items():
+        assert tensor is tensors[name], name
+        assert tensor.dtype == torch.float32, name
+        assert torch.equal(tensor.reload(), values[name]), name
+    model.to(torch.float16)
+    for name, tensor in model.state_dict().items():
+        assert tensor.dtype == torch.float16, name
+        assert torch.equal(tensor.reload(), values[name].half()), name
+
+
 def test_len_and_metadata_do_not_load(offloaded: OffloadedTensor) -> None:
     offloaded.offload_path.unlink()  # any load would now fail
     assert len(offloaded) == 6

@@ -10,12 +10,14 @@ import logging
 import multiprocessing.context
 import os
 import shutil
+import sys
 import threading
 import uuid
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from types import FrameType
 from typing import Any, TypeVar
 
 import torch
@@ -595,6 +597,60 @@ class _GcRequest(threading.local):
 
 
 _GC_REQUEST = _GcRequest()
+
+
+# ---------------------------------------------------------------------------------------------
+# Module conversions that swap parameters
+# ---------------------------------------------------------------------------------------------
+_MODULE_APPLY = torch.nn.Module._apply.__code__
+
+
+def _module_converted() -> torch.nn.Module | None:
+    """The module whose conversion (``Module._apply``: ``model.to()``, ``model.half()``, ...)
+    the calling thread runs, the outermost where one converts its children; ``None`` out of
+    any."""
+    converted = None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _MODULE_APPLY:
+            converted = frame.f_locals.get("self")
+        frame = frame.f_back
+    return converted if isinstance(converted, torch.nn.Module) else None
+
+
+def _refuse_swapping_conversion() -> None:
+    """Refuse the conversion of a module holding offloaded parameters while torch swaps
+    converted parameters in (``torch.__future__.set_swap_module_params_on_conversion(True)``),
+    from the first operation the conversion makes on an offloaded tensor, which it would
+    otherwise have converted in place.
+
+    ``torch.utils.swap_tensors`` refuses a tensor that has weak references, which every
+    offloaded tensor has (the registry of live tensors, that of traced ones): torch raised its
+    own error there, the tensors it had reached already converted, the model half converted.
+    Swapping would also make an offloaded parameter a plain one (``model.half()``), which the
+    conversion without the switch keeps offloaded, in place: the same parameter object, which
+    is what the switch is for. Tensors kept resident (``offload_module(min_bytes=...)``) that
+    the conversion reaches before any offloaded one are converted by torch before the refusal.
+
+    Raises:
+        T2NErrorNotImplemented: such a conversion runs on this thread.
+    """
+    if not torch.__future__.get_swap_module_params_on_conversion():
+        return
+    module = _module_converted()
+    if module is None:
+        return
+    offloaded = [n for n, p in module.named_parameters() if isinstance(p, OffloadedTensor)]
+    if offloaded:
+        raise T2NErrorNotImplemented(
+            f"{type(module).__name__} holds offloaded parameters ({offloaded[0]!r}, "
+            f"{len(offloaded)} in all), which a conversion swapping parameters "
+            "(torch.__future__.set_swap_module_params_on_conversion(True)) cannot convert: "
+            "torch.utils.swap_tensors refuses tensors with weak references, as offloaded "
+            "ones have. No offloaded tensor was converted. Convert with the switch off "
+            "(set_swap_module_params_on_conversion(False)): each offloaded parameter is "
+            "converted in place and stays the same object"
+        )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1584,11 +1640,18 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         With ``copy=True`` the tensor is left as it is: an independent offloaded copy (as
         ``copy.deepcopy`` makes) is retargeted and/or cast, and returned.
 
+        Under torch's switch ``torch.__future__.set_swap_module_params_on_conversion(True)``,
+        the conversion of a module holding offloaded parameters is refused before any
+        offloaded tensor changes: torch would swap each parameter object for a converted one,
+        which it cannot do with an offloaded tensor.
+
         Raises:
             T2NErrorMisuse: the arguments are not those of ``torch.Tensor.to``.
-            T2NErrorNotImplemented: a memory format other than the preserved one, or a cast
-                that turns an opaque value into a plain tensor.
+            T2NErrorNotImplemented: a memory format other than the preserved one, a cast
+                that turns an opaque value into a plain tensor, or the conversion of a module
+                holding offloaded parameters with torch's swap of parameters on.
         """
+        _refuse_swapping_conversion()
         args, copy = _without_copy(args, kwargs)
         if copy:
             return self.__deepcopy__({}).to(*args, **kwargs)
@@ -1844,6 +1907,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         kwargs: Mapping[str, Any] | None = None,
     ) -> Any:
         kwargs = kwargs or {}
+        _refuse_swapping_conversion()
         writes = _writes_first_argument(func) or kwargs.get("inplace") is True
         if args and isinstance(args[0], OffloadedTensor) and writes:
             result = args[0]._apply_in_place(func, args[1:], kwargs)
