@@ -313,6 +313,36 @@ def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path
         check_invariants(pool)
 
 
+def test_a_sync_miss_read_by_a_thread_in_inference_mode_is_a_plain_value(tmp_path: Path) -> None:
+    # A forward under torch.inference_mode() in a thread misses a small payload, which that
+    # thread reads itself: the pool keeps a value as a worker's load makes it, not an
+    # inference tensor (which has no version counter: the load's end would fail, leaving
+    # the request, and every later one, waiting), and other threads can change it in place
+    # or use it under autograd.
+    t = make_tensors(tmp_path, 1, numel=1024)[0]
+    got: list[torch.Tensor] = []
+
+    def forward() -> None:
+        with torch.inference_mode():
+            got.append(pool.resolve(t) * 1)
+
+    with TensorResidencyPool() as pool:
+        reader = threading.Thread(target=forward, daemon=True)
+        reader.start()
+        reader.join(10)
+        assert not reader.is_alive(), "the request never ended"
+        assert torch.equal(got[0], torch.zeros(1024))
+        assert pool.stats().caller_reads == 1
+        value = pool.resolve(t)
+        assert not value.is_inference()
+        x = torch.ones(1024, requires_grad=True)
+        (x * value).sum().backward()
+        with pool.acquire(t, mode="read_write") as changed:
+            changed.add_(1.0)
+        check_invariants(pool)
+    assert torch.equal(t.reload(), torch.ones(1024))
+
+
 @pytest.mark.parametrize("writer", ["direct", "this pool"])
 def test_a_read_of_its_own_thread_that_a_write_overtook_is_not_served(
     tmp_path: Path, writer: str

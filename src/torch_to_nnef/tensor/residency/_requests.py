@@ -73,7 +73,12 @@ def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> Ca
         return None
     token = source._hit_state.last_write()  # what it reads is this write, or a later one
     try:
-        value = source._reload_unmanaged(device, None, None)
+        # Read as a worker reads, whatever the caller's thread runs under: a value made in
+        # its torch.inference_mode() would be an inference tensor, which tracks no version
+        # counter (the pool reads it of every value) and refuses in-place changes and
+        # autograd outside that mode.
+        with torch.inference_mode(False):
+            value = source._reload_unmanaged(device, None, None)
     except Exception:
         return None
     return CallerRead(token, value)
