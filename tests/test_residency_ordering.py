@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import in_forked_child, in_forked_child_while_held
 from residency_checks import check_invariants, on_disk
 from torch import nn
@@ -1511,6 +1511,54 @@ def test_reads_outside_the_pool_see_an_opaque_values_unsaved_change(tmp_path: Pa
         seen.qscheme.scale.mul_(3.0)  # a copy: the pool's value stays as it was
         assert torch.equal(value.decompress(), changed)
     assert torch.equal(t.reload().decompress(), changed)
+
+
+@pytest.mark.timeout(60)
+def test_a_read_in_another_pool_as_a_change_is_noted_is_never_kept_older_than_it(
+    tmp_path: Path,
+) -> None:
+    """A read_write lease of one pool ends: its change becomes the tensor's latest write (a
+    new write token, and the unsaved value that reads outside the pool copy). Another pool
+    misses the tensor at that moment, its thread reading it (the token, then the unsaved
+    value, without the tensor's lock): it may read the older value, but never keeps it as
+    current at the new token, which would serve it on every hit after the lease ended."""
+    from torch_to_nnef.tensor.offload import _protocol, _tensor
+    from torch_to_nnef.tensor.residency._requests import read_by_caller
+
+    t = OffloadedTensor.from_original_tensor(torch.zeros(1024), "t", tmp_path)
+    noted = Breakpoint(_protocol.HitState.count_write.__code__, "return")
+    read = Breakpoint(read_by_caller.__code__, "return")
+    copy = _tensor.OffloadedTensor._unsaved_copy
+    locking = Breakpoint(copy.__code__, "line", line=line_of(copy, "with self._pending_lock"))
+    got: list[float] = []
+    with TensorResidencyPool() as pool, TensorResidencyPool() as other:
+
+        def change() -> None:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(7.0)
+
+        with breakpoints_in_new_threads(noted, read, locking):
+            noted.armed.set()
+            writer = threading.Thread(target=change)
+            writer.start()
+            assert noted.paused.wait(30)  # the new token counted, under the tensor's lock
+            read.armed.set()
+            locking.armed.set()
+            reader = threading.Thread(target=lambda: got.append(other.resolve(t)[0].item()))
+            reader.start()
+            deadline = time.monotonic() + 30
+            while not (read.paused.is_set() or locking.paused.is_set()):
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+            for point in (noted, read, locking):
+                point.go()
+            writer.join(30)
+            reader.join(30)
+        assert not writer.is_alive() and not reader.is_alive()
+        assert got[0] in (0.0, 7.0)
+        assert other.resolve(t)[0].item() == 7.0, "the other pool kept the older value"
+        check_invariants(other)
+    assert torch.equal(on_disk(t), torch.full((1024,), 7.0))
 
 
 @pytest.mark.timeout(60)

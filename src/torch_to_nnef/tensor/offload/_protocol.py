@@ -60,11 +60,12 @@ class HitState:
         """The latest write of the value, whoever made it (compare by identity)."""
         return self.latest[0]
 
-    def count_write(self, owner: object) -> None:
-        """A new write of the value, by the pool ``owner`` (``None``: a direct write); the
-        caller serializes writes."""
-        token, by, before = self.latest
-        self.latest = (object(), owner, before if by is owner else token)
+    def count_write(self, owner: object, token: object | None = None) -> None:
+        """A new write of the value, by the pool ``owner`` (``None``: a direct write), whose
+        token is ``token`` (a new one when ``None``); the caller serializes writes."""
+        latest, by, before = self.latest
+        token = object() if token is None else token
+        self.latest = (token, owner, before if by is owner else latest)
 
 
 class PoolSource:

@@ -1343,8 +1343,13 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 return None
             if state.version_for(owner) is not version or self._deriving is state.latest[0]:
                 return False  # (or a direct write derived from the older value is under way)
-            state.count_write(owner)
-            self._unsaved = (owner, state.latest[0], value)
+            # The unsaved value first, then the token: a read looks at the token, then at
+            # the unsaved value without this lock (_reload_unmanaged), so one that finds the
+            # new token finds the value it stands for (a read that finds the value and the
+            # old token is taken as older than it is: read again, never kept as current).
+            token = object()
+            self._unsaved = (owner, token, value)
+            state.count_write(owner, token)
             return True
 
     def _shelter_unsaved(self, owner: object, value: torch.Tensor) -> None:
