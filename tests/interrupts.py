@@ -32,6 +32,7 @@ class InterruptAt:
         self.n, self.within, self.returns = n, within, returns
         self.calls = 0
         self.fired = False
+        self.where = ""  # the qualified name of the function it fired in
 
     def __call__(self, frame: FrameType, event: str, arg: Any) -> Trace | None:
         if event not in ("call", "return") or self.within not in frame.f_code.co_filename:
@@ -44,6 +45,7 @@ class InterruptAt:
         if self.calls == self.n:
             sys.settrace(None)
             self.fired = True
+            self.where = frame.f_code.co_qualname
             raise KeyboardInterrupt
         return self if self.returns else None
 

@@ -32,6 +32,7 @@ from breakpoints import Breakpoint, line_of, paused_in_new_threads
 from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, settle
 
+from torch_to_nnef import _interrupts
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
@@ -240,10 +241,21 @@ def _interrupted_everywhere(
     Returns are taken in the package's code only: one from the standard library's
     ``Condition.__enter__`` leaves its lock held (Python's own hazard, not the pool's)."""
     within = _PACKAGE_CODE if returns else ""
+    handler = signal.getsignal(signal.SIGINT)
     for n in itertools.count(1):
-        if not interrupted(InterruptAt(n, within, returns), run):
+        interrupt = InterruptAt(n, within, returns)
+        if not interrupted(interrupt, run):
             return n - 1
         assert _leased(pool) == 0, f"a lease is left after an interrupt at function event {n}"
+        held = signal.getsignal(signal.SIGINT)
+        if getattr(held, "__func__", None) is _interrupts.InterruptHold._record:
+            # Raised while a hold of Ctrl-C was in force (a thread reading a payload it
+            # missed holds it as it reads), as the hold ends: its handler stays. A real
+            # Ctrl-C never lands there, the hold records it; put Python's handler back.
+            _interrupts._replaced.clear()
+            signal.signal(signal.SIGINT, handler)
+        assert _interrupts._replaced == [], f"an interrupt at {interrupt.where} left a hold"
+        assert signal.getsignal(signal.SIGINT) is handler
     raise AssertionError("unreachable")
 
 

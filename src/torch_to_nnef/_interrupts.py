@@ -19,6 +19,7 @@ from __future__ import annotations
 # The C functions under ``signal``'s wrappers, which convert handlers to and from enum
 # members at 2 to 3 us a call: a hold (one per mapped load) takes 1.5 us instead of 10.
 import _signal  # type: ignore[import-not-found]  # no stub; the module ``signal`` wraps
+import _thread
 import contextlib
 import os
 import signal
@@ -32,11 +33,17 @@ __all__ = ["InterruptHold", "hold_sigint", "restore_sigint"]
 _replaced: list[Any] = []
 """The handlers the holds in force replaced, the first one first (main thread only)."""
 
+_main: list[int | None] = [threading.main_thread().ident]
+"""The identity of the main thread (that of the thread that forked, in a forked child). Read
+instead of asking ``threading``: a hold runs no function of ``threading.py``, whose lock code
+a Ctrl-C may cut, in the threads that wait for the pool (a thread reading a payload it missed
+holds Ctrl-C as it reads)."""
+
 
 def hold_sigint(handler: Callable[[int, FrameType | None], Any]) -> tuple[bool, Any]:
     """Install ``handler`` for SIGINT, from the main thread only. Return whether it was
     installed, and the handler it replaced (for :func:`restore_sigint`)."""
-    if threading.current_thread() is not threading.main_thread():
+    if _thread.get_ident() != _main[0]:
         return False, None
     try:
         previous = _signal.signal(signal.SIGINT, handler)
@@ -60,7 +67,9 @@ def _handler(previous: Any) -> Any:
 
 def _restore_in_child() -> None:
     """After ``fork``, in the child: no hold is in force there (the thread holding runs in
-    the parent only), so the handler the first hold replaced is put back."""
+    the parent only), so the handler the first hold replaced is put back. The thread that
+    forked is the child's main thread (``threading``'s own hook, registered first, said so)."""
+    _main[0] = threading.main_thread().ident
     if _replaced:
         previous = _replaced[0]
         _replaced.clear()
