@@ -999,9 +999,8 @@ class Runtime:
         workers.submit(job)
 
     def _job_ended(self, job: Job) -> None:
-        """A worker ran ``job`` (worker thread), or it ran as it was started (a caller's read,
-        on the loop thread): its transition is queued for the actor's thread, and the loop
-        told to apply it. When the loop stopped serving meanwhile, the
+        """A worker ran ``job`` (worker thread): its transition is queued for the actor's
+        thread, and the loop told to apply it. When the loop stopped serving meanwhile, the
         thread that stopped it applies it once the workers ended: its waiters are answered."""
         self._ended.append(job)
         if self._listening:  # (read after the append: see _apply_ends_until)

@@ -57,13 +57,13 @@ class PoolStats(NamedTuple):
     that left the pool before any request used them: reads for nothing (a budget too small for
     the read-ahead window, or a forward that left the learned order). The read-ahead's own
     leases are no requests: they count in neither ``hits`` nor ``misses``."""
+    pinned_bytes: int = 0
+    """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
+    pool: ``storage.pinned_bytes()``), on top of ``max_cached_bytes``."""
     caller_reads: int = 0
     """Loads that the thread of a sync ``resolve`` or ``acquire`` (a scope's reads among them)
     read itself, without a hand-off to an I/O worker and back: small payloads (up to 1 MiB)
     for the CPU. Counted in ``loads`` too."""
-    pinned_bytes: int = 0
-    """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
-    pool: ``storage.pinned_bytes()``), on top of ``max_cached_bytes``."""
 
     @property
     def bytes_read_per_request(self) -> float:
