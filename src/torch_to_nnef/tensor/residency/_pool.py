@@ -93,7 +93,8 @@ class TensorResidencyPool(Uncopyable):
             ``stats().pinned_bytes``.
         max_workers: at most this many disk jobs (loads, write-backs) run at once. A sync
             ``resolve`` or ``acquire`` that misses on a small payload for the CPU (up to
-            1 MiB) reads it on its own thread, beside them (``stats().caller_reads``).
+            1 MiB, mapped reads on) reads it on its own thread, beside them
+            (``stats().caller_reads``).
         strategy: a :class:`ResidencyStrategy` (``LRU``, ``FIXED`` or ``SCHEDULED``).
         use_uvloop: run the private loop thread on uvloop (default: when importable, unless
             ``T2N_RESIDENCY_UVLOOP=0``).

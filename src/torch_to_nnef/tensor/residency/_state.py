@@ -63,7 +63,8 @@ class PoolStats(NamedTuple):
     caller_reads: int = 0
     """Loads that the thread of a sync ``resolve`` or ``acquire`` (a scope's reads among them)
     read itself, without a hand-off to an I/O worker and back: small payloads (up to 1 MiB)
-    for the CPU. Counted in ``loads`` too."""
+    for the CPU, with mapped reads on (``storage.set_mapped_reads``). Counted in ``loads``
+    too."""
 
     @property
     def bytes_read_per_request(self) -> float:
