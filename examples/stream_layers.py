@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -80,14 +81,21 @@ def main(argv: list[str] | None = None) -> None:
             pool = TensorResidencyPool(max_cached_bytes=budget, max_workers=2, strategy=strategy)
             with pool, pool.scope(), stream_modules(pool, model.blocks, depth=1):
                 torch.testing.assert_close(model(x), expected)  # warm-up: the first reads
+                first_block = [
+                    p for p in model.blocks[0].parameters() if isinstance(p, OffloadedTensor)
+                ]
+                # Past each forward the stream reads the next one's first block ahead: each
+                # count waits for those reads, so that both count the same ones.
+                _wait_until_resident(pool, first_block)
                 warm = pool.stats()
                 start = time.perf_counter()
                 for _ in range(args.passes):
                     torch.testing.assert_close(model(x), expected)
                 elapsed = time.perf_counter() - start
+                _wait_until_resident(pool, first_block)
                 # Between forwards the stream holds the next forward's first block, read ahead.
-                first_block = sum(p.payload_nbytes for p in model.blocks[0].parameters())
-                assert pool.resident_bytes <= budget + first_block, "the budget holds"
+                first_bytes = sum(p.payload_nbytes for p in first_block)
+                assert pool.resident_bytes <= budget + first_bytes, "the budget holds"
                 stats = pool.stats()
             loads = stats.loads - warm.loads
             served = 1 - loads / (len(offloaded) * args.passes)
@@ -98,6 +106,15 @@ def main(argv: list[str] | None = None) -> None:
                 f"{stats.reused_buffers} loads into reused buffers in all"
             )
     print("every forward equals the dense model's: OK")
+
+
+def _wait_until_resident(pool: TensorResidencyPool, tensors: Sequence[OffloadedTensor]) -> None:
+    """Wait until the pool holds every one of ``tensors`` (the stream's reads ahead ended)."""
+    deadline = time.monotonic() + 30
+    while not all(pool.is_resident(t) for t in tensors):
+        if time.monotonic() > deadline:
+            raise TimeoutError("the stream's reads ahead did not end")
+        time.sleep(0.001)
 
 
 if __name__ == "__main__":
