@@ -21,13 +21,15 @@ from torch_to_nnef.tensor import (
     storage,
 )
 
+needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+
 
 def mappings_under(directory: Path) -> int:
     lines = Path("/proc/self/maps").read_text().splitlines()
     return sum(str(directory) in line for line in lines)
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
 def test_pool_loads_map_the_files_and_unmap_on_eviction(tmp_path: Path) -> None:
     assert storage.mapped_reads()  # the default where private mappings exist
@@ -74,7 +76,7 @@ def test_switched_off_the_pool_reads_into_reused_buffers(tmp_path: Path) -> None
         assert mappings_under(tmp_path) == 0
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
 def test_switching_mapped_reads_while_a_pool_holds_values_reads_into_none_of_their_pages(
     tmp_path: Path,
@@ -127,8 +129,15 @@ def no_deleted_file_mapped_soon(directory: Path) -> bool:
         time.sleep(0.01)
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
+def add_one_under_a_lease(pool: TensorResidencyPool, tensor: OffloadedTensor) -> None:
+    """Change ``tensor`` through a ``read_write`` lease of ``pool``; the value the lease
+    handed out is dropped on return (a reference kept would keep the file it maps)."""
+    with pool.acquire(tensor, mode="read_write") as value:
+        value.add_(1)
+
+
 def test_a_value_written_back_and_kept_maps_the_new_file_not_the_replaced_one(
     tmp_path: Path,
 ) -> None:
@@ -161,9 +170,7 @@ def test_a_value_written_back_and_kept_maps_the_new_file_not_the_replaced_one(
             for _ in range(5):
                 with changing:
                     for tensor in tensors:
-                        with pool.acquire(tensor, mode="read_write") as value:
-                            value.add_(1)
-                del value  # (the last one maps the file its flush replaced)
+                        add_one_under_a_lease(pool, tensor)
                 pool.flush()
         finally:
             done.set()
@@ -178,7 +185,7 @@ def test_a_value_written_back_and_kept_maps_the_new_file_not_the_replaced_one(
         assert pool.stats().write_backs == 15
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
 def test_a_value_leased_through_its_write_back_maps_the_new_file_once_the_lease_ends(
     tmp_path: Path,
@@ -186,9 +193,7 @@ def test_a_value_leased_through_its_write_back_maps_the_new_file_once_the_lease_
     numel = storage.MAPPED_MIN_BYTES
     tensor = OffloadedTensor.from_original_tensor(torch.zeros(numel), "w", tmp_path)
     with TensorResidencyPool(max_cached_bytes=1 << 30) as pool:
-        with pool.acquire(tensor, mode="read_write") as value:
-            value.add_(1)
-        del value
+        add_one_under_a_lease(pool, tensor)
         with pool.acquire(tensor) as held:
             pool.flush()  # written while the lease holds the value: it keeps the old file
             time.sleep(0.2)
@@ -201,7 +206,7 @@ def test_a_value_leased_through_its_write_back_maps_the_new_file_once_the_lease_
         assert torch.equal(pool.resolve(tensor), torch.ones(numel))
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
 def test_a_value_whose_eviction_a_lease_took_back_maps_the_file_written(tmp_path: Path) -> None:
     """A changed value pushed out by the budget, taken back by a lease while its write-back
@@ -213,9 +218,7 @@ def test_a_value_whose_eviction_a_lease_took_back_maps_the_file_written(tmp_path
         paused_in_new_threads(OffloadedTensor._write_back.__code__, on="call") as point,
         TensorResidencyPool(max_cached_bytes=numel * 4) as pool,  # one value
     ):
-        with pool.acquire(changed, mode="read_write") as value:
-            value.add_(1)
-        del value
+        add_one_under_a_lease(pool, changed)
         point.armed.set()  # the write-back of the eviction below pauses
         pool.resolve(other)  # pushes the changed value out
         assert point.paused.wait(10)
@@ -229,7 +232,7 @@ def test_a_value_whose_eviction_a_lease_took_back_maps_the_file_written(tmp_path
     assert torch.equal(changed._reload_unmanaged(), torch.ones(numel))
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
+@needs_proc_maps
 @pytest.mark.timeout(60)
 def test_a_value_loaded_mapped_maps_the_file_written_with_mapped_reads_off_since(
     tmp_path: Path,
@@ -240,9 +243,7 @@ def test_a_value_loaded_mapped_maps_the_file_written_with_mapped_reads_off_since
         pool.resolve(tensor)  # mapped
         previous = storage.set_mapped_reads(False)
         try:
-            with pool.acquire(tensor, mode="read_write") as value:
-                value.add_(1)
-            del value
+            add_one_under_a_lease(pool, tensor)
             pool.flush()
             assert no_deleted_file_mapped_soon(tmp_path), deleted_files_mapped(tmp_path)
             assert torch.equal(pool.resolve(tensor), torch.ones(numel))

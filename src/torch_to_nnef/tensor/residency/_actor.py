@@ -738,8 +738,8 @@ class Actor:
         if read is not None and read.token is source._hit_state.last_write():
             # The caller read it (no write since): a load that ran already.
             entry.copied = False
-            self._caller_reads += 1
             entry.load = self._job("load", read.take, (), partial(self._on_loaded, entry), ran=True)
+            self._caller_reads += 1
         else:
             # Mapped reads off: the value is read into host buffers (those of a value evicted
             # before, if free), which may serve a later load in turn. Decided here, once: a
