@@ -21,6 +21,7 @@ from torch import nn
 from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.checkpoint import (
     SAFETENSORS_INDEX_NAME,
+    describe_checkpoint,
     load_offloaded_checkpoint,
     offload_module,
 )
@@ -207,6 +208,37 @@ def test_single_file_checkpoint_by_file_and_by_directory(dense: Net, tmp_path: P
     by_directory = load_offloaded_checkpoint(meta_model(), tmp_path)
     assert torch.equal(output(by_file), output(dense))
     assert torch.equal(output(by_directory), output(dense))
+
+
+@pytest.mark.timeout(60)
+def test_a_directory_holding_a_single_file_and_an_index_reads_the_single_file(
+    dense: Net, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As transformers' from_pretrained: model.safetensors before model.safetensors.index.json
+    (save_pretrained leaves one behind when a save changes the layout), with a warning naming
+    the file not read; an index whose shards are gone is called stale. (The index was read
+    first: values other than from_pretrained's, or its missing shards refused.)"""
+    state = state_without_ties(dense)
+    index = write_sharded({key: torch.zeros_like(value) for key, value in state.items()}, tmp_path)
+    safetensors.torch.save_file(state, str(tmp_path / "model.safetensors"))
+    for read in (load_offloaded_checkpoint(meta_model(), tmp_path), by_describe(tmp_path)):
+        assert torch.equal(output(read), output(dense))
+    assert "holds both model.safetensors and model.safetensors.index.json" in caplog.text
+    assert "not the sharded checkpoint of the index (2 shard file(s), all there" in caplog.text
+    assert "pass the index itself" in caplog.text
+    by_index = load_offloaded_checkpoint(meta_model(), index)  # the index given itself
+    assert not any(p.reload().any() for p in by_index.parameters())
+
+    for shard in tmp_path.glob("model-*-of-*.safetensors"):
+        shard.unlink()
+    caplog.clear()
+    assert torch.equal(output(load_offloaded_checkpoint(meta_model(), tmp_path)), output(dense))
+    assert "left from an earlier sharded save (2 of its 2 shard file(s) are missing" in caplog.text
+
+
+def by_describe(directory: Path) -> nn.Module:
+    """The model bound to the file describe_checkpoint says the directory's checkpoint is."""
+    return load_offloaded_checkpoint(meta_model(), describe_checkpoint(directory).source)
 
 
 def test_a_directory_with_one_index_of_another_name(dense: Net, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import pickle
 import re
 import sys
@@ -848,3 +849,95 @@ def test_decoding_reads_the_embedding_rows_and_the_head_whole(
         assert pool.is_resident(table) is tied
         assert all(pool.is_resident(t) for t in offloaded if t is not table)
         assert pool.stats().loads == len(offloaded) - (not tied)  # each once, retained
+
+
+# ---------------------------------------------------------------------------------------------
+# Which checkpoint of a directory is read: the one from_pretrained reads
+# ---------------------------------------------------------------------------------------------
+def save_llama(directory: Path, seed: int, **options: object) -> nn.Module:
+    torch.manual_seed(seed)
+    dense = transformers.AutoModelForCausalLM.from_config(small_config("llama", False)).eval()
+    dense.save_pretrained(directory, **options)
+    return dense
+
+
+def assert_values_of(model: nn.Module, dense: nn.Module) -> None:
+    expected = dense.state_dict()
+    for name, value in model.state_dict().items():
+        value = value.reload() if isinstance(value, OffloadedTensor) else value
+        assert torch.equal(value, expected[name]), name
+
+
+@pytest.mark.timeout(60)
+def test_an_index_left_by_an_unsharded_save_is_not_read(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """save_pretrained, unsharded over a sharded save, deletes the shards and leaves their
+    index: the directory's checkpoint is model.safetensors, as from_pretrained reads it (the
+    stale index was read first, and its missing shards refused)."""
+    directory = tmp_path / "model"
+    save_llama(directory, seed=0, max_shard_size="100KB")
+    current = save_llama(directory, seed=1)
+    assert (directory / "model.safetensors.index.json").is_file()
+    assert not list(directory.glob("model-*-of-*.safetensors"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert_values_of(plain, current)
+
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert_values_of(loaded, current)
+    assert loaded.lm_head.weight.offload_path.name == "model.safetensors"
+    warned = [r.getMessage() for r in caplog.records if "holds both" in r.getMessage()]
+    assert len(warned) == 1, warned  # once, however often the directory's checkpoint is read
+    assert "left from an earlier sharded save" in warned[0]
+    assert "are missing, such as 'model-00001-of-" in warned[0]
+
+    with accelerate.init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(small_config("llama", False))
+    t2n_load_checkpoint_and_dispatch(skeleton, directory, "t2n_offload_disk", None)
+    assert_values_of(skeleton, current)
+
+
+@pytest.mark.timeout(60)
+def test_a_single_file_left_by_a_sharded_save_is_read_as_from_pretrained_reads_it(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """save_pretrained, sharded over an unsharded save, leaves the earlier model.safetensors,
+    which from_pretrained reads: so does the directory's binding (it read the index, giving
+    other values than from_pretrained's), with a warning naming the way out; the index given
+    itself, or named by the configuration (transformers_weights), is read."""
+    directory = tmp_path / "model"
+    earlier = save_llama(directory, seed=0)
+    current = save_llama(directory, seed=1, max_shard_size="100KB")
+    assert (directory / "model.safetensors").is_file()
+    assert (directory / "model.safetensors.index.json").is_file()
+    assert_values_of(transformers.AutoModelForCausalLM.from_pretrained(directory), earlier)
+
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert_values_of(loaded, earlier)
+    warned = [r.getMessage() for r in caplog.records if "holds both" in r.getMessage()]
+    assert len(warned) == 1, warned
+    assert "written after model.safetensors" in warned[0]
+    assert "delete model.safetensors" in warned[0] and "pass the index itself" in warned[0]
+
+    with accelerate.init_empty_weights():
+        skeleton = transformers.AutoModelForCausalLM.from_config(small_config("llama", False))
+    index = directory / "model.safetensors.index.json"
+    t2n_load_checkpoint_and_dispatch(skeleton, index, "t2n_offload_disk", None)
+    assert_values_of(skeleton, current)
+
+    config = json.loads((directory / "config.json").read_text())
+    config["transformers_weights"] = "model.safetensors.index.json"
+    (directory / "config.json").write_text(json.dumps(config))
+    assert_values_of(transformers.AutoModelForCausalLM.from_pretrained(directory), current)
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        named = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    assert_values_of(named, current)
+    config["transformers_weights"] = "../elsewhere.safetensors"
+    (directory / "config.json").write_text(json.dumps(config))
+    with (
+        ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"),
+        pytest.raises(T2NErrorCheckpoint, match="transformers_weights"),
+    ):
+        transformers.AutoModelForCausalLM.from_pretrained(directory)

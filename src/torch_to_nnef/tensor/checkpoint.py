@@ -244,7 +244,9 @@ def load_offloaded_checkpoint(
         model: the module to bind.
         checkpoint: a ``.safetensors`` file, a sharded checkpoint's index
             (``model.safetensors.index.json``, mapping keys to shard files in its directory
-            under ``"weight_map"``), or a directory holding either.
+            under ``"weight_map"``), or a directory holding either: where it holds both, the
+            single file is read, as transformers' ``from_pretrained`` reads it, with a
+            warning (see :func:`checkpoint_in_directory`).
         device: the target device of the offloaded tensors.
         strict: refuse model tensors missing from the checkpoint and checkpoint tensors the
             model does not have (as ``nn.Module.load_state_dict``). Shape and dtype mismatches
@@ -695,27 +697,13 @@ def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
     """Find the checkpoint files and read their layouts.
 
     Args:
-        path: a checkpoint file, an index, or a directory holding one of them (the usual
-            names first, then an index of another name when it is the only one).
+        path: a checkpoint file, an index, or a directory holding them (the file or index
+            :func:`checkpoint_in_directory` chooses is read).
         allow_pickle: read pickle checkpoints (``pytorch_model.bin``) with
             ``torch.load(weights_only=True)``; refuse them otherwise.
     """
     if path.is_dir():
-        names = (SAFETENSORS_INDEX_NAME, SAFETENSORS_SINGLE_NAME, PICKLE_INDEX_NAME, PICKLE_NAME)
-        for name in names:
-            candidate = path / name
-            if candidate.is_file():
-                return open_checkpoint(candidate, allow_pickle=allow_pickle)
-        # An index of another name (consolidated.safetensors.index.json), when it is alone.
-        indexes = sorted(p for p in path.glob("*.index.json") if p.is_file())
-        if len(indexes) == 1:
-            return open_checkpoint(indexes[0], allow_pickle=allow_pickle)
-        found = f": it holds {len(indexes)} indexes ({', '.join(p.name for p in indexes)})"
-        raise T2NErrorCheckpoint(
-            f"checkpoint directory '{path}' holds neither {SAFETENSORS_INDEX_NAME} nor "
-            f"{SAFETENSORS_SINGLE_NAME} nor a single *.index.json"
-            f"{found if indexes else ''}; pass the .safetensors file or the index itself"
-        )
+        return open_checkpoint(checkpoint_in_directory(path), allow_pickle=allow_pickle)
     if not path.exists():
         raise T2NErrorCheckpoint(f"checkpoint '{path}' does not exist")
     if path.name.endswith(".json"):
@@ -724,6 +712,86 @@ def open_checkpoint(path: Path, *, allow_pickle: bool = False) -> Checkpoint:
         return Checkpoint(path, {}, {}, _load_pickle(path, allow_pickle))
     layout = storage.read_layout(path)
     return Checkpoint(path, {key: layout.path for key in layout.entries}, {layout.path: layout})
+
+
+def checkpoint_in_directory(directory: Path, named: str | None = None) -> Path:
+    """The checkpoint of ``directory`` that transformers' ``from_pretrained`` reads.
+
+    ``named``: the file a model's configuration names (``config.transformers_weights``), a
+    ``.safetensors`` file or index inside ``directory``, read whatever else it holds.
+
+    A single file comes before the index of a sharded checkpoint, safetensors before pickle:
+    ``model.safetensors``, ``model.safetensors.index.json``, ``pytorch_model.bin``,
+    ``pytorch_model.bin.index.json``; then an index of another name
+    (``consolidated.safetensors.index.json``) when it is the only one.
+
+    ``save_pretrained`` leaves both a single file and an index behind when a save replaces
+    one layout by the other: an unsharded save keeps the earlier index (its shards deleted),
+    a sharded save keeps the earlier ``model.safetensors``. The single file is read then, as
+    ``from_pretrained`` reads it, with a warning that names the file left over: an index whose
+    shards are missing is stale; an index whose shards are all there is a sharded checkpoint
+    that ``from_pretrained`` does not read either (delete ``model.safetensors`` if the shards
+    are the current checkpoint, or pass the index itself).
+
+    Raises:
+        T2NErrorCheckpoint: ``directory`` holds none of them, or several indexes of other
+            names; or ``named`` is no safetensors file or index inside ``directory``.
+    """
+    if named is not None:
+        inside = _shard_path(directory.resolve(), named)
+        if inside is None or not named.endswith((".safetensors", ".safetensors.index.json")):
+            raise T2NErrorCheckpoint(
+                f"the configuration of '{directory}' names the checkpoint {named!r} "
+                "(transformers_weights), which must be a .safetensors file or a "
+                ".safetensors.index.json inside the directory, as from_pretrained requires"
+            )
+        return inside
+    pairs = ((SAFETENSORS_SINGLE_NAME, SAFETENSORS_INDEX_NAME), (PICKLE_NAME, PICKLE_INDEX_NAME))
+    for single_name, index_name in pairs:
+        single, index = directory / single_name, directory / index_name
+        if single.is_file():
+            if index.is_file():
+                LOGGER.warning("%s", _both_layouts(single, index))
+            return single
+        if index.is_file():
+            return index
+    # An index of another name (consolidated.safetensors.index.json), when it is alone.
+    indexes = sorted(p for p in directory.glob("*.index.json") if p.is_file())
+    if len(indexes) == 1:
+        return indexes[0]
+    found = f": it holds {len(indexes)} indexes ({', '.join(p.name for p in indexes)})"
+    raise T2NErrorCheckpoint(
+        f"checkpoint directory '{directory}' holds neither {SAFETENSORS_SINGLE_NAME} nor "
+        f"{SAFETENSORS_INDEX_NAME} nor a single *.index.json{found if indexes else ''}; pass "
+        "the .safetensors file or the index itself"
+    )
+
+
+def _both_layouts(single: Path, index: Path) -> str:
+    """What a directory holding both ``single`` and ``index`` means, for a warning."""
+    read = (
+        f"checkpoint directory '{single.parent}' holds both {single.name} and {index.name}: "
+        f"{single.name} is read, as transformers' from_pretrained reads it"
+    )
+    try:
+        shards = set(_read_weight_map(index).values())
+    except T2NErrorCheckpoint as exc:
+        return f"{read} ({exc})"
+    directory = single.parent.resolve()
+    paths = {shard: _shard_path(directory, shard) for shard in shards}
+    missing = sorted(shard for shard, path in paths.items() if path is None or not path.is_file())
+    if missing:
+        return (
+            f"{read}; the index is left from an earlier sharded save ({len(missing)} of its "
+            f"{len(shards)} shard file(s) are missing, such as '{missing[0]}'): delete it"
+        )
+    newer = index.stat().st_mtime > single.stat().st_mtime
+    return (
+        f"{read}, not the sharded checkpoint of the index ({len(shards)} shard file(s), all "
+        f"there{', written after ' + single.name if newer else ''}). A sharded save_pretrained "
+        f"leaves an earlier {single.name} behind: if the shards are the current checkpoint, "
+        f"delete {single.name} (from_pretrained reads it too), or pass the index itself"
+    )
 
 
 def _is_pickle(path: Path) -> bool:

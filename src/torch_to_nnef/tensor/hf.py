@@ -44,6 +44,7 @@ from torch_to_nnef.tensor.checkpoint import (
     BindingPlan,
     PlannedBinding,
     check_arguments,
+    checkpoint_in_directory,
     open_checkpoint,
     plan_binding,
 )
@@ -450,7 +451,10 @@ def t2n_load_checkpoint_and_dispatch(
         model: the skeleton.
         checkpoint: a ``.safetensors`` file, an index, a directory holding one of them, or a
             pickle checkpoint (``pytorch_model.bin``, read with ``torch.load(weights_only=True)``,
-            its offloaded tensors written once into ``offload_dir``).
+            its offloaded tensors written once into ``offload_dir``). Of a directory, the
+            checkpoint transformers' ``from_pretrained`` reads: ``model.safetensors`` before
+            ``model.safetensors.index.json`` (and ``pytorch_model.bin`` before its index),
+            with a warning where it holds both.
         device_map: :data:`ON_DISK_DEVICE_MAP_KEY` (``"t2n_offload_disk"``: everything
             offloaded, loaded on the CPU), :data:`AUTO_DEVICE_MAP_KEY` (``"t2n_auto"``:
             accelerate's ``infer_auto_device_map``, its ``"disk"`` modules offloaded), a dict of
@@ -587,7 +591,11 @@ def ctx_maybe_load_from_disk_as_offloaded(
       honoured, and the modules transformers keeps in float32 stay so; so are
       ``use_safetensors=True`` (a pickle checkpoint is then refused) and ``weights_only=True``,
       which the context does itself; other options of ``from_pretrained`` (quantization, device
-      maps, remote code) are refused unless off.
+      maps, remote code) are refused unless off. The checkpoint read is the one
+      ``from_pretrained`` reads: the file the configuration's ``transformers_weights`` names,
+      else ``model.safetensors`` before ``model.safetensors.index.json`` (a directory holding
+      both is read so, with a warning: see
+      :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`).
     - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
       in place, loaded on ``device`` (and so does peft's loading of adapters).
     - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
@@ -768,12 +776,14 @@ def _from_pretrained_offloaded(
     for key, value in overrides.items():
         setattr(config, key, value)
     assert config is not None  # (positional arguments were refused)
+    # The file or index from_pretrained reads, chosen once (its warnings given once).
+    checkpoint = checkpoint_in_directory(directory, getattr(config, "transformers_weights", None))
     if kwargs.get("use_safetensors"):
-        _check_safetensors(directory)
+        _check_safetensors(checkpoint)
     config.name_or_path = str(name)  # as from_pretrained records it (the model copies it)
     dtype = kwargs.get("dtype", kwargs.get("torch_dtype"))
     # "auto" (and nothing): the checkpoint's own, so that its tensors are read in place.
-    dtype = _checkpoint_dtype(directory) if dtype in (None, "auto") else _dtype(dtype)
+    dtype = _checkpoint_dtype(checkpoint) if dtype in (None, "auto") else _dtype(dtype)
     options: dict[str, Any] = {"dtype": dtype} if dtype is not None else {}
     if kwargs.get("attn_implementation") is not None:
         options["attn_implementation"] = kwargs["attn_implementation"]
@@ -783,7 +793,7 @@ def _from_pretrained_offloaded(
         _keep_in_float32(model, dtype)
     t2n_load_checkpoint_and_dispatch(  # each tensor in its skeleton's dtype, as from_pretrained
         model,
-        directory,
+        checkpoint,
         ON_DISK_DEVICE_MAP_KEY,
         offload_dir,
         strict=bool(kwargs.get("strict", False)),
@@ -794,18 +804,19 @@ def _from_pretrained_offloaded(
     return model
 
 
-def _check_safetensors(directory: Path) -> None:
-    """Refuse a checkpoint directory whose checkpoint is a pickle one, as ``from_pretrained``
+def _check_safetensors(checkpoint: Path) -> None:
+    """Refuse the checkpoint of a directory when it is a pickle one, as ``from_pretrained``
     refuses it under ``use_safetensors=True``.
 
     Raises:
-        T2NErrorCheckpoint: ``directory``'s checkpoint is a pickle checkpoint.
+        T2NErrorCheckpoint: ``checkpoint`` is a pickle checkpoint.
     """
-    found = open_checkpoint(directory, allow_pickle=True)
+    found = open_checkpoint(checkpoint, allow_pickle=True)
     if found.loaded:
         raise T2NErrorCheckpoint(
             f"from_pretrained(use_safetensors=True) inside ctx_maybe_load_from_disk_as_offloaded: "
-            f"the checkpoint of '{directory}' is a pickle checkpoint ('{found.source.name}'), not "
+            f"the checkpoint of '{checkpoint.parent}' is a pickle checkpoint "
+            f"('{found.source.name}'), not "
             "safetensors; convert it to safetensors, or leave use_safetensors unset to read it "
             "with torch.load(weights_only=True)"
         )
@@ -854,9 +865,9 @@ def _keep_in_float32(model: nn.Module, dtype: torch.dtype) -> None:
             )
 
 
-def _checkpoint_dtype(directory: Path) -> torch.dtype | None:
+def _checkpoint_dtype(checkpoint: Path) -> torch.dtype | None:
     """The floating-point dtype most of the checkpoint's bytes are stored in."""
-    found = open_checkpoint(directory, allow_pickle=True)
+    found = open_checkpoint(checkpoint, allow_pickle=True)
     weights: dict[torch.dtype, int] = {}
     for key in found:
         shape, dtype = found.describe(key)
