@@ -124,6 +124,8 @@ class Checkpoint:
     files: Mapping[str, Path]  # safetensors key -> file
     layouts: Mapping[Path, storage.PayloadLayout]
     loaded: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    # Keys given other names (see renamed): the name -> the key its entry is stored under.
+    stored: Mapping[str, str] = field(default_factory=dict)
 
     def __contains__(self, key: object) -> bool:
         return key in self.files or key in self.loaded
@@ -136,13 +138,40 @@ class Checkpoint:
     def describe(self, key: str) -> tuple[tuple[int, ...], torch.dtype]:
         """The shape and dtype of ``key``."""
         if key in self.files:
-            spec = self.layouts[self.files[key]].entries[key]
+            spec = self.layouts[self.files[key]].entries[self.entry(key)]
             return spec.shape, spec.dtype
         value = self.loaded[key]
         return tuple(value.shape), value.dtype
 
     def layout(self, key: str) -> storage.PayloadLayout:
         return self.layouts[self.files[key]]
+
+    def entry(self, key: str) -> str:
+        """The name ``key``'s entry has in its file: ``key`` itself unless it was renamed."""
+        return self.stored.get(key, key)
+
+    def renamed(self, names: Mapping[str, str]) -> Checkpoint:
+        """This checkpoint with some keys under other names (``names``: key -> its new name;
+        the others keep theirs). The entries are unchanged: each is read in place under the
+        key it is stored under.
+
+        Raises:
+            T2NErrorMisuse: two keys would have one name.
+        """
+        new = [names.get(key, key) for key in self]
+        if len(set(new)) != len(new):
+            twice = sorted({name for name in new if new.count(name) > 1})
+            raise T2NErrorMisuse(f"renaming gives several checkpoint keys one name: {twice}")
+        files = {names.get(key, key): path for key, path in self.files.items()}
+        loaded = {names.get(key, key): value for key, value in self.loaded.items()}
+        stored = {names.get(key, key): self.entry(key) for key in self}
+        stored = {name: key for name, key in stored.items() if name != key}
+        return Checkpoint(self.source, files, self.layouts, loaded, stored)
+
+    def label(self, key: str) -> str:
+        """``key`` quoted, and the key it is stored under when it was renamed."""
+        entry = self.entry(key)
+        return repr(key) if entry == key else f"{key!r} (checkpoint key {entry!r})"
 
 
 @dataclass(frozen=True)
@@ -180,7 +209,7 @@ class BindingPlan:
         if key in found.files:
             offloaded = OffloadedTensor.from_safetensors(
                 found.layout(key),
-                key,
+                found.entry(key),
                 offload_dir=offload_dir,
                 device=device,
                 name=binding.names[0],
@@ -210,7 +239,8 @@ class BindingPlan:
         """The value of ``binding`` read into memory on ``device``."""
         found, key = self.checkpoint, binding.key
         if key in found.files:
-            value = storage.read_payload(found.layout(key), names=[key])[key]
+            entry = found.entry(key)
+            value = storage.read_payload(found.layout(key), names=[entry])[entry]
         else:
             value = found.loaded[key]
         return value.to(device=device, dtype=binding.dtype)
@@ -411,7 +441,7 @@ def plan_binding(
         )
         if shape != tuple(tensor.shape):
             report.shapes.append(
-                f"{key!r}: checkpoint shape {shape} dtype {stored}, model shape "
+                f"{found.label(key)}: checkpoint shape {shape} dtype {stored}, model shape "
                 f"{tuple(tensor.shape)} dtype {tensor.dtype}"
             )
         elif wanted is None:
