@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import logging
 import pickle
 import re
 import sys
@@ -218,9 +219,13 @@ def test_device_maps(saved: dict[tuple[str, bool], Saved], tmp_path: Path) -> No
 
     with pytest.raises(T2NErrorMisuse, match="device_map must be 't2n_offload_disk'"):
         t2n_load_checkpoint_and_dispatch(case.skeleton(), case.path, "disk_everything", None)
-    with pytest.raises(T2NErrorNotImplemented, match="weight converters"):
+    with pytest.raises(T2NErrorMisuse, match="weight_converters must be transformers' weight"):
         t2n_load_checkpoint_and_dispatch(
             case.skeleton(), case.path, "t2n_offload_disk", None, weight_converters=[object()]
+        )
+    with pytest.raises(T2NErrorNotImplemented, match="does not apply quantizers"):
+        t2n_load_checkpoint_and_dispatch(
+            case.skeleton(), case.path, "t2n_offload_disk", None, hf_quantizer=object()
         )
     with pytest.raises(T2NErrorMisuse, match="checkpoint first and the model second"):
         t2n_load_checkpoint_and_dispatch(case.path, case.skeleton(), "t2n_offload_disk", None)  # type: ignore[arg-type]
@@ -849,6 +854,158 @@ def test_decoding_reads_the_embedding_rows_and_the_head_whole(
         assert pool.is_resident(table) is tied
         assert all(pool.is_resident(t) for t in offloaded if t is not table)
         assert pool.stats().loads == len(offloaded) - (not tied)  # each once, retained
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints whose keys transformers converts on load (transformers 5's conversion mappings)
+# ---------------------------------------------------------------------------------------------
+def converted_config(kind: str) -> object:
+    """A tiny configuration of an architecture whose checkpoints transformers 5 converts."""
+    small = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
+    language = {**small, "vocab_size": 128, "max_position_embeddings": 64}
+    experts = {**language, "intermediate_size": 48, "num_key_value_heads": 2}
+    experts["num_experts_per_tok"] = 2
+    configs = {
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**language, intermediate_size=64),
+        "vit": lambda: transformers.ViTConfig(
+            **small, intermediate_size=48, image_size=16, patch_size=8, num_labels=3
+        ),
+        "mixtral": lambda: transformers.MixtralConfig(**experts, num_local_experts=3),
+        "qwen2_moe": lambda: transformers.Qwen2MoeConfig(
+            **experts, num_experts=3, moe_intermediate_size=16, shared_expert_intermediate_size=24
+        ),
+    }
+    return configs[kind]()
+
+
+def converted_auto_class(kind: str) -> type:
+    if kind == "vit":
+        return transformers.AutoModelForImageClassification  # type: ignore[no-any-return]
+    return transformers.AutoModelForCausalLM  # type: ignore[no-any-return]
+
+
+def converted_input(kind: str) -> dict[str, torch.Tensor]:
+    if kind == "vit":
+        return {
+            "pixel_values": torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+        }
+    return {"input_ids": PROMPT}
+
+
+def save_converted(kind: str, directory: Path, **options: object) -> None:
+    """A model of ``kind`` with random weights, saved as transformers saves it: by default in
+    the checkpoint layout of its architecture (``save_original_format=True``)."""
+    torch.manual_seed(0)
+    dense = converted_auto_class(kind).from_config(converted_config(kind))
+    dense.save_pretrained(directory, **options)
+
+
+def assert_as_from_pretrained(kind: str, model: nn.Module, directory: Path) -> None:
+    """Every tensor of ``model``, and its output, are those of ``from_pretrained``'s model."""
+    plain = converted_auto_class(kind).from_pretrained(directory).eval()
+    expected = plain.state_dict()
+    values = model.state_dict()
+    assert values.keys() == expected.keys()
+    for name, value in values.items():
+        value = value.reload() if isinstance(value, OffloadedTensor) else value
+        assert value.dtype == expected[name].dtype and torch.equal(value, expected[name]), name
+    with torch.no_grad():
+        inputs = converted_input(kind)
+        assert torch.equal(model.eval()(**inputs).logits, plain(**inputs).logits)
+
+
+@pytest.mark.parametrize("kind", ["gpt_neox", "vit"])
+@pytest.mark.timeout(60)
+def test_checkpoint_keys_transformers_renames_are_bound_in_place(
+    kind: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers 5 renames checkpoint keys on load (GPT-NeoX's ``embed_out`` is its
+    ``lm_head``, ViT's ``encoder.layer.N.attention.attention.query`` its
+    ``layers.N.attention.q_proj``); bound offloaded, in place, they give from_pretrained's
+    values. (They were refused as "absent from the checkpoint".)"""
+    caplog.set_level(logging.INFO, logger=hf_module.__name__)
+    save_converted(kind, tmp_path / "model")
+    stored = safetensors.torch.load_file(tmp_path / "model" / "model.safetensors")
+    renamed = {"gpt_neox": "embed_out.weight", "vit": "vit.encoder.layer.0.output.dense.weight"}
+    assert renamed[kind] in stored  # the layout that transformers renames
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        loaded = converted_auto_class(kind).from_pretrained(tmp_path / "model")
+    assert all(isinstance(p, OffloadedTensor) and not p.owns_payload for p in loaded.parameters())
+    assert_as_from_pretrained(kind, loaded, tmp_path / "model")
+    assert "renamed as transformers renames them" in caplog.text
+
+    config = converted_config(kind)
+    with accelerate.init_empty_weights():
+        skeleton = converted_auto_class(kind).from_config(config)
+    t2n_load_checkpoint_and_dispatch(skeleton, tmp_path / "model", "t2n_offload_disk", None)
+    assert_as_from_pretrained(kind, skeleton, tmp_path / "model")
+    # The transforms used are recorded as from_pretrained records them (save_pretrained
+    # reverts them).
+    assert skeleton._weight_conversions and all(t.was_used() for t in skeleton._weight_conversions)
+
+    # weight_converters: transformers' transforms to apply, none for [].
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    with accelerate.init_empty_weights():
+        given = converted_auto_class(kind).from_config(config)
+    mapping = get_model_conversion_mapping(given)
+    t2n_load_checkpoint_and_dispatch(
+        given, tmp_path / "model", None, None, weight_converters=mapping
+    )
+    assert not any(t.was_used() for t in mapping)  # a copy was used: the caller's are intact
+    assert_as_from_pretrained(kind, given, tmp_path / "model")
+    with accelerate.init_empty_weights():
+        unconverted = converted_auto_class(kind).from_config(config)
+    with pytest.raises(T2NErrorCheckpoint, match="absent from the checkpoint"):
+        t2n_load_checkpoint_and_dispatch(
+            unconverted, tmp_path / "model", "t2n_offload_disk", None, weight_converters=[]
+        )
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe"])
+@pytest.mark.timeout(60)
+def test_experts_transformers_stacks_on_load_are_refused_before_anything_is_bound(
+    kind: str, tmp_path: Path
+) -> None:
+    """Mixtral's and Qwen2-MoE's checkpoints hold one tensor per expert, which transformers
+    5 stacks into one parameter on load: an offloaded tensor reads one entry as it is stored,
+    so the load is refused before anything is bound, naming the architecture, the tensors,
+    the keys and the fix; saved in the model's own layout as the message says, the
+    checkpoint is bound in place and gives from_pretrained's values."""
+    save_converted(kind, tmp_path / "original")
+    experts = {"mixtral": "block_sparse_moe.experts.0.w1", "qwen2_moe": "mlp.experts.0.gate_proj"}
+    stored = safetensors.torch.load_file(tmp_path / "original" / "model.safetensors")
+    assert f"model.layers.0.{experts[kind]}.weight" in stored
+    with accelerate.init_empty_weights():
+        skeleton = converted_auto_class(kind).from_config(converted_config(kind))
+    expected = (
+        rf"stores 4 tensor\(s\) of \w+ForCausalLM \(model type '{kind}'\) in another layout.*"
+        rf"MergeModulelist\(dim=0\), Concatenate\(dim=1\).*"
+        rf"'model.layers.0.mlp.experts.gate_up_proj' from 6 key\(s\): "
+        rf"'model.layers.0.{experts[kind]}.weight'.*nothing was bound.*"
+        r"save_original_format=False"
+    )
+    for strict in (False, True):
+        with pytest.raises(T2NErrorNotImplemented, match=expected):
+            t2n_load_checkpoint_and_dispatch(
+                skeleton, tmp_path / "original", "t2n_offload_disk", None, strict=strict
+            )
+    assert all(p.is_meta for p in skeleton.parameters())
+    with (
+        ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"),
+        pytest.raises(T2NErrorNotImplemented, match=expected),
+    ):
+        converted_auto_class(kind).from_pretrained(tmp_path / "original")
+
+    # The fix: transformers saves the model's own layout, each stacked tensor one entry.
+    dense = converted_auto_class(kind).from_pretrained(tmp_path / "original")
+    dense.save_pretrained(tmp_path / "merged", save_original_format=False)
+    with ctx_maybe_load_from_disk_as_offloaded(tmp_path / "offload"):
+        merged = converted_auto_class(kind).from_pretrained(tmp_path / "merged")
+    experts_tensor = merged.model.layers[0].mlp.experts.gate_up_proj
+    assert isinstance(experts_tensor, OffloadedTensor) and not experts_tensor.owns_payload
+    assert_as_from_pretrained(kind, merged, tmp_path / "merged")
+    assert_as_from_pretrained(kind, merged, tmp_path / "original")
 
 
 # ---------------------------------------------------------------------------------------------

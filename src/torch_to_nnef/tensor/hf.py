@@ -27,10 +27,10 @@ import logging
 import os
 import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -42,6 +42,7 @@ from torch_to_nnef.tensor.checkpoint import (
     PICKLE_NAME,
     SAFETENSORS_SINGLE_NAME,
     BindingPlan,
+    Checkpoint,
     PlannedBinding,
     check_arguments,
     checkpoint_in_directory,
@@ -444,6 +445,11 @@ def t2n_load_checkpoint_and_dispatch(
     safetensors entry in place (nothing copied); others are read into memory on their device.
     Non-persistent buffers (a rotary embedding's ``inv_freq``) are left as they are.
 
+    Checkpoint keys are given the model's names as transformers' ``from_pretrained`` gives
+    them (transformers 5's weight conversions, see ``weight_converters``): GPT-NeoX's
+    ``embed_out`` is bound to its ``lm_head``, still read in place. A conversion that computes
+    a tensor from the stored values cannot be read in place, and is refused (see Raises).
+
     Everything is checked before any tensor is bound: on error the model keeps its tensors
     (its weights may have been tied).
 
@@ -468,7 +474,15 @@ def t2n_load_checkpoint_and_dispatch(
             checkpoint lacks.
         offload_at_load_state_dict: accepted for compatibility; tensors are always bound as
             they are read.
-        weight_converters: not supported (must be empty).
+        weight_converters: transformers' weight transforms (``WeightRenaming``,
+            ``WeightConverter``) that give checkpoint keys the model's names, as
+            ``from_pretrained`` applies them; ``None``: those transformers registers for the
+            model's architecture (``get_model_conversion_mapping(model)``, transformers 5;
+            none before), such as GPT-NeoX's ``embed_out`` -> ``lm_head`` or ViT's
+            ``encoder.layer`` -> ``layers``; ``[]``: none. Renamed entries are read in place.
+            A conversion that makes a tensor's value from the checkpoint's values (Mixtral's
+            and Qwen2-MoE's experts stacked into one tensor, a fused projection split, a
+            transposition) is refused, before anything is bound (see Raises).
         hf_quantizer: not supported (must be ``None``).
         dtype: the dtype of the floating-point tensors (see
             :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); ``None``: each
@@ -485,23 +499,31 @@ def t2n_load_checkpoint_and_dispatch(
             an unknown string, does not cover a tensor, places names of a tied tensor on
             different devices by modules of their own, or names a device that is none, not
             usable here, or the meta device (checked before any tensor is bound).
-        T2NErrorNotImplemented: weight converters or a quantizer were given.
+        T2NErrorNotImplemented: a quantizer was given; or the checkpoint stores tensors of the
+            model in a layout that transformers converts with operations on their values
+            (the message names the architecture, the model's tensors and the checkpoint keys
+            they are made of, and how to save the checkpoint in the model's own layout,
+            ``save_pretrained(..., save_original_format=False)``, whose entries are read in
+            place).
         T2NErrorCheckpoint: the checkpoint does not fit the model (see
             :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`); in particular a
             tensor would stay on the meta device.
     """
     check_arguments("t2n_load_checkpoint_and_dispatch", model, checkpoint, dtype)
     del offload_at_load_state_dict  # tensors are bound in place as they are planned
-    if weight_converters or hf_quantizer is not None:
+    if hf_quantizer is not None:
         raise T2NErrorNotImplemented(
-            "t2n_load_checkpoint_and_dispatch does not apply weight converters or quantizers; "
-            "load the converted checkpoint, or quantize after loading"
+            "t2n_load_checkpoint_and_dispatch does not apply quantizers; load the quantized "
+            "checkpoint with transformers, or quantize after loading"
         )
+    transforms = _weight_transforms(model, weight_converters)
     tie = getattr(model, "tie_weights", None)
     if callable(tie):  # first: accelerate's map ("t2n_auto") places tied weights together
         tie()
     placement = _resolve_device_map(model, device_map)
     found = open_checkpoint(Path(checkpoint), allow_pickle=True)
+    if transforms:
+        found = _converted(model, found, transforms)
     ignored = [
         re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", ()) or ()
     ]
@@ -517,6 +539,9 @@ def t2n_load_checkpoint_and_dispatch(
     if isinstance(device_map, Mapping):  # accelerate's map ("t2n_auto") keeps ties together
         _check_tied_together(plan, placement)
     _bind(plan, placement, offload_dir)
+    if transforms and _is_pretrained(model):
+        # As from_pretrained records them: save_pretrained reverts the transforms used.
+        model._weight_conversions = [t for t in transforms if t.was_used()]  # type: ignore[assignment]
     if plan.unexpected:
         LOGGER.warning(
             "%d tensor(s) of checkpoint %s are not used by %s: %s",
@@ -526,6 +551,144 @@ def t2n_load_checkpoint_and_dispatch(
             ", ".join(plan.unexpected[:12]),
         )
     return model
+
+
+# ---------------------------------------------------------------------------------------------
+# transformers' weight conversions: checkpoint keys renamed to the model's names
+# ---------------------------------------------------------------------------------------------
+def _is_pretrained(model: nn.Module) -> bool:
+    """Whether ``model`` is a transformers model (never importing transformers)."""
+    transformers = sys.modules.get("transformers")
+    return transformers is not None and isinstance(model, transformers.PreTrainedModel)
+
+
+def _weight_transforms(model: nn.Module, given: Sequence[Any] | None) -> list[Any]:
+    """The weight transforms to apply to the checkpoint's keys: a copy of ``given``, or those
+    transformers registers for ``model`` (transformers 5; none before, nor for a model that
+    is not a transformers model).
+
+    Raises:
+        T2NErrorMisuse: ``given`` holds something else than transformers' weight transforms.
+        T2NErrorNotImplemented: ``given`` is not empty, and this transformers has no weight
+            transforms.
+    """
+    if given is not None:
+        if isinstance(given, (str, bytes)) or not isinstance(given, Sequence):
+            raise T2NErrorMisuse(
+                "weight_converters must be a list of transformers' weight transforms "
+                f"(WeightRenaming, WeightConverter), or None; got {type(given).__name__}"
+            )
+        if not given:
+            return []
+        try:
+            from transformers.core_model_loading import WeightTransform
+        except ImportError as exc:
+            raise T2NErrorNotImplemented(
+                "weight_converters are transformers' weight transforms (transformers 5); "
+                "this transformers has none: leave weight_converters unset"
+            ) from exc
+        wrong = [t for t in given if not isinstance(t, WeightTransform)]
+        if wrong:
+            raise T2NErrorMisuse(
+                "weight_converters must be transformers' weight transforms (WeightRenaming, "
+                "WeightConverter, such as get_model_conversion_mapping(model) returns); got "
+                f"{type(wrong[0]).__name__}"
+            )
+        return copy.deepcopy(list(given))  # matching records state in them: the caller's stay
+    if not _is_pretrained(model):
+        return []
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:  # transformers 4: checkpoints hold the model's names
+        return []
+    return list(get_model_conversion_mapping(cast(Any, model)))
+
+
+def _converted(model: nn.Module, found: Checkpoint, transforms: list[Any]) -> Checkpoint:
+    """``found`` with its keys under the names transformers' ``from_pretrained`` gives them
+    through ``transforms``: a key is renamed where the name it gets is one of the model's
+    tensors. A key the model has under its own name keeps it, and is never another tensor's.
+
+    Raises:
+        T2NErrorNotImplemented: a tensor of the model is made from checkpoint values by a
+            conversion (experts stacked, a projection split, a transposition): an offloaded
+            tensor reads one entry as it is stored.
+    """
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    order: Callable[[str], Any] | None = None  # as from_pretrained sorts: renamings keep state
+    with contextlib.suppress(ImportError):
+        from transformers.core_model_loading import dot_natural_key as order
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {pattern: c for c in converters for pattern in c.source_patterns}
+    names = dict.fromkeys(model.state_dict(), True)  # (transformers reads it with .get)
+    prefix = getattr(model, "base_model_prefix", None) or None
+    renamed: dict[str, str] = {}
+    made: dict[str, tuple[Any, list[str]]] = {}
+    for key in sorted(found, key=order):
+        name, pattern = rename_source_key(key, renamings, converters, prefix, names)
+        if name not in names and key in names:  # a renaming that loses a name of the model
+            name, pattern = rename_source_key(key, [], [], prefix, names)
+        if name not in names:
+            continue  # not the model's: unexpected, unless the plan binds it otherwise
+        if pattern is not None:
+            made.setdefault(name, (by_pattern[pattern], []))[1].append(key)
+        elif name != key:
+            renamed[key] = name
+    own = {key for key in found if key in names and key not in renamed}
+    made = {name: conversion for name, conversion in made.items() if name not in own}
+    if made:
+        raise _conversion_refused(model, found, made)
+    claimed: set[str] = set()
+    kept: dict[str, str] = {}
+    for key, name in renamed.items():
+        if name not in own and name not in claimed:
+            claimed.add(name)
+            kept[key] = name
+    if kept:
+        first = next(iter(kept.items()))
+        LOGGER.info(
+            "checkpoint '%s': %d key(s) renamed as transformers renames them for %s, such as "
+            "%r -> %r",
+            found.source,
+            len(kept),
+            type(model).__name__,
+            *first,
+        )
+    return found.renamed(kept)
+
+
+def _conversion_refused(
+    model: nn.Module, found: Checkpoint, made: dict[str, tuple[Any, list[str]]]
+) -> T2NErrorNotImplemented:
+    """The error refusing the conversions of ``made`` (model tensor -> converter, the keys it
+    is made of)."""
+    config = getattr(model, "config", None)
+    kind = type(model).__name__
+    model_type = getattr(config, "model_type", None)
+    architecture = f"{kind} (model type {model_type!r})" if model_type else kind
+    operations = sorted(
+        {", ".join(repr(op) for op in getattr(c, "operations", ())) for c, _ in made.values()}
+    )
+    examples = [
+        f"{name!r} from {len(keys)} key(s): {', '.join(repr(k) for k in keys[:3])}"
+        + (f", ... ({len(keys) - 3} more)" if len(keys) > 3 else "")
+        for name, (_, keys) in list(made.items())[:3]
+    ]
+    more = f"; and {len(made) - 3} more tensor(s)" if len(made) > 3 else ""
+    return T2NErrorNotImplemented(
+        f"checkpoint '{found.source}' stores {len(made)} tensor(s) of {architecture} in "
+        f"another layout, which transformers converts on load with operations on their values "
+        f"({'; '.join(operations)}): {'; '.join(examples)}{more}. An offloaded tensor reads one "
+        "checkpoint entry as it is stored, so these tensors cannot be offloaded; nothing was "
+        "bound. To fix: save the checkpoint once in the model's own layout, where each of "
+        "these tensors is one entry, read in place then: model.save_pretrained(new_directory, "
+        "save_original_format=False) on the model transformers' from_pretrained loads (with "
+        "device_map='auto' and an offload_folder for a model bigger than memory), then load "
+        "new_directory; or load this checkpoint densely, with from_pretrained outside "
+        "ctx_maybe_load_from_disk_as_offloaded"
+    )
 
 
 def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) -> DeviceMap:
@@ -595,7 +758,10 @@ def ctx_maybe_load_from_disk_as_offloaded(
       ``from_pretrained`` reads: the file the configuration's ``transformers_weights`` names,
       else ``model.safetensors`` before ``model.safetensors.index.json`` (a directory holding
       both is read so, with a warning: see
-      :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`).
+      :func:`~torch_to_nnef.tensor.checkpoint.load_offloaded_checkpoint`). Its keys are renamed
+      as transformers 5 renames them for the model's architecture; a checkpoint whose tensors
+      transformers converts by value (stacked experts) is refused, see
+      :func:`t2n_load_checkpoint_and_dispatch`.
     - ``safetensors.torch.load_file(file, device)`` returns offloaded tensors reading the file
       in place, loaded on ``device`` (and so does peft's loading of adapters).
     - ``torch.load(file)`` reads the file with ``weights_only=True`` (no code runs) and
