@@ -21,7 +21,7 @@ loaded from a file, an unknown tag or an unknown JSON form is an error.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -317,11 +317,23 @@ def decode_opaque(
 # ---------------------------------------------------------------------------------------------
 # Memory
 # ---------------------------------------------------------------------------------------------
+_SPARSE_PARTS: dict[torch.layout, tuple[Callable[[torch.Tensor], torch.Tensor], ...]] = {
+    torch.sparse_coo: (torch.Tensor._indices, torch.Tensor._values),
+    torch.sparse_csr: (torch.Tensor.crow_indices, torch.Tensor.col_indices, torch.Tensor.values),
+    torch.sparse_bsr: (torch.Tensor.crow_indices, torch.Tensor.col_indices, torch.Tensor.values),
+    torch.sparse_csc: (torch.Tensor.ccol_indices, torch.Tensor.row_indices, torch.Tensor.values),
+    torch.sparse_bsc: (torch.Tensor.ccol_indices, torch.Tensor.row_indices, torch.Tensor.values),
+}
+"""The tensors a sparse tensor of each layout holds its indices and values in."""
+
+
 def value_nbytes(value: torch.Tensor) -> int:
     """Bytes of memory a loaded value holds: a plain tensor's own, and for an opaque value
     (a ``QTensor``) those of the tensors it keeps in its attributes, nested objects (its
     scheme) included, each storage once. A value in memory may take more than its payload
-    file: Q4_0 codes are packed two per byte in the file and held one per byte.
+    file: Q4_0 codes are packed two per byte in the file and held one per byte. A sparse
+    tensor among them holds its indices and values; another tensor without a storage of its
+    own (an MKL-DNN tensor) counts its elements.
 
     Args:
         value: a loaded value (what ``OffloadedTensor.reload`` returns).
@@ -331,17 +343,26 @@ def value_nbytes(value: torch.Tensor) -> int:
     storages: dict[tuple[str, int], int] = {}
     seen: set[int] = set()
     pending: list[Any] = list(vars(value).values())
+    # The parts of sparse tensors, new tensor objects: kept alive until the end, so that no
+    # other object takes the identity ``seen`` holds of one.
+    parts: list[torch.Tensor] = []
     while pending:
         item = pending.pop()
         if id(item) in seen:
             continue
         seen.add(id(item))
         if isinstance(item, torch.Tensor):
-            if type(item) is torch.Tensor:
+            if type(item) is not torch.Tensor:
+                pending.append(item.__dict__)
+            elif item.layout in _SPARSE_PARTS:
+                found = [part(item) for part in _SPARSE_PARTS[item.layout]]
+                parts.extend(found)
+                pending.extend(found)
+            elif item.layout == torch.strided:
                 held = item.untyped_storage()
                 storages[(str(item.device), held.data_ptr())] = held.nbytes()
-            else:
-                pending.append(item.__dict__)
+            else:  # no storage to read (an MKL-DNN tensor): its elements
+                storages[("", id(item))] = item.numel() * item.element_size()
         elif isinstance(item, dict):
             pending.extend(item.values())
         elif isinstance(item, (list, tuple)):

@@ -1,0 +1,106 @@
+"""The end of a disk job, applied by the actor: whatever the value a load brings, every
+waiter is answered and the pool's state stays whole.
+
+Values come from users' classes (``SupportsOffloadState``): one holding a sparse tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from test_residency import faces, open_pool
+
+from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor.offload import OffloadedTensor
+from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
+
+pytestmark = [pytest.mark.timeout(60)]
+
+
+class SparseWeight(OpaqueTensor, SupportsOffloadState):
+    """A mostly zero matrix kept as a sparse COO tensor, expanded on use."""
+
+    OFFLOAD_STATE_TAG = "tests.test_residency_transitions.SparseWeight"
+    sparse: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, sparse: torch.Tensor) -> SparseWeight:
+        shell: SparseWeight = OpaqueTensor._make_shell(cls, sparse.shape, sparse.dtype, "cpu")
+        shell.sparse = sparse
+        return shell
+
+    def __init__(self, sparse: torch.Tensor) -> None:
+        super().__init__()
+
+    def _to_base_tensor(self) -> torch.Tensor:
+        return self.sparse.to_dense()
+
+    def to_offload_state(self) -> dict[str, Any]:
+        sparse = self.sparse.coalesce()
+        return {
+            OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG,
+            "indices": sparse.indices(),
+            "values": sparse.values(),
+            "size": sparse.shape,
+        }
+
+    @classmethod
+    def from_offload_state(cls, state: dict[str, Any], target_device: Any = None) -> SparseWeight:
+        sparse = torch.sparse_coo_tensor(
+            state["indices"], state["values"], state["size"], check_invariants=True
+        )
+        return cls(sparse.coalesce())
+
+
+def _offloaded(value: torch.Tensor, directory: Path, name: str = "w") -> OffloadedTensor:
+    return OffloadedTensor.from_original_tensor(value, name, offload_dir=directory)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loads
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "make",
+    [
+        torch.Tensor.to_sparse,
+        torch.Tensor.to_sparse_csr,
+        lambda dense: dense.to_sparse_bsc((2, 2)),
+        torch.Tensor.to_mkldnn,
+    ],
+    ids=["coo", "csr", "bsc", "mkldnn"],
+)
+def test_value_nbytes_counts_tensors_without_storage(make: Callable[..., torch.Tensor]) -> None:
+    dense = torch.zeros(8, 8)
+    dense[1, 2], dense[5, 6] = 3.0, 4.0
+    held = make(dense)
+    value = SparseWeight(held)  # (an opaque value: its attributes are counted)
+    if held.layout == torch.sparse_coo:
+        parts = [held._indices(), held._values()]
+    elif held.layout in (torch.sparse_csr, torch.sparse_bsr):
+        parts = [held.crow_indices(), held.col_indices(), held.values()]
+    elif held.layout in (torch.sparse_csc, torch.sparse_bsc):
+        parts = [held.ccol_indices(), held.row_indices(), held.values()]
+    else:
+        parts = []
+    expected = sum(part.untyped_storage().nbytes() for part in parts) or 8 * 8 * 4
+    assert storage.value_nbytes(value) == expected
+
+
+@faces
+@pytest.mark.asyncio
+async def test_an_opaque_value_holding_a_sparse_tensor_is_served(
+    tmp_path: Path, face_name: str
+) -> None:
+    dense = torch.zeros(64, 64)
+    dense[3, 4], dense[40, 50] = 1.0, 2.0
+    t = _offloaded(SparseWeight(dense.to_sparse()), tmp_path)
+    async with open_pool(face_name) as face:
+        value = await face.resolve(t)
+        assert isinstance(value, SparseWeight) and torch.equal(value.to_base_tensor(), dense)
+        assert face.pool.resident_bytes == storage.value_nbytes(value) == 2 * (2 * 8 + 4)
+        async with face.acquire(t) as leased:
+            assert leased is value
