@@ -1,7 +1,8 @@
 """The end of a disk job, applied by the actor: whatever the value a load brings, every
 waiter is answered and the pool's state stays whole.
 
-Values come from users' classes (``SupportsOffloadState``): one holding a sparse tensor.
+Values come from users' classes (``SupportsOffloadState``): one holding a sparse tensor, one
+built under ``torch.inference_mode()``.
 """
 
 from __future__ import annotations
@@ -10,13 +11,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
+from residency_checks import check_invariants
 from test_residency import faces, open_pool
 
+from torch_to_nnef.exceptions import T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
+from torch_to_nnef.tensor.residency import TensorResidencyPool
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -56,8 +61,44 @@ class SparseWeight(OpaqueTensor, SupportsOffloadState):
         return cls(sparse.coalesce())
 
 
+class Scaled(OpaqueTensor, SupportsOffloadState):
+    """int8 codes times a scale, decoded under ``torch.inference_mode()``: its values are
+    inference tensors."""
+
+    OFFLOAD_STATE_TAG = "tests.test_residency_transitions.Scaled"
+    codes: torch.Tensor
+    scale: float
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: float) -> Scaled:
+        shell: Scaled = OpaqueTensor._make_shell(cls, codes.shape, torch.float32, "cpu")
+        shell.codes, shell.scale = codes, scale
+        return shell
+
+    def __init__(self, codes: torch.Tensor, scale: float) -> None:
+        super().__init__()
+
+    def _to_base_tensor(self) -> torch.Tensor:
+        return self.codes.float() * self.scale
+
+    def to_offload_state(self) -> dict[str, Any]:
+        return {OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG, "codes": self.codes, "scale": self.scale}
+
+    @classmethod
+    @torch.inference_mode()
+    def from_offload_state(cls, state: dict[str, Any], target_device: Any = None) -> Scaled:
+        return cls(state["codes"].clone(), state["scale"])
+
+
 def _offloaded(value: torch.Tensor, directory: Path, name: str = "w") -> OffloadedTensor:
     return OffloadedTensor.from_original_tensor(value, name, offload_dir=directory)
+
+
+def _assert_nothing_left(pool: TensorResidencyPool) -> None:
+    actor = pool._actor
+    check_invariants(pool)
+    assert actor.entries == {} and actor.published == {}
+    assert actor.jobs == set() and actor.loading_bytes == actor.resident_bytes == 0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -104,3 +145,32 @@ async def test_an_opaque_value_holding_a_sparse_tensor_is_served(
         assert face.pool.resident_bytes == storage.value_nbytes(value) == 2 * (2 * 8 + 4)
         async with face.acquire(t) as leased:
             assert leased is value
+
+
+@faces
+@pytest.mark.asyncio
+async def test_a_value_decoded_as_an_inference_tensor_is_refused_as_a_failed_load(
+    tmp_path: Path, face_name: str
+) -> None:
+    t = _offloaded(Scaled(torch.ones(4, 4, dtype=torch.int8), 0.5), tmp_path)
+    decoded = t.reload()  # outside a pool, as its class decodes it: an inference tensor
+    with pytest.raises(RuntimeError, match="version counter"):
+        _ = decoded._version
+    async with open_pool(face_name) as face:
+        errors: list[T2NErrorStorage] = []
+
+        async def waiter(lease: bool) -> None:
+            with pytest.raises(T2NErrorStorage, match="inference tensor") as info:
+                if lease:
+                    async with face.acquire(t):
+                        pass
+                else:
+                    await face.resolve(t)
+            errors.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(waiter, i % 2 == 1)
+        assert len(errors) == 4 and "'w'" in str(errors[0])
+        assert face.pool.stats().load_errors >= 1
+        _assert_nothing_left(face.pool)

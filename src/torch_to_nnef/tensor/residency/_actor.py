@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from torch_to_nnef._owned import owned_lock
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import PoolSource
 from torch_to_nnef.tensor.residency._policy import RetentionPolicy, ScheduledPolicy
@@ -766,6 +766,8 @@ class Actor:
         if entry.load is job:
             entry.load = None
         error = job.failure
+        if error is None and type(job.outcome) is not torch.Tensor:
+            error = _unservable(entry.source, job.outcome)
         if error is not None:
             self._load_errors += 1
             LOGGER.debug("load of %r failed: %r", entry.source.name, error)
@@ -1238,6 +1240,23 @@ def _aliases(results: tuple[torch.Tensor, ...], value: torch.Tensor) -> bool:
         except RuntimeError:  # no storage to read (a sparse or fake tensor): not the value
             pass
     return False
+
+
+def _unservable(source: PoolSource, value: torch.Tensor) -> T2NErrorStorage | None:
+    """Why the pool cannot serve ``value``, an opaque value that its class's
+    ``from_offload_state`` built, or ``None``. An inference tensor (built under
+    ``torch.inference_mode()``) keeps no version counter, which the pool reads of every value
+    it serves (to tell a change made in place)."""
+    with torch._C.DisableTorchFunctionSubclass():  # the tensor's flag, not its class's answer
+        inference = value.is_inference()
+    if not inference:
+        return None
+    return T2NErrorStorage(
+        f"loading {source.name!r} built an inference tensor ({type(value).__name__}."
+        "from_offload_state() ran under torch.inference_mode()), which a pool cannot serve: it "
+        "tells changes made in place by the version counter that inference tensors lack; "
+        "build the value outside inference mode (torch.no_grad() is enough)"
+    )
 
 
 def _nothing(*args: Any) -> None:
