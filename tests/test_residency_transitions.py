@@ -1,20 +1,25 @@
-"""The end of a disk job, applied by the actor: whatever the value a load brings, every
-waiter is answered and the pool's state stays whole.
+"""The end of a disk job, applied by the actor: whatever the value a load brings or the
+failure of a write-back, every waiter is answered and the pool's state stays whole.
 
-Values come from users' classes (``SupportsOffloadState``): one holding a sparse tensor, one
-built under ``torch.inference_mode()``.
+Values come from users' classes (``SupportsOffloadState``): one holding a sparse tensor,
+one built under ``torch.inference_mode()``, one whose ``__torch_function__`` refuses the ops
+it does not list. A failed write-back's warning meets an application's logging filter that
+raises on it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import json
+import logging
+import os
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import anyio
 import pytest
 import torch
-from residency_checks import check_invariants
+from residency_checks import check_invariants, on_disk
 from test_residency import faces, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorStorage
@@ -88,6 +93,33 @@ class Scaled(OpaqueTensor, SupportsOffloadState):
     @torch.inference_mode()
     def from_offload_state(cls, state: dict[str, Any], target_device: Any = None) -> Scaled:
         return cls(state["codes"].clone(), state["scale"])
+
+
+class Strict(torch.Tensor, SupportsOffloadState):
+    """A tensor subclass that serves the ops it lists and refuses any other."""
+
+    OFFLOAD_STATE_TAG = "tests.test_residency_transitions.Strict"
+    refused: ClassVar[set[Callable[..., Any]]] = {torch.Tensor.numel}
+
+    @classmethod
+    def __torch_function__(
+        cls,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func in cls.refused:
+            raise NotImplementedError(f"Strict does not support {func.__name__}")
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+    def to_offload_state(self) -> dict[str, Any]:
+        return {OFFLOAD_STATE_KEY: self.OFFLOAD_STATE_TAG, "data": self.as_subclass(torch.Tensor)}
+
+    @classmethod
+    def from_offload_state(cls, state: dict[str, Any], target_device: Any = None) -> Strict:
+        return state["data"].as_subclass(cls)  # type: ignore[no-any-return]
 
 
 def _offloaded(value: torch.Tensor, directory: Path, name: str = "w") -> OffloadedTensor:
@@ -174,3 +206,100 @@ async def test_a_value_decoded_as_an_inference_tensor_is_refused_as_a_failed_loa
         assert len(errors) == 4 and "'w'" in str(errors[0])
         assert face.pool.stats().load_errors >= 1
         _assert_nothing_left(face.pool)
+
+
+@faces
+@pytest.mark.asyncio
+async def test_a_load_whose_end_cannot_be_applied_answers_every_waiter(
+    tmp_path: Path, face_name: str
+) -> None:
+    """The value's own class refuses what the pool asks of it as the load ends: every waiter
+    gets the error, chaining the class's, and the pool is as if the load had failed."""
+    t = _offloaded(torch.ones(4, 4).as_subclass(Strict), tmp_path)
+    other = _offloaded(torch.zeros(4), tmp_path, "other")
+    async with open_pool(face_name) as face:
+        errors: list[T2NErrorStorage] = []
+
+        async def waiter(lease: bool) -> None:
+            with pytest.raises(T2NErrorStorage, match="could not apply its end") as info:
+                if lease:
+                    async with face.acquire(t):
+                        pass
+                else:
+                    await face.resolve(t)
+            errors.append(info.value)
+
+        async with anyio.create_task_group() as tg:
+            for i in range(4):
+                tg.start_soon(waiter, i % 2 == 1)
+        assert len(errors) == 4 and "'w'" in str(errors[0])
+        cause = errors[0].__cause__
+        assert isinstance(cause, NotImplementedError) and "numel" in str(cause)
+        _assert_nothing_left(face.pool)
+        assert torch.equal(await face.resolve(other), torch.zeros(4))  # the pool goes on
+        Strict.refused = set()
+        try:  # the next request loads again
+            assert torch.equal(await face.resolve(t), torch.ones(4, 4))
+        finally:
+            Strict.refused = {torch.Tensor.numel}
+
+
+@pytest.mark.asyncio
+async def test_a_load_waited_for_on_the_loop_thread_whose_end_cannot_be_applied(
+    tmp_path: Path,
+) -> None:
+    """A sync ``resolve`` on the pool's own loop applies the load's end inline: it raises the
+    same error, and the pool closes."""
+    t = _offloaded(torch.ones(4, 4).as_subclass(Strict), tmp_path)
+    pool = TensorResidencyPool()
+    async with pool:
+        with pytest.raises(T2NErrorStorage, match="could not apply its end"):
+            pool.resolve(t)
+        _assert_nothing_left(pool)
+    assert pool.closed
+
+
+# ---------------------------------------------------------------------------------------------
+# Write-backs
+# ---------------------------------------------------------------------------------------------
+def _structured(record: logging.LogRecord) -> bool:
+    """An application's logging filter that adds the record as JSON (and raises on arguments
+    JSON cannot take, as an exception)."""
+    record.structured = json.dumps({"message": record.msg, "args": record.args})
+    return True
+
+
+@pytest.fixture
+def structured_logs() -> Iterator[None]:
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    logger.addFilter(_structured)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_structured)
+
+
+@pytest.mark.usefixtures("structured_logs")
+def test_a_failed_write_back_whose_end_cannot_be_applied_stays_dirty(tmp_path: Path) -> None:
+    """The warning of a failed write-back raises in the application's logging filter: the
+    flush still raises the write-back's error, and the changed value stays resident and
+    dirty for the next flush, which writes it."""
+    failing = tmp_path / "failing"
+    t = _offloaded(torch.zeros(16), failing)
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.add_(1)
+        os.rename(failing, tmp_path / "moved")  # the write-back fails with ENOENT
+        for call in (pool.flush, pool.close):
+            with pytest.raises(T2NErrorStorage, match="1 write-back") as info:
+                call()
+            assert isinstance(info.value.__cause__, T2NErrorStorage)
+        assert pool.is_resident(t) and not pool.closed
+        assert pool._actor.entries[id(t)].dirty and pool._actor.jobs == set()
+        assert torch.equal(pool.resolve(t), torch.ones(16))
+        check_invariants(pool)
+        os.rename(tmp_path / "moved", failing)
+        pool.flush()
+        check_invariants(pool)
+    assert pool.closed
+    assert torch.equal(on_disk(t), torch.ones(16))

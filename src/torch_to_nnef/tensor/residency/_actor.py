@@ -718,13 +718,15 @@ class Actor:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         transition: Callable[[Job], None],
+        recover: Callable[[Job, BaseException], None],
         ran: bool = False,
     ) -> Job:
-        """Start a job; ``ran``: its function only hands over what was done already (it runs
-        here, and the job ends as a worker's does)."""
+        """Start a job; ``recover``: what ends it when its ``transition`` raises before it
+        did (see :meth:`Job.complete`); ``ran``: its function only hands over what was done
+        already (it runs here, and the job ends as a worker's does)."""
         if self.submit is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-        job = Job(kind, function, args, transition)
+        job = Job(kind, function, args, transition, recover)
         if ran:
             job.run()
             job.ran = True
@@ -738,7 +740,14 @@ class Actor:
         if read is not None and read.token is source._hit_state.last_write():
             # The caller read it (no write since): a load that ran already.
             entry.copied = False
-            entry.load = self._job("load", read.take, (), partial(self._on_loaded, entry), ran=True)
+            entry.load = self._job(
+                "load",
+                read.take,
+                (),
+                partial(self._on_loaded, entry),
+                partial(self._load_aborted, entry),
+                ran=True,
+            )
             self._caller_reads += 1
         else:
             # Mapped reads off: the value is read into host buffers (those of a value evicted
@@ -753,6 +762,7 @@ class Actor:
                 source._reload_unmanaged,
                 (entry.device, out, False if copied else None),
                 partial(self._on_loaded, entry),
+                partial(self._load_aborted, entry),
             )
             self._reused_buffers += out is not None
         entry.load.version = entry.version = version
@@ -761,52 +771,73 @@ class Actor:
 
     def _on_loaded(self, entry: Entry, job: Job) -> None:
         self.sync()
-        self.jobs.discard(job)
-        self.loading_bytes -= entry.nbytes
-        if entry.load is job:
-            entry.load = None
-        error = job.failure
-        if error is None and type(job.outcome) is not torch.Tensor:
-            error = _unservable(entry.source, job.outcome)
-        if error is not None:
-            self._load_errors += 1
-            LOGGER.debug("load of %r failed: %r", entry.source.name, error)
-            if entry.value is None and self.entries.get(entry.key) is entry:
-                del self.entries[entry.key]
-                self.policy.forget(entry.key, entry.nbytes, entry.retained)
-            job.finish(None, error)
-            return
+        self._end_load(entry, job)
         value: torch.Tensor = job.outcome
+        error = job.failure
+        if error is None and type(value) is not torch.Tensor:
+            error = _unservable(entry.source, value)
+        if error is not None:
+            self._load_failed(entry, job, error)
+            return
         self._loads += 1
         self._bytes_read += entry.nbytes
         if self.entries.get(entry.key) is entry and entry.value is None:
+            nbytes = entry.nbytes
             if type(value) is not torch.Tensor:  # may hold more than its file (Q4_0 codes)
-                entry.nbytes = storage.value_nbytes(value)
-            self._make_resident(entry, value)
+                nbytes = storage.value_nbytes(value)
+            self._make_resident(entry, value, nbytes)
         elif entry.value is not None:
             value = entry.value
         job.finish(value, None)
         self.enforce()
 
-    def _make_resident(self, entry: Entry, value: torch.Tensor) -> None:
-        entry.value = value
-        entry.slot = Slot(entry, value, entry.version)
-        self.resident_bytes += entry.nbytes
+    def _end_load(self, entry: Entry, job: Job) -> None:
+        """``entry``'s load ``job`` runs no more (once: a recovery may ask again)."""
+        if job in self.jobs:
+            self.jobs.discard(job)
+            self.loading_bytes -= entry.nbytes
+            if entry.load is job:
+                entry.load = None
+
+    def _load_failed(self, entry: Entry, job: Job, error: BaseException) -> None:
+        """``entry``'s load ``job`` brought no value: its waiters get ``error``, and an entry
+        left without a value goes (the next request loads again)."""
+        self._load_errors += 1
+        if entry.value is None and self.entries.get(entry.key) is entry:
+            del self.entries[entry.key]
+            self.policy.forget(entry.key, entry.nbytes, entry.retained)
+        job.finish(None, error)
+        LOGGER.debug("load of %r failed: %r", entry.source.name, error)
+
+    def _load_aborted(self, entry: Entry, job: Job, error: BaseException) -> None:
+        """The transition of ``entry``'s load ``job`` raised ``error`` before it ended the job:
+        the load fails as one that failed on its worker, and a value it made resident goes."""
+        self._end_load(entry, job)
+        value = job.outcome
+        if value is not None and entry.value is value and self.entries.get(entry.key) is entry:
+            self._remove(entry, reuse=False)
+        self._load_failed(entry, job, _aborted(entry.source, job, error))
+
+    def _make_resident(self, entry: Entry, value: torch.Tensor, nbytes: int) -> None:
+        slot = Slot(entry, value, entry.version)  # reads the value: before any change
+        entry.nbytes = nbytes
+        entry.value, entry.slot = value, slot
+        self.resident_bytes += nbytes
         held, in_use = entry.holds()
         if in_use:
-            self.in_use_bytes += entry.nbytes
+            self.in_use_bytes += nbytes
         self._note_active()
-        self.published[entry.key] = entry.slot
-        entry.retained = self.policy.admit(entry.key, entry.nbytes)
+        self.published[entry.key] = slot
+        entry.retained = self.policy.admit(entry.key, nbytes)
+        if not held:
+            self._to_eviction_order(entry)
         if not entry.retained:
             LOGGER.debug(
                 "%r (%d bytes) is delivered without cache retention under %s",
                 entry.source.name,
-                entry.nbytes,
+                nbytes,
                 self.policy.strategy.name,
             )
-        if not held:
-            self._to_eviction_order(entry)
 
     # ------------------------------------------------------------------------------------------
     # Holds and byte accounting
@@ -1012,7 +1043,11 @@ class Actor:
         source._announce_write()  # copies of the tensor wait for this write from now on
         try:
             job = self._job(
-                "write", source._write_back, (value, self), partial(self._on_written, entry, value)
+                "write",
+                source._write_back,
+                (value, self),
+                partial(self._on_written, entry, value),
+                partial(self._write_aborted, entry),
             )
         except BaseException:
             source._end_write()
@@ -1029,29 +1064,14 @@ class Actor:
 
     def _on_written(self, entry: Entry, written: torch.Tensor, job: Job) -> None:
         self.sync()
-        self.jobs.discard(job)
-        entry.write = None
-        slot = entry.slot
-        if slot is not None:
-            with self.lock:
-                slot.writing = False
+        self._end_write(entry, job)
         error = job.failure
-        current = self.entries.get(entry.key) is entry
         if error is not None:
-            # The value stays resident and dirty, out of the eviction order (no retry on every
-            # transition while the disk is full); a flush retries it.
             LOGGER.warning("write-back of %r failed: %r", entry.source.name, error)
-            entry.dirty = True
-            if current:
-                was_held = entry.held
-                entry.stuck = True
-                if not was_held:
-                    self.policy.hold(entry.key)
-                self._set_evicting(entry, False)
-                self._reopen(entry)
-            job.finish(None, error)
-            self.enforce()  # the value stays, out of the order: others may have to go
+            self._write_failed(entry, job, error)
             return
+        slot = entry.slot
+        current = self.entries.get(entry.key) is entry
         version = job.outcome
         if version is not None:  # else a later write superseded the value: nothing written
             self._write_backs += 1
@@ -1074,6 +1094,45 @@ class Actor:
                 self._start_remap(entry, version)
         self.enforce()
 
+    def _end_write(self, entry: Entry, job: Job) -> None:
+        """``entry``'s write-back ``job`` runs no more: ``read_write`` leases are granted
+        again (idempotent: a recovery may ask again)."""
+        self.jobs.discard(job)
+        if entry.write is job:
+            entry.write = None
+        slot = entry.slot
+        if slot is not None:
+            with self.lock:
+                slot.writing = False
+
+    def _write_failed(self, entry: Entry, job: Job, error: BaseException) -> None:
+        """``entry``'s write-back ``job`` wrote nothing: the value stays resident and dirty,
+        out of the eviction order (no retry on every transition while the disk is full), for
+        a flush to write; its waiters get ``error``."""
+        entry.dirty = True
+        if self.entries.get(entry.key) is entry:
+            was_held = entry.held
+            entry.stuck = True
+            if not was_held:
+                self.policy.hold(entry.key)
+            self._set_evicting(entry, False)
+            self._reopen(entry)
+        job.finish(None, error)
+        self.enforce()  # the value stays, out of the order: others may have to go
+
+    def _write_aborted(self, entry: Entry, job: Job, error: BaseException) -> None:
+        """The transition of ``entry``'s write-back ``job`` raised ``error`` before it ended
+        the job: the write-back fails as one that failed on its worker (the value stays dirty:
+        what it holds is written by the next flush, never lost)."""
+        self._end_write(entry, job)
+        self._write_failed(entry, job, _aborted(entry.source, job, error))
+
+    def _job_aborted(self, source: PoolSource, job: Job, error: BaseException) -> None:
+        """The transition of ``job``, a job of ``source`` that no entry waits for, raised
+        ``error`` before it ended the job: the job ends with the error."""
+        self.jobs.discard(job)
+        job.finish(None, _aborted(source, job, error))
+
     def _start_remap(self, entry: Entry, version: object) -> None:
         """A value that stays after its write-back (a flush, or an eviction a lease took
         back), loaded as a mapping of the file the write replaced, keeps that file and its
@@ -1087,6 +1146,7 @@ class Actor:
             entry.source._map_written,
             (version, self),
             partial(self._on_remapped, entry, value, value._version),
+            partial(self._job_aborted, entry.source),
         )
 
     def _on_remapped(self, entry: Entry, written: torch.Tensor, counter: int, job: Job) -> None:
@@ -1172,7 +1232,13 @@ class Actor:
             elif entry.dirty and entry.value is not None:
                 job = self._start_write(entry)
                 if job is None:  # the value, once its read_write lease ends; the earlier now
-                    job = self._job("write", entry.source._write_unsaved, (self,), self._on_job)
+                    job = self._job(
+                        "write",
+                        entry.source._write_unsaved,
+                        (self,),
+                        self._on_job,
+                        partial(self._job_aborted, entry.source),
+                    )
                 jobs.append(job)
         return jobs
 
@@ -1240,6 +1306,20 @@ def _aliases(results: tuple[torch.Tensor, ...], value: torch.Tensor) -> bool:
         except RuntimeError:  # no storage to read (a sparse or fake tensor): not the value
             pass
     return False
+
+
+def _aborted(source: PoolSource, job: Job, error: BaseException) -> BaseException:
+    """What the waiters of ``source``'s ``job`` get when its transition raised ``error``
+    before it ended the job: the job's own failure, if it failed (its transition failed as it
+    told it), else a ``T2NErrorStorage`` saying what failed, chaining ``error``."""
+    if job.failure is not None:
+        return job.failure
+    aborted = T2NErrorStorage(
+        f"the {job.kind} of {source.name!r} ended, but the pool could not apply its end: "
+        f"{type(error).__name__}: {error}"
+    )
+    aborted.__cause__ = error
+    return aborted
 
 
 def _unservable(source: PoolSource, value: torch.Tensor) -> T2NErrorStorage | None:

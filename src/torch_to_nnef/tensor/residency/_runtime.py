@@ -1023,13 +1023,19 @@ class Runtime:
             self._applying = True  # the drives its transitions resume leave the rest here
             try:
                 while self._ended:
-                    job = self._ended.popleft()
-                    try:
-                        job.complete()
-                    except Exception:
-                        LOGGER.exception("applying the end of a TensorResidencyPool's job failed")
+                    self._complete(self._ended.popleft())
             finally:
                 self._applying = False
+
+    @staticmethod
+    def _complete(job: Job) -> None:
+        """Apply the end of ``job`` (:meth:`Job.complete`). A transition that raises fails
+        the pool, not the request applying it: the error is logged, and the job ended all
+        the same (its waiters get the error of a job whose end could not be applied)."""
+        try:
+            job.complete()
+        except Exception:
+            LOGGER.exception("applying the end of a TensorResidencyPool's job failed")
 
     # ------------------------------------------------------------------------------------------
     # The driver
@@ -1135,7 +1141,7 @@ class Runtime:
         workers = self._workers
         if workers is not None:
             workers.wait(job)
-        job.complete()
+        self._complete(job)
 
     def _apply_ends_until(self, mark: Job) -> None:
         """Wait inline for ``mark``, the close under way that a new close joins: no worker

@@ -94,13 +94,16 @@ class Job:
     A worker runs ``function(*args)`` (:meth:`run`) and stores its outcome here (``outcome``,
     or the error in ``failure``), then sets ``ran``; :meth:`complete` runs the actor's
     transition for it on the loop thread, once (scheduled by the runtime, or run at once by
-    an inline wait on the loop thread itself).
+    an inline wait on the loop thread itself). A transition that raises before it ended the
+    job hands it to ``recover(job, error)``, which puts the actor's state right and ends the
+    job with an error: no waiter waits for a job whose end was not applied.
     """
 
     __slots__ = (
         "_args",
         "_callbacks",
         "_function",
+        "_recover",
         "_transition",
         "done",
         "error",
@@ -119,6 +122,7 @@ class Job:
         function: Callable[..., Any],
         args: tuple[Any, ...],
         transition: Callable[[Job], None],
+        recover: Callable[[Job, BaseException], None] | None = None,
     ) -> None:
         self.kind = kind
         self._function: Callable[..., Any] | None = function
@@ -132,6 +136,7 @@ class Job:
         self.error: BaseException | None = None
         self.version: object = None  # a load: the payload version it reads (or a newer one)
         self._transition: Callable[[Job], None] | None = transition
+        self._recover = recover
         self._callbacks: list[Callable[[], None]] = []
 
     def run(self) -> None:
@@ -148,12 +153,32 @@ class Job:
         """Run the transition of the ended worker job (loop thread; only the first call acts).
 
         The outcome is dropped then: the transition handed it on (``value``, or the
-        entry's state).
+        entry's state). The job ends whatever the transition does: one that raises before it
+        ended the job leaves it to the recovery, then the error is raised.
         """
         transition, self._transition = self._transition, None
-        if transition is not None:
+        if transition is None:
+            return
+        try:
             transition(self)
+        except BaseException as error:
+            if not self.done:
+                self._abort(error)
+            raise
+        finally:
             self.outcome = None
+
+    def _abort(self, error: BaseException) -> None:
+        """End the job whose transition raised ``error`` before it ended it: through its
+        recovery, and with the error itself (as a ``T2NError``) when there is none or it
+        fails in turn."""
+        recover, self._recover = self._recover, None
+        try:
+            if recover is not None:
+                recover(self, error)
+        finally:
+            if not self.done:
+                self.finish(None, as_storage_error(error))
 
     def add_callback(self, callback: Callable[[], None]) -> None:
         """Run ``callback`` on the loop thread once the job ended (at once if it has)."""
