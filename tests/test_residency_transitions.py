@@ -146,6 +146,7 @@ def _assert_nothing_left(pool: TensorResidencyPool) -> None:
     ],
     ids=["coo", "csr", "bsc", "mkldnn"],
 )
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta state")
 def test_value_nbytes_counts_tensors_without_storage(make: Callable[..., torch.Tensor]) -> None:
     dense = torch.zeros(8, 8)
     dense[1, 2], dense[5, 6] = 3.0, 4.0
