@@ -14,6 +14,8 @@ from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
+from torch_to_nnef._owned import collecting_here
+
 __all__ = ["InterruptAt", "SignalAt", "in_finalizer", "interrupted", "signalled"]
 
 Trace = Callable[[FrameType, str, Any], Any]
@@ -129,9 +131,16 @@ def in_finalizer(frame: FrameType) -> bool:
     callback of ``weakref.py``'s) or a garbage collection's callback, which a collection
     runs amid whatever code: the finalizer's own frame, or any it called (a payload file's
     removal closing its descriptor). An interrupt raised there is lost by Python (reported
-    as unraisable), whatever the code does. It looks at the whole stack: ask it last. A
-    bare ``weakref.ref`` callback (storage's ``Mappings._gone``) leaves no frame to tell it
-    by, and is not recognised."""
+    as unraisable), whatever the code does. It looks at the whole stack: ask it last.
+
+    Whatever a collection that this thread runs calls is one (the package's collection
+    callback tells: ``collecting_here``): the callbacks of the weak references it clears
+    too, and the finalizers of objects made by other threads or earlier code, which may
+    come amid any call once the collector's counts say so. A bare ``weakref.ref`` callback
+    (storage's ``Mappings._gone``) run as its referent's last reference goes leaves no
+    frame to tell it by, and is not recognised."""
+    if collecting_here():
+        return True
     callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
     while frame is not None:
         code = frame.f_code
