@@ -137,12 +137,14 @@ _NEEDS_KERNEL_AND_PROC = pytest.mark.skipif(
 
 
 @_NEEDS_KERNEL_AND_PROC
+@pytest.mark.usefixtures("young_collections")  # no earlier test's mapping goes meanwhile
 def test_a_ctrl_c_anywhere_in_the_unmap_of_a_dead_mapping_leaves_it_to_a_sweep(
     payload: tuple[storage.PayloadLayout, dict[str, torch.Tensor]],
 ) -> None:
     """A Ctrl-C at each point of the callback unmapping a mapping as its tensors die, in
     turn: Python loses the interrupt (reported as unraisable), but never the mapping, which
-    is unmapped there or by the next sweep, and only once."""
+    is unmapped there or by the next sweep, and only once. The points of a collection that
+    comes amid one are not the callback's: not counted."""
     layout, _tensors = payload
     baseline = len(_mapped.MAPPINGS)
     lost: list[type[BaseException]] = []
@@ -151,7 +153,7 @@ def test_a_ctrl_c_anywhere_in_the_unmap_of_a_dead_mapping_leaves_it_to_a_sweep(
     try:
         for n in itertools.count(1):
             mapped = storage.map_payload(layout)
-            signal_at = SignalAt(n, within=_mapped.__file__)
+            signal_at = SignalAt(n, within=_mapped.__file__, finalizers=False)
             sys.setprofile(signal_at)
             try:
                 del mapped  # the callback runs here
@@ -177,13 +179,14 @@ def test_a_ctrl_c_anywhere_in_a_map_leaks_no_mapping_and_is_raised(
 ) -> None:
     """A Ctrl-C at each point of a map in turn (its storage calls, the kernel's included)
     is raised by the map, once its mapping is registered where it lands after the mapping
-    is made: the mapping is unmapped as the interrupted map's values die."""
+    is made: the mapping is unmapped as the interrupted map's values die. The points of a
+    collection that comes amid one are not the map's: not counted."""
     value = torch.arange(numel, dtype=torch.float32)
     layout = storage.write_payload(tmp_path / "p.safetensors", {"x": value})
     baseline = len(_mapped.MAPPINGS)
     within = str(Path(_mapped.__file__).parent)
     for n in itertools.count(1):
-        signal_at = SignalAt(n, within=within)
+        signal_at = SignalAt(n, within=within, finalizers=False)
         sys.setprofile(signal_at)
         try:
             mapped = storage.map_payload(layout)
