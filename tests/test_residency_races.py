@@ -1442,6 +1442,7 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
 
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     t = _tensor(tmp_path, "t")
+    before = set(threading.enumerate())
     pool = TensorResidencyPool()
 
     def ctrl_c() -> None:
@@ -1462,6 +1463,12 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
     assert pool.closed
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    workers = [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and thread.name.startswith("t2n-residency-io")
+    ]
+    assert not workers, f"the closed pool's I/O workers still run: {workers}"
     del task  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
 

@@ -756,9 +756,14 @@ class Runtime:
 
     def close_stranded(self, close: Operation) -> None:
         """Close a stranded pool from the calling thread (:meth:`call_stranded`), then stop
-        serving on its loop. Raises what the close raises (the pool stays open)."""
-        self.call_stranded(close)
-        self.detach_current()
+        serving on its loop. Raises what the close raises (the pool stays open). A Ctrl-C
+        held through the close is raised once the pool stopped serving: raised before, it
+        would leave the closed pool's I/O workers running for the process's life."""
+        try:
+            self.call_stranded(close)
+        finally:
+            if self.actor.closed:
+                self.detach_current()
 
     def detach_current(self) -> None:
         """Stop serving on the caller's loop (end of ``async with pool``). No private loop
