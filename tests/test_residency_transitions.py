@@ -180,6 +180,27 @@ async def test_an_opaque_value_holding_a_sparse_tensor_is_served(
             assert leased is value
 
 
+async def _every_waiter_fails(face: Any, t: OffloadedTensor, match: str) -> list[T2NErrorStorage]:
+    """Four requests for ``t`` at once, two ``resolve`` and two leases: each fails with a
+    ``T2NErrorStorage`` matching ``match`` that names the tensor; their errors."""
+    errors: list[T2NErrorStorage] = []
+
+    async def waiter(lease: bool) -> None:
+        with pytest.raises(T2NErrorStorage, match=match) as info:
+            if lease:
+                async with face.acquire(t):
+                    pass
+            else:
+                await face.resolve(t)
+        errors.append(info.value)
+
+    async with anyio.create_task_group() as tg:
+        for i in range(4):
+            tg.start_soon(waiter, i % 2 == 1)
+    assert len(errors) == 4 and "'w'" in str(errors[0])
+    return errors
+
+
 @faces
 @pytest.mark.asyncio
 async def test_a_value_decoded_as_an_inference_tensor_is_refused_as_a_failed_load(
@@ -190,21 +211,7 @@ async def test_a_value_decoded_as_an_inference_tensor_is_refused_as_a_failed_loa
     with pytest.raises(RuntimeError, match="version counter"):
         _ = decoded._version
     async with open_pool(face_name) as face:
-        errors: list[T2NErrorStorage] = []
-
-        async def waiter(lease: bool) -> None:
-            with pytest.raises(T2NErrorStorage, match="inference tensor") as info:
-                if lease:
-                    async with face.acquire(t):
-                        pass
-                else:
-                    await face.resolve(t)
-            errors.append(info.value)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(waiter, i % 2 == 1)
-        assert len(errors) == 4 and "'w'" in str(errors[0])
+        await _every_waiter_fails(face, t, "inference tensor")
         assert face.pool.stats().load_errors >= 1
         _assert_nothing_left(face.pool)
 
@@ -219,21 +226,7 @@ async def test_a_load_whose_end_cannot_be_applied_answers_every_waiter(
     t = _offloaded(torch.ones(4, 4).as_subclass(Strict), tmp_path)
     other = _offloaded(torch.zeros(4), tmp_path, "other")
     async with open_pool(face_name) as face:
-        errors: list[T2NErrorStorage] = []
-
-        async def waiter(lease: bool) -> None:
-            with pytest.raises(T2NErrorStorage, match="could not apply its end") as info:
-                if lease:
-                    async with face.acquire(t):
-                        pass
-                else:
-                    await face.resolve(t)
-            errors.append(info.value)
-
-        async with anyio.create_task_group() as tg:
-            for i in range(4):
-                tg.start_soon(waiter, i % 2 == 1)
-        assert len(errors) == 4 and "'w'" in str(errors[0])
+        errors = await _every_waiter_fails(face, t, "could not apply its end")
         cause = errors[0].__cause__
         assert isinstance(cause, NotImplementedError) and "numel" in str(cause)
         _assert_nothing_left(face.pool)
