@@ -297,11 +297,12 @@ def _time_full_update(depth: int) -> float:
     model = nn.Sequential(*(nn.Linear(2, 2) for _ in range(depth)))
     best = float("inf")
     for _ in range(3):
-        start = time.perf_counter()
+        # The thread's CPU time: the other processes of a loaded machine do not count.
+        start = time.thread_time()
         updater = ModTensorUpdater(model)
         for _names, tensor in list(updater.iter_tensors()):
             updater.update_by_ref(tensor, tensor.detach())
-        best = min(best, time.perf_counter() - start)
+        best = min(best, time.thread_time() - start)
     return best
 
 
