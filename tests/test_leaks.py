@@ -50,8 +50,9 @@ def open_fds() -> set[str]:
     return set(os.listdir("/proc/self/fd"))
 
 
-def settled(condition: Callable[[], bool], seconds: float = 5.0) -> bool:
-    """Whether ``condition`` holds within ``seconds`` (threads take a moment to end)."""
+def settled(condition: Callable[[], bool], seconds: float = 15.0) -> bool:
+    """Whether ``condition`` holds within ``seconds`` (threads take a moment to end, longer
+    on a loaded machine; a condition that holds returns at once)."""
     deadline = time.monotonic() + seconds
     while True:
         gc.collect()
