@@ -27,6 +27,7 @@ from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
 from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency._state import Job
 
 pytestmark = [pytest.mark.timeout(60)]
 
@@ -297,3 +298,29 @@ def test_a_failed_write_back_whose_end_cannot_be_applied_stays_dirty(tmp_path: P
         check_invariants(pool)
     assert pool.closed
     assert torch.equal(on_disk(t), torch.ones(16))
+
+
+def test_a_job_resumes_every_waiter_when_one_of_them_raises() -> None:
+    """Each callback of a job resumes a waiter: one that raises (a Ctrl-C raised as a
+    resumed request returned) does not keep the others waiting; its error comes after."""
+    job = Job("load", lambda: None, (), lambda _job: None)
+    resumed: list[int] = []
+
+    def waiter(number: int, error: BaseException | None = None) -> Callable[[], None]:
+        def resume() -> None:
+            resumed.append(number)
+            if error is not None:
+                raise error
+
+        return resume
+
+    job.add_callback(waiter(0, KeyboardInterrupt()))
+    job.add_callback(waiter(1))
+    job.add_callback(waiter(2, RuntimeError("second")))
+    job.add_callback(waiter(3))
+    with pytest.raises(KeyboardInterrupt):
+        job.finish(None, None)
+    assert resumed == [0, 1, 2, 3]
+    assert job.done
+    job.add_callback(waiter(4))  # an ended job runs a new callback at once
+    assert resumed == [0, 1, 2, 3, 4]

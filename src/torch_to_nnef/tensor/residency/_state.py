@@ -188,12 +188,21 @@ class Job:
             self._callbacks.append(callback)
 
     def finish(self, value: torch.Tensor | None, error: BaseException | None) -> None:
+        """End the job and run its callbacks, every one of them: each resumes a waiter,
+        which would otherwise wait for ever. The first that raised (a Ctrl-C held through a
+        resumed request, raised as it returned) is raised again once they all ran."""
         self.done = True
         self.value = value
         self.error = error
         callbacks, self._callbacks = self._callbacks, []
+        raised: BaseException | None = None
         for callback in callbacks:
-            callback()
+            try:
+                callback()
+            except BaseException as failure:
+                raised = raised or failure
+        if raised is not None:
+            raise raised
 
     def result(self) -> torch.Tensor:
         """The loaded value, or the load error as :class:`T2NErrorStorage`."""
