@@ -231,6 +231,9 @@ async def test_a_load_whose_end_cannot_be_applied_answers_every_waiter(
         cause = errors[0].__cause__
         assert isinstance(cause, NotImplementedError) and "numel" in str(cause)
         _assert_nothing_left(face.pool)
+        stats = face.pool.stats()  # counted as failed loads only
+        assert stats.load_errors >= 1
+        assert stats.loads == stats.bytes_read == stats.evictions == 0
         assert torch.equal(await face.resolve(other), torch.zeros(4))  # the pool goes on
         Strict.refused = set()
         try:  # the next request loads again

@@ -779,15 +779,16 @@ class Actor:
         if error is not None:
             self._load_failed(entry, job, error)
             return
-        self._loads += 1
-        self._bytes_read += entry.nbytes
+        read = entry.nbytes
         if self.entries.get(entry.key) is entry and entry.value is None:
-            nbytes = entry.nbytes
+            nbytes = read
             if type(value) is not torch.Tensor:  # may hold more than its file (Q4_0 codes)
                 nbytes = storage.value_nbytes(value)
             self._make_resident(entry, value, nbytes)
         elif entry.value is not None:
             value = entry.value
+        self._loads += 1  # (counted once applied: a load whose end raised counts as failed)
+        self._bytes_read += read
         job.finish(value, None)
         self.enforce()
 
@@ -815,7 +816,7 @@ class Actor:
         self._end_load(entry, job)
         value = job.outcome
         if value is not None and entry.value is value and self.entries.get(entry.key) is entry:
-            self._remove(entry, reuse=False)
+            self._remove(entry, reuse=False, evicted=False)
         self._load_failed(entry, job, _aborted(entry.source, job, error))
 
     def _make_resident(self, entry: Entry, value: torch.Tensor, nbytes: int) -> None:
@@ -999,8 +1000,9 @@ class Actor:
             if evicting:  # out of the eviction order (see _to_eviction_order)
                 self.policy.hold(entry.key)
 
-    def _remove(self, entry: Entry, reuse: bool = True) -> None:
-        """Forget ``entry``; with ``reuse``, its CPU buffers may serve a later load."""
+    def _remove(self, entry: Entry, reuse: bool = True, evicted: bool = True) -> None:
+        """Forget ``entry``; with ``reuse``, its CPU buffers may serve a later load. A value
+        that was never served (``evicted`` false) counts as no eviction."""
         if entry.evicting:
             self._set_evicting(entry, False)
         if self._in_use(entry):
@@ -1015,8 +1017,9 @@ class Actor:
         value, entry.value, entry.remapped = entry.value, None, None
         if value is not None:
             self.resident_bytes -= entry.nbytes
-            self._evictions += 1
-            self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
+            if evicted:
+                self._evictions += 1
+                self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
             if reuse and entry.copied:
                 buffers = entry.source._host_buffers(value)
                 if buffers is not None:
