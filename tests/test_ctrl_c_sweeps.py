@@ -166,6 +166,24 @@ def test_a_ctrl_c_anywhere_in_a_read_leaves_no_descriptor(tmp_path: Path) -> Non
     assert points > 20, "the read made fewer points than expected: the test proves little"
 
 
+@needs_proc
+@pytest.mark.timeout(60)
+def test_a_ctrl_c_anywhere_in_opening_a_checkpoint_file_leaves_no_descriptor(
+    tmp_path: Path,
+) -> None:
+    """``open_regular_file`` (a checkpoint's index, a pickle check): one landing between the
+    open and the file object's making once leaked the descriptor for the process's life."""
+    path = tmp_path / "model.safetensors.index.json"
+    path.write_text("{}")
+
+    def read() -> None:
+        with storage.open_regular_file(path) as file:
+            assert file.read() == b"{}"
+
+    points = sweep(read, tmp_path)
+    assert points > 10, "the open made fewer points than expected: the test proves little"
+
+
 def test_a_ctrl_c_anywhere_in_a_hold_leaves_python_s_handler_and_no_stale_one(
     tmp_path: Path,
 ) -> None:

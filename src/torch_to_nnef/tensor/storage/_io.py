@@ -155,6 +155,10 @@ def open_regular_file(path: str | os.PathLike[str]) -> io.FileIO:
     Args:
         path: the file to open (a payload, a checkpoint shard or index).
 
+    Ctrl-C (main thread) is held from the open until the descriptor is owned by the file
+    object, which closes it as it goes: a KeyboardInterrupt landing between the ``open`` and
+    the file object's making would leak the descriptor (see :class:`reading`).
+
     Returns:
         the open file, unbuffered; the caller closes it.
 
@@ -163,12 +167,14 @@ def open_regular_file(path: str | os.PathLike[str]) -> io.FileIO:
             device, a FIFO); the message names the path.
     """
     path = Path(path)
-    fd, _stat = open_for_reading(path)
-    try:
-        return io.FileIO(fd, "rb", closefd=True)
-    except BaseException:
-        os.close(fd)
-        raise
+    with InterruptHold() as hold:
+        hold.start()
+        fd, _stat = open_for_reading(path)
+        try:
+            return io.FileIO(fd, "rb", closefd=True)
+        except BaseException:
+            os.close(fd)
+            raise
 
 
 def check_regular_file(path: Path, fd: int) -> os.stat_result:
