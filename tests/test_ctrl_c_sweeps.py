@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import gc
+import inspect
 import itertools
 import signal
 import sys
@@ -24,7 +25,8 @@ from open_files import open_descriptors
 from residency_checks import settle
 
 from torch_to_nnef import _interrupts
-from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor import load_offloaded_checkpoint, storage
+from torch_to_nnef.tensor.hf import t2n_load_checkpoint_and_dispatch
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     TensorResidencyPool,
@@ -781,3 +783,213 @@ def test_a_ctrl_c_anywhere_in_a_streamed_forward_is_ended_by_the_next_and_keeps_
             points = sweep(lambda: model(x), nothing, check, within=_stream.__file__)
         assert points > 50, "the forward made fewer points than expected: the test proves little"
     assert torch.equal(weight.reload(), torch.full((16, 16), float(adds.adds)))
+
+
+# ---------------------------------------------------------------------------------------------
+# Binding a model to a checkpoint
+# ---------------------------------------------------------------------------------------------
+class _Tiny(torch.nn.Module):
+    """An embedding, its head (tied to it by ``tie_weights``), a layer and a buffer."""
+
+    def __init__(self, tied: bool = True) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(8, 4)
+        self.body = torch.nn.Linear(4, 4)
+        self.head = torch.nn.Linear(4, 8, bias=False)
+        self.register_buffer("scale", torch.arange(4, dtype=torch.float32))
+        if tied:
+            self.tie_weights()
+
+    def tie_weights(self) -> None:
+        self.head.weight = self.embed.weight
+
+
+def tiny_checkpoint(directory: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    """A checkpoint of ``_Tiny`` whose embedding is stored in float16 (cast on load to the
+    model's float32: written into the offload directory), the rest in float32 (read in
+    place); and the values bound from it."""
+    torch.manual_seed(0)
+    dense = _Tiny()
+    state = {k: v.detach().clone() for k, v in dense.state_dict().items() if k != "head.weight"}
+    state["embed.weight"] = state["embed.weight"].half()
+    path = directory / "model.safetensors"
+    safetensors.torch.save_file(state, path)
+    values = {k: v.float() for k, v in state.items()}
+    values["head.weight"] = values["embed.weight"]
+    return path, values
+
+
+def tiny_skeleton(tied: bool = True) -> torch.nn.Module:
+    with torch.device("meta"):
+        model = _Tiny(tied)
+    model.scale = torch.zeros(4)  # a real buffer, as accelerate.init_empty_weights() keeps it
+    return model
+
+
+BINDING = tuple(str(Path(SOURCE) / name) for name in ("checkpoint.py", "hf.py", "updater.py"))
+"""The binding's own code: the points of what it calls (storage, offloaded tensors) are
+those of their own sweeps."""
+
+
+class _LostInAGeneratorsClose:
+    """Records the exceptions Python reports as unraisable (``sys.unraisablehook``) in the
+    block; on leaving it, refuses any but a KeyboardInterrupt raised as a generator left
+    suspended (by ``any()``) is closed as it goes: Python loses it whatever the code does,
+    and the operation goes on (to its end, checked as any other)."""
+
+    def __enter__(self) -> _LostInAGeneratorsClose:
+        self.refused: list[str] = []
+        self.lost = 0
+        self.hook = sys.unraisablehook
+        sys.unraisablehook = self._record
+        return self
+
+    def _record(self, unraisable: Any) -> None:
+        # Nothing of it is kept: its traceback holds the frames of the operation.
+        if isinstance(unraisable.exc_value, KeyboardInterrupt) and inspect.isgenerator(
+            unraisable.object
+        ):
+            self.lost += 1
+        else:
+            self.refused.append(f"{unraisable.exc_value!r} in {unraisable.object!r}")
+
+    def __exit__(self, *exc_info: object) -> None:
+        sys.unraisablehook = self.hook
+        assert self.refused == []
+
+
+def tensors_of(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model``, under each of its names (tied ones too)."""
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+class _BindingChecks:
+    """What a binding of ``model`` that a Ctrl-C may have cut leaves: the model holds the
+    very tensors it held before it (:meth:`start`; its head tied to its embedding or not),
+    or is wholly bound to ``values`` (its head tied), never a mix; the offload directory
+    holds the files it held that no tensor owned and those of the tensors the model holds,
+    no other; no descriptor of it or of the checkpoint's directory is left open. (One opened
+    before a Ctrl-C at the entry of the ``__exit__`` that would close it stays open: no code
+    can guard that point, which ``sweep`` does not check.)"""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        values: dict[str, torch.Tensor],
+        offload_dir: Path,
+        checkpoint_dir: Path,
+    ) -> None:
+        self.model, self.values = model, values
+        self.offload_dir, self.checkpoint_dir = offload_dir, checkpoint_dir
+        self.foreign = set(offload_dir.iterdir()) - self.owned()
+        self.before: list[tuple[str, torch.Tensor]] = []
+        self.open_before: list[str] = []
+        self.wheres: list[str] = []
+        self.last = ""
+        self.outcomes = {"as before": 0, "bound": 0}
+
+    def owned(self) -> set[Path]:
+        return {
+            t.offload_path
+            for _, t in tensors_of(self.model)
+            if isinstance(t, OffloadedTensor) and t.owns_payload
+        }
+
+    def start(self) -> torch.nn.Module:
+        self.before = tensors_of(self.model)
+        self.open_before = self.open_now()
+        return self.model
+
+    def open_now(self) -> list[str]:
+        return open_descriptors(self.offload_dir) + open_descriptors(self.checkpoint_dir)
+
+    def __call__(self, where: str) -> None:
+        opened = self.open_now()
+        assert opened == self.open_before, f"a Ctrl-C at {where} left {opened} open"
+        now = tensors_of(self.model)
+        assert [name for name, _ in now] == [name for name, _ in self.before]
+        self.wheres.append(where)
+        kept = [name for (name, t), (_, old) in zip(now, self.before, strict=True) if t is old]
+        self.before = []  # (the tensors replaced go with their files)
+        if len(kept) == len(now):
+            self.last = "as before"
+        else:
+            assert kept == [], f"a Ctrl-C at {where} left the model partly bound: {kept} kept"
+            self.last = "bound"
+            assert self.model.head.weight is self.model.embed.weight, f"a Ctrl-C at {where}"
+            for name, t in now:
+                value = t.reload() if isinstance(t, OffloadedTensor) else t
+                assert torch.equal(value, self.values[name]), f"a Ctrl-C at {where}: {name}"
+        self.outcomes[self.last] += 1
+        files = set(self.offload_dir.iterdir())
+        assert files == self.foreign | self.owned(), f"a Ctrl-C at {where} left {files}"
+
+
+@needs_proc
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_anywhere_in_binding_a_bound_model_again_leaves_it_whole_and_its_files(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of ``load_offloaded_checkpoint`` binding again a model bound
+    before (its embedding cast on load: a payload file of the offload directory that the
+    model's tensor owns): the model holds its earlier tensors, their files still there, or
+    is wholly bound again; no file of the offload directory is lost, no other is left.
+    (A Ctrl-C between two tensors once left the model partly bound.)"""
+    checkpoint_dir, offload_dir = tmp_path / "checkpoint", tmp_path / "offload"
+    checkpoint_dir.mkdir()
+    offload_dir.mkdir()
+    nothing = tmp_path / "nothing"  # files are checked by the checks: the bound ones stay
+    nothing.mkdir()
+    (offload_dir / "notes.txt").write_text("the user's")
+    path, values = tiny_checkpoint(checkpoint_dir)
+    model = load_offloaded_checkpoint(
+        tiny_skeleton(), path, dtype=torch.float32, offload_dir=offload_dir
+    )
+    checks = _BindingChecks(model, values, offload_dir, checkpoint_dir)
+
+    def bind() -> None:
+        load_offloaded_checkpoint(
+            checks.start(), path, dtype=torch.float32, offload_dir=offload_dir
+        )
+
+    with _LostInAGeneratorsClose():
+        points = sweep(bind, nothing, checks, within=BINDING)
+    assert points > 300, "the binding made fewer points than expected: the test proves little"
+    assert checks.outcomes["bound"] > 0 and checks.outcomes["as before"] > 300
+    assert (offload_dir / "notes.txt").read_text() == "the user's"
+
+
+@needs_proc
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_anywhere_in_dispatching_a_skeleton_leaves_it_as_it_was_or_wholly_bound(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C at each point of ``t2n_load_checkpoint_and_dispatch`` binding a meta skeleton
+    whose head is not tied yet, a layer read into memory and the rest offloaded (the
+    embedding cast on load into the offload directory): the skeleton holds its own tensors
+    again (untied), or is wholly bound; no file is left in the offload directory but those
+    of the tensors bound. (A Ctrl-C between two tensors once left the model partly bound:
+    some tensors offloaded, others on the meta device.)"""
+    checkpoint_dir, offload_dir = tmp_path / "checkpoint", tmp_path / "offload"
+    checkpoint_dir.mkdir()
+    offload_dir.mkdir()
+    nothing = tmp_path / "nothing"  # files are checked by the checks: the bound ones stay
+    nothing.mkdir()
+    path, values = tiny_checkpoint(checkpoint_dir)
+    checks = _BindingChecks(tiny_skeleton(tied=False), values, offload_dir, checkpoint_dir)
+    device_map = {"body": "cpu", "": "disk"}
+
+    def bind() -> None:
+        t2n_load_checkpoint_and_dispatch(checks.start(), path, device_map, offload_dir)
+
+    def tidy() -> None:
+        if not checks.model.body.weight.is_meta:  # bound (checked or not): a skeleton again
+            checks.model = tiny_skeleton(tied=False)
+
+    with _LostInAGeneratorsClose():
+        points = sweep(bind, nothing, checks, within=BINDING, tidy=tidy)
+    assert points > 300, "the binding made fewer points than expected: the test proves little"
+    assert checks.outcomes["bound"] > 0 and checks.outcomes["as before"] > 300

@@ -19,11 +19,13 @@ import shlex
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath, PureWindowsPath
+from types import TracebackType
 from typing import Any, TypeVar
 
 import torch
 from torch import nn
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NErrorCheckpoint, T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -33,6 +35,7 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
     "SAFETENSORS_INDEX_NAME",
+    "BindingRollback",
     "CheckpointDescription",
     "describe_checkpoint",
     "load_offloaded_checkpoint",
@@ -220,10 +223,16 @@ class BindingPlan:
         value = found.loaded[key].to(binding.dtype)
         return OffloadedTensor.from_original_tensor(value, binding.names[0], offload_dir).to(device)
 
-    def bind_each(self, value_of: Callable[[int, PlannedBinding], torch.Tensor]) -> None:
+    def bind_each(
+        self,
+        value_of: Callable[[int, PlannedBinding], torch.Tensor],
+        rollback: BindingRollback,
+    ) -> None:
         """Bind each planned tensor, in order, to ``value_of(index, binding)``; the plan's
-        bindings are used up. It lets go of each tensor as it is replaced: a model built with
-        its weights frees each one before the next value is made (loading takes one model's
+        bindings are used up. ``rollback`` (entered on the model before) keeps each tensor
+        replaced, to put it back if the binding does not end, but one holding memory that a
+        value read into memory replaces: it lets go of that one, so that a model built with
+        its weights frees each before the next value is made (loading takes one model's
         memory, not two)."""
         pending = self.bindings[::-1]
         self.bindings.clear()
@@ -232,6 +241,8 @@ class BindingPlan:
             binding = pending.pop()
             value = value_of(index, binding)
             self.updater.update_by_ref(binding.tensor, value, enforce_tensor_consistency=False)
+            if _holds_memory(binding.tensor) and not isinstance(value, OffloadedTensor):
+                rollback.let_go(binding.tensor)
             del binding, value
             index += 1
 
@@ -244,6 +255,106 @@ class BindingPlan:
         else:
             value = found.loaded[key]
         return value.to(device=device, dtype=binding.dtype)
+
+
+def _holds_memory(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` holds its values in memory (neither on the meta device nor
+    offloaded)."""
+    return not tensor.is_meta and not isinstance(tensor, OffloadedTensor)
+
+
+_LET_GO = object()
+"""What a place of :class:`BindingRollback` holds once its tensor was let go."""
+
+_NO_ATTRIBUTE = object()
+
+
+class BindingRollback:
+    """A ``with`` block binding a model all or nothing: when its body raises (an error, or
+    Ctrl-C's ``KeyboardInterrupt``), every parameter and buffer of the model's modules is
+    put back as it was when the rollback was made (each by the very tensor object it was,
+    ties included; entries the body added are removed), so are the model's attributes named
+    in ``attributes`` (removed where the model had none), and the exception goes on.
+
+    The tensors replaced are kept alive until the block ends, and with them whatever they
+    own (an offloaded tensor's payload file). :meth:`let_go` gives one up, to free its
+    memory as it is replaced: its places keep what they hold then, and a note added to the
+    exception says how many were given up. The putting back runs with Ctrl-C held; a
+    ``KeyboardInterrupt`` landing before the hold takes effect puts everything back again
+    and is raised instead.
+    """
+
+    def __init__(self, model: nn.Module, attributes: Collection[str] = ()) -> None:
+        self._model = model
+        # One cell per tensor, shared by all its places: letting it go is one store.
+        self._cells: dict[int, list[Any]] = {}
+        self._places: list[tuple[dict[str, Any], str, list[Any]]] = []
+        self._keys: list[tuple[dict[str, Any], frozenset[str]]] = []
+        for module in model.modules():
+            for live in (module._parameters, module._buffers):
+                self._keys.append((live, frozenset(live)))
+                for key, tensor in live.items():
+                    cell = self._cells.setdefault(id(tensor), [tensor])
+                    self._places.append((live, key, cell))
+        self._attributes = {name: model.__dict__.get(name, _NO_ATTRIBUTE) for name in attributes}
+
+    def __enter__(self) -> BindingRollback:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self._forget()
+            return
+        try:
+            with InterruptHold() as hold:
+                hold.start()
+                self._restore()
+        except KeyboardInterrupt as late:  # (landed before the hold was in force)
+            self._restore()
+            self._note(late)
+            self._forget()
+            raise
+        self._note(exc)
+        self._forget()
+
+    def let_go(self, tensor: torch.Tensor) -> None:
+        """Keep ``tensor`` no longer: should the block fail, its places keep what they
+        hold then."""
+        cell = self._cells.pop(id(tensor), None)
+        if cell is not None:
+            cell[0] = _LET_GO
+
+    def _restore(self) -> None:
+        for live, key, cell in self._places:
+            if cell[0] is not _LET_GO:
+                live[key] = cell[0]
+        for live, keys in self._keys:
+            for key in [key for key in live if key not in keys]:
+                del live[key]
+        for name, value in self._attributes.items():
+            if value is _NO_ATTRIBUTE:
+                self._model.__dict__.pop(name, None)
+            else:
+                self._model.__dict__[name] = value
+
+    def _note(self, exc: BaseException) -> None:
+        kept = {id(cell) for _, _, cell in self._places if cell[0] is _LET_GO}
+        if kept:
+            exc.add_note(
+                f"{len(kept)} tensor(s) of the model, which held their values in memory, "
+                "were freed as the checkpoint's values read into memory replaced them, so "
+                "that loading takes one model's memory: they keep the checkpoint's values; "
+                "the model's other tensors were put back. Load again to bind them all"
+            )
+
+    def _forget(self) -> None:
+        self._cells.clear()
+        self._places.clear()
 
 
 def load_offloaded_checkpoint(
@@ -267,8 +378,14 @@ def load_offloaded_checkpoint(
 
     No tensor is left on the meta device silently: one that the checkpoint does not give
     a value (an untied weight, a non-persistent buffer built on the meta device) is refused,
-    even with ``strict=False``. Everything is checked before anything is bound: on error the
-    model is unchanged.
+    even with ``strict=False``. Everything is checked before anything is bound.
+
+    Binding is all or nothing: an error or a Ctrl-C (``KeyboardInterrupt``) during the call
+    leaves the model as it was before it, every tensor already replaced put back (the very
+    objects, ties included), then the exception is raised; the offloaded tensors made for
+    it go with their files once the exception is dropped, and nothing that ``offload_dir``
+    held before is removed. A Ctrl-C landing as the call returns may find the binding done:
+    the model is then wholly bound.
 
     Args:
         model: the module to bind.
@@ -308,7 +425,8 @@ def load_offloaded_checkpoint(
     offloaded = [
         plan.offloaded(binding, device=device, offload_dir=offload_dir) for binding in plan.bindings
     ]
-    plan.bind_each(lambda index, binding: offloaded[index])
+    with BindingRollback(model) as rollback:
+        plan.bind_each(lambda index, binding: offloaded[index], rollback)
     return model
 
 

@@ -42,6 +42,7 @@ from torch_to_nnef.tensor.checkpoint import (
     PICKLE_NAME,
     SAFETENSORS_SINGLE_NAME,
     BindingPlan,
+    BindingRollback,
     Checkpoint,
     PlannedBinding,
     check_arguments,
@@ -450,8 +451,16 @@ def t2n_load_checkpoint_and_dispatch(
     ``embed_out`` is bound to its ``lm_head``, still read in place. A conversion that computes
     a tensor from the stored values cannot be read in place, and is refused (see Raises).
 
-    Everything is checked before any tensor is bound: on error the model keeps its tensors
-    (its weights may have been tied).
+    Everything is checked before any tensor is bound. Binding is all or nothing: an error or
+    a Ctrl-C (``KeyboardInterrupt``) during the call leaves the model as it was before it,
+    every tensor already replaced put back (the very objects; weights the call tied are
+    untied again), then the exception is raised; the offloaded tensors made for it go with
+    their files once the exception is dropped, and nothing that ``offload_dir`` held before
+    is removed. One exception: a model built with its weights (not on the meta device),
+    whose tensors are read into memory, frees each of its own as its value replaces it, so
+    that loading takes one model's memory, not two; those already replaced then keep the
+    checkpoint's values, as a note added to the exception says. A Ctrl-C landing as the call
+    returns may find the binding done: the model is then wholly bound.
 
     Args:
         model: the skeleton.
@@ -517,31 +526,34 @@ def t2n_load_checkpoint_and_dispatch(
             "checkpoint with transformers, or quantize after loading"
         )
     transforms = _weight_transforms(model, weight_converters)
-    tie = getattr(model, "tie_weights", None)
-    if callable(tie):  # first: accelerate's map ("t2n_auto") places tied weights together
-        tie()
-    placement = _resolve_device_map(model, device_map)
-    found = open_checkpoint(Path(checkpoint), allow_pickle=True)
-    if transforms:
-        found = _converted(model, found, transforms)
-    ignored = [
-        re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", ()) or ()
-    ]
-    plan = plan_binding(
-        model,
-        found,
-        strict=strict,
-        dtype=dtype,
-        ignored=lambda key: any(pattern.search(key) for pattern in ignored),
-        cast_to_model=True,
-    )
-    _check_covered(plan, placement)
-    if isinstance(device_map, Mapping):  # accelerate's map ("t2n_auto") keeps ties together
-        _check_tied_together(plan, placement)
-    _bind(plan, placement, offload_dir)
-    if transforms and _is_pretrained(model):
-        # As from_pretrained records them: save_pretrained reverts the transforms used.
-        model._weight_conversions = [t for t in transforms if t.was_used()]  # type: ignore[assignment]
+    # All or nothing from here: on error or Ctrl-C the model gets back its tensors (untied
+    # again) and has no _weight_conversions of this call.
+    with BindingRollback(model, attributes=("_weight_conversions",)) as rollback:
+        tie = getattr(model, "tie_weights", None)
+        if callable(tie):  # first: accelerate's map ("t2n_auto") places tied weights together
+            tie()
+        placement = _resolve_device_map(model, device_map)
+        found = open_checkpoint(Path(checkpoint), allow_pickle=True)
+        if transforms:
+            found = _converted(model, found, transforms)
+        ignored = [
+            re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", ()) or ()
+        ]
+        plan = plan_binding(
+            model,
+            found,
+            strict=strict,
+            dtype=dtype,
+            ignored=lambda key: any(pattern.search(key) for pattern in ignored),
+            cast_to_model=True,
+        )
+        _check_covered(plan, placement)
+        if isinstance(device_map, Mapping):  # accelerate's map ("t2n_auto") keeps ties together
+            _check_tied_together(plan, placement)
+        _bind(plan, placement, offload_dir, rollback)
+        if transforms and _is_pretrained(model):
+            # As from_pretrained records them: save_pretrained reverts the transforms used.
+            model._weight_conversions = [t for t in transforms if t.was_used()]  # type: ignore[assignment]
     if plan.unexpected:
         LOGGER.warning(
             "%d tensor(s) of checkpoint %s are not used by %s: %s",
@@ -712,11 +724,17 @@ def _resolve_device_map(model: nn.Module, device_map: str | DeviceMap | None) ->
     )
 
 
-def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None) -> None:
+def _bind(
+    plan: BindingPlan,
+    placement: DeviceMap,
+    offload_dir: PathLike | None,
+    rollback: BindingRollback,
+) -> None:
     """Make the offloaded values, then bind every tensor: one that cannot be made (a cast
-    value that cannot be written to ``offload_dir``) leaves the model unchanged. A value read
+    value that cannot be written to ``offload_dir``) fails before any is bound. A value read
     into memory is read as it is bound, so that the tensor it replaces (a skeleton built
-    with its weights, on the CPU or a GPU) is freed before the next is read."""
+    with its weights, on the CPU or a GPU) is freed before the next is read: ``rollback``
+    lets it go (see :meth:`BindingPlan.bind_each`)."""
     devices = []
     for binding in plan.bindings:
         device = _binding_device(binding.names, placement)
@@ -734,7 +752,7 @@ def _bind(plan: BindingPlan, placement: DeviceMap, offload_dir: PathLike | None)
         value = offloaded.pop(index, None)
         return plan.resident(binding, devices[index]) if value is None else value
 
-    plan.bind_each(value_of)
+    plan.bind_each(value_of, rollback)
 
 
 # ---------------------------------------------------------------------------------------------
