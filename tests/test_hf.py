@@ -5,10 +5,14 @@ from __future__ import annotations
 import itertools
 import json
 import logging
+import os
 import pickle
 import re
+import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,6 +28,7 @@ from torch_to_nnef.exceptions import (  # noqa: E402
     T2NErrorCheckpoint,
     T2NErrorMisuse,
     T2NErrorNotImplemented,
+    T2NErrorStorage,
 )
 from torch_to_nnef.tensor import (  # noqa: E402
     OffloadedTensor,
@@ -107,6 +112,14 @@ pytestmark = pytest.mark.xdist_group("test_hf")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, bool], Saved]:
     directory = tmp_path_factory.mktemp("hf")
     return {case: Saved(*case, directory) for case in CASES}
+
+
+def tensors_of(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter and buffer of ``model``, under each of its names (tied ones too)."""
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
 
 
 def offloaded_share(model: nn.Module) -> tuple[int, int]:
@@ -765,6 +778,78 @@ def test_a_skeleton_with_weights_frees_each_before_the_next_is_read(
     # At the k-th read, the k tensors replaced before it are gone.
     assert alive_at_reads == [len(old) - k for k in range(len(old))]
     assert torch.equal(generate(model), case.tokens)
+
+
+def read_then_cut_short(directory: Path, reads: int) -> Callable[[Any, str, Any], None]:
+    """A profile function that, as the ``reads``-th value is about to be read into memory,
+    cuts every shard of ``directory`` short (as another process rewriting the checkpoint
+    would): that read and those after it fail."""
+    from torch_to_nnef.tensor.checkpoint import BindingPlan
+
+    count = [0]
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        if event == "call" and frame.f_code is BindingPlan.resident.__code__:
+            count[0] += 1
+            if count[0] == reads:
+                for shard in directory.glob("*.safetensors"):
+                    os.truncate(shard, 8)
+
+    return profile
+
+
+def test_a_read_failing_midway_leaves_the_skeleton_as_it_was(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """Tensors read into memory as they are bound, the checkpoint cut short after the fourth:
+    the fifth read fails, and the four tensors bound before it are put back (the very
+    skeleton tensors; the head untied again, as it was built); no note is added (nothing
+    was freed)."""
+    case = saved[("llama", True)]
+    path = tmp_path / "checkpoint"
+    shutil.copytree(case.path, path)
+    model = case.skeleton()
+    before = tensors_of(model)
+    sys.setprofile(read_then_cut_short(path, reads=5))
+    try:
+        with pytest.raises(T2NErrorStorage) as failed:
+            t2n_load_checkpoint_and_dispatch(model, path, {"": "cpu"}, tmp_path / "offload")
+    finally:
+        sys.setprofile(None)
+    assert all(t is old for (_, t), (_, old) in zip(tensors_of(model), before, strict=True))
+    assert not getattr(failed.value, "__notes__", None)
+    assert list((tmp_path / "offload").glob("*")) == []
+
+
+def test_a_read_failing_midway_tells_the_tensors_freed_from_a_skeleton_with_weights(
+    saved: dict[tuple[str, bool], Saved], tmp_path: Path
+) -> None:
+    """A model built with its weights, read into memory: each of its tensors is freed as
+    its value replaces it (one model's memory), so a failure cannot put those back. They
+    keep the checkpoint's values, the others are put back, and a note on the exception
+    says so."""
+    case = saved[("llama", False)]
+    path = tmp_path / "checkpoint"
+    shutil.copytree(case.path, path)
+    model = transformers.AutoModelForCausalLM.from_config(case.config).eval()
+    before = tensors_of(model)
+    sys.setprofile(read_then_cut_short(path, reads=5))
+    try:
+        with pytest.raises(T2NErrorStorage) as failed:
+            t2n_load_checkpoint_and_dispatch(model, path, {"": "cpu"}, None)
+    finally:
+        sys.setprofile(None)
+    kept = [t is old for (_, t), (_, old) in zip(tensors_of(model), before, strict=True)]
+    assert kept == [False] * 4 + [True] * (len(before) - 4)
+    dense = dict(case.dense.named_parameters())
+    for name, t in tensors_of(model)[:4]:
+        assert torch.equal(t, dense[name]), name
+    assert failed.value.__notes__ == [
+        "4 tensor(s) of the model, which held their values in memory, were freed as the "
+        "checkpoint's values read into memory replaced them, so that loading takes one "
+        "model's memory: they keep the checkpoint's values; the model's other tensors were "
+        "put back. Load again to bind them all"
+    ]
 
 
 def test_the_auto_map_is_computed_on_the_tied_model(
