@@ -35,7 +35,6 @@ from torch_to_nnef.tensor.updater import ModTensorUpdater
 
 __all__ = [
     "SAFETENSORS_INDEX_NAME",
-    "BindingRollback",
     "CheckpointDescription",
     "describe_checkpoint",
     "load_offloaded_checkpoint",
