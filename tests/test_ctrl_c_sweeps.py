@@ -33,9 +33,11 @@ from torch_to_nnef.tensor.residency import (
     _handles,
     _runtime,
     _stream,
+    _workers,
     active_tensor_residency,
     stream_modules,
 )
+from torch_to_nnef.tensor.residency._state import Job
 
 SOURCE = str(Path(storage.__file__).parents[1])  # the package's tensor code
 
@@ -357,6 +359,30 @@ def test_a_ctrl_c_anywhere_in_a_wait_for_a_reply_leaves_its_other_waiters_answer
         if not signal_at.fired:
             break
     assert n > 2, "the wait made fewer points than expected: the test proves little"
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_anywhere_in_a_stop_of_the_io_workers_leaves_the_next_stop_to_end_them() -> None:
+    """The stop of a pool's I/O workers, cut by a Ctrl-C at each point in turn (the close of
+    a pool stranded by its closed loop stops them on the main thread): a stop again (the one
+    at interpreter exit, say) ends the threads. A Ctrl-C landing once the workers were marked
+    stopped and before their stop marks were queued once left them waiting for good, and
+    the stop at interpreter exit waited 300 s for each."""
+    within = _workers.__file__
+    for n in itertools.count(1):
+        workers = _workers.Workers(2, lambda job: None)
+        for _ in range(2):
+            workers.submit(Job("load", time.sleep, (0.01,), lambda job: None))
+        threads = list(workers._threads)
+        signal_at, _ = signalled(n, within, workers.shutdown)
+        stopper = threading.Thread(target=workers.shutdown, daemon=True)
+        stopper.start()
+        stopper.join(10)
+        assert not stopper.is_alive(), f"a Ctrl-C at {signal_at.where} left a stop waiting"
+        assert not any(thread.is_alive() for thread in threads), signal_at.where
+        if not signal_at.fired:
+            break
+    assert n > 3, "the stop made fewer points than expected: the test proves little"
 
 
 @pytest.mark.timeout(180)

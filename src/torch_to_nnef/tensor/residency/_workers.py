@@ -123,6 +123,7 @@ class Workers:
         self._lock = threading.Lock()  # the idle count, and a job's end against its waiter
         self._idle = 0
         self._stopped = False
+        self._marks = 0  # stop marks queued
         self.pid = os.getpid()
         _running.add(self)
 
@@ -172,11 +173,15 @@ class Workers:
         (idempotent: a second call, from another thread too, waits for the same end);
         ``at_exit``: for at most :data:`EXIT_JOIN_TIMEOUT` seconds each."""
         with self._lock:
-            first, self._stopped = not self._stopped, True
+            self._stopped = True
             threads = list(self._threads)
-        if first:
-            for _ in threads:
+            # The marks owed, queued with the stop under the lock: a call that an interrupt
+            # cut short leaves the rest to the next one (at exit, say), never a thread that
+            # no mark would ever reach. (An interrupt between a put and its count queues one
+            # mark too many, which no thread takes.)
+            while self._marks < len(threads):
                 self._queue.put(_STOP)
+                self._marks += 1
         current = threading.current_thread()
         for thread in threads:
             if thread is current:
