@@ -16,7 +16,7 @@ from typing import Any
 
 from torch_to_nnef._owned import collecting_here
 
-__all__ = ["InterruptAt", "SignalAt", "in_finalizer", "interrupted", "signalled"]
+__all__ = ["InterruptAt", "SecondSignalAt", "SignalAt", "in_finalizer", "interrupted", "signalled"]
 
 Trace = Callable[[FrameType, str, Any], Any]
 
@@ -106,6 +106,37 @@ class SignalAt:
 
     def _within(self, filename: str) -> bool:
         return any(place in filename for place in self.within)
+
+
+class SecondSignalAt(SignalAt):
+    """Two Ctrl-C: a profile function that runs the SIGINT handler in force on entry to the
+    first function named ``first`` (of a file whose path contains ``within``), then, as
+    :class:`SignalAt` does, at the ``n``-th point counted from the entry to the first
+    function named ``second`` on (that entry is the first point). ``first_where``: where the
+    first one ran (``""`` while it did not)."""
+
+    def __init__(self, first: str, second: str, n: int, within: str | tuple[str, ...]) -> None:
+        super().__init__(n, within)
+        self.first, self.second = first, second
+        self.first_where = ""
+        self.counting = False
+
+    def __call__(self, frame: FrameType, event: str, arg: Any) -> None:
+        code = frame.f_code
+        if event != "call" and not self.counting:
+            return
+        if not self.first_where:
+            if code.co_name == self.first and self._within(code.co_filename):
+                self.first_where = code.co_qualname
+                handler = signal.getsignal(signal.SIGINT)
+                if callable(handler):
+                    handler(signal.SIGINT, frame)
+            return
+        if not self.counting:
+            if code.co_name != self.second or not self._within(code.co_filename):
+                return
+            self.counting = True
+        super().__call__(frame, event, arg)
 
 
 _HANDLED_AT = ("call", "return", "c_return")  # not before a C call: after the previous one

@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 import torch
 from breakpoints import Breakpoint, line_of, paused_in_new_threads
-from interrupts import InterruptAt, interrupted
+from interrupts import InterruptAt, SecondSignalAt, interrupted
 from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef import _interrupts
@@ -1471,6 +1471,97 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
     assert not workers, f"the closed pool's I/O workers still run: {workers}"
     del task  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
+
+
+def _io_threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and thread.name.startswith("t2n-residency-io")
+    ]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_as_a_stranded_pool_s_close_stops_its_workers_leaves_none(
+    tmp_path: Path,
+) -> None:
+    """Two Ctrl-C while the main thread closes a pool stranded by its closed loop, its change
+    unwritten: the first as the close begins (held: raised once it ended), the second at
+    each point in turn from the stop of the pool's serving on, its I/O workers' stop among
+    them. Whichever point it lands at, the change is on disk, the pool is closed and its
+    workers are gone: a second Ctrl-C there once left them running for the process's life
+    (a later close found the pool closed and stopped nothing), or, landing inside their
+    stop, made interpreter exit wait 300 s for them."""
+    for n in itertools.count(1):
+        t = _tensor(tmp_path, f"t{n}")
+        before = set(threading.enumerate())
+        pool = TensorResidencyPool()
+        task = _stranded_with_a_change(pool, t, float(n))
+        signal_at = SecondSignalAt("drive", "detach_current", n, _runtime.__file__)
+        sys.setprofile(signal_at)
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                pool.close()
+        finally:
+            sys.setprofile(None)
+        assert signal_at.first_where == "Runtime.drive"
+        where = signal_at.where or "no point (ran to its end)"
+        assert pool.closed, where
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), float(n))), where
+        assert not _io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
+        pool.close()  # (a no-op)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
+        del task
+        gc.collect()
+        if not signal_at.fired:
+            break
+    assert n > 3, "the stop made fewer points than expected: the test proves little"
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
+@pytest.mark.timeout(120)
+def test_a_second_ctrl_c_as_asyncio_run_leaves_async_with_pool_leaves_no_worker(
+    tmp_path: Path,
+) -> None:
+    """``asyncio.run``: a first Ctrl-C as the `async with pool` exit's close begins (it
+    cancels the main task, once the close ended), a second at each point in turn as the exit
+    stops serving the pool (raised there). The change is written and the pool closed; its
+    I/O workers are gone, or, the second Ctrl-C having landed before anything of that stop
+    ran, go with a ``close()`` of the closed pool, which finishes the stop: they once stayed
+    for the process's life."""
+    for n in itertools.count(1):
+        t = _tensor(tmp_path, f"t{n}")
+        before = set(threading.enumerate())
+        pool = TensorResidencyPool()
+        signal_at = SecondSignalAt("drive", "detach_current", n, _runtime.__file__)
+
+        async def main(
+            pool: TensorResidencyPool = pool,
+            t: OffloadedTensor = t,
+            signal_at: SecondSignalAt = signal_at,
+            value: float = float(n),
+        ) -> None:
+            async with pool:
+                async with pool.acquire(t, mode="read_write") as changed:
+                    changed.fill_(value)
+                sys.setprofile(signal_at)
+
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                asyncio.run(main())
+        finally:
+            sys.setprofile(None)
+        assert signal_at.first_where == "Runtime.drive"
+        where = signal_at.where or "no point (ran to its end)"
+        assert pool.closed, where
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), float(n))), where
+        pool.close()
+        assert not _io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
+        if not signal_at.fired:
+            break
+    assert n > 3, "the stop made fewer points than expected: the test proves little"
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")

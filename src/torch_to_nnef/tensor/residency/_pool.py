@@ -655,14 +655,17 @@ class TensorResidencyPool(Uncopyable):
 
     def _let_go(self) -> None:
         """Let go of what a closed pool still holds: the streams through it (one its caller
-        did not keep then goes, with its hooks) and its private loop thread, if it still runs
+        did not keep then goes, with its hooks), its private loop thread, if it still runs
         (not from it: a close on the loop thread leaves the loop to stop when the thread's
-        callback ends)."""
+        callback ends), and the I/O workers of a loop of the caller's that a Ctrl-C stopped
+        before the end of ``async with pool`` stopped serving the pool."""
         for stream in list(self._streams):
             stream._let_go()
         runtime = self._runtime
         if runtime.private and not runtime.on_loop_thread():
             runtime.stop_private()
+        elif runtime.stranded_here():
+            runtime.detach_current()
 
     def _end_interrupted_forwards(self) -> None:
         """Streamed forwards of the calling thread that Ctrl-C interrupted give back their

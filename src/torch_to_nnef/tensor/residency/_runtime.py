@@ -758,22 +758,33 @@ class Runtime:
         """Close a stranded pool from the calling thread (:meth:`call_stranded`), then stop
         serving on its loop. Raises what the close raises (the pool stays open). A Ctrl-C
         held through the close is raised once the pool stopped serving: raised before, it
-        would leave the closed pool's I/O workers running for the process's life."""
-        try:
-            self.call_stranded(close)
-        finally:
-            if self.actor.closed:
-                self.detach_current()
+        would leave the closed pool's I/O workers running for the process's life. Held from
+        the close's start to that end: a second Ctrl-C between the two is held too."""
+        with InterruptHold() as hold:
+            hold.start()
+            try:
+                self.call_stranded(close)
+            finally:
+                if self.actor.closed:
+                    self.detach_current()
 
     def detach_current(self) -> None:
         """Stop serving on the caller's loop (end of ``async with pool``). No private loop
         starts meanwhile (a thread's request to a pool whose exit failed): the ends of the
-        jobs under way are applied here first, the actor being this thread's alone."""
-        with self._start_lock:
-            workers = self._detach()
-            if workers is not None:
-                workers.shutdown()  # jobs run to their end; nothing is left behind
-            self._apply_ended()
+        jobs under way are applied here first, the actor being this thread's alone.
+
+        Ctrl-C is held from the start to the end (raised after): landing once the pool was
+        detached and before its workers were told to stop, it would leave them running for
+        the process's life, no later close knowing of them. One landing before the hold
+        leaves the pool as it was: a ``close()`` again stops serving it
+        (:meth:`TensorResidencyPool._let_go`)."""
+        with InterruptHold() as hold:
+            hold.start()
+            with self._start_lock:
+                workers = self._detach()
+                if workers is not None:
+                    workers.shutdown()  # jobs run to their end; nothing is left behind
+                self._apply_ended()
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
