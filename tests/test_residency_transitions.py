@@ -327,3 +327,53 @@ def test_a_job_resumes_every_waiter_when_one_of_them_raises() -> None:
     assert job.done
     job.add_callback(waiter(4))  # an ended job runs a new callback at once
     assert resumed == [0, 1, 2, 3, 4]
+
+
+@faces
+@pytest.mark.asyncio
+async def test_a_failed_write_back_superseded_by_another_pools_change_loses_nothing(
+    tmp_path: Path, face_name: str
+) -> None:
+    """A pool's write-back fails (its directory is gone) while another pool, used from a
+    thread, reads the change and changes the value in turn, then fails to write it too. Every
+    read (both pools, ``reload``) sees the latest change; the first pool's flush writes
+    nothing (its change is superseded) and its failed value does not keep it from serving
+    the later one; once the directory is back, the other pool's close writes the latest
+    change, and nothing else reaches the file."""
+    failing, moved = tmp_path / "failing", tmp_path / "moved"
+    t = _offloaded(torch.zeros(16), failing)
+    other = TensorResidencyPool()
+    try:
+        async with open_pool(face_name) as face:
+            async with face.acquire(t, mode="read_write") as value:
+                value.fill_(1.0)
+            os.rename(failing, moved)  # write-backs fail with ENOENT
+            with pytest.raises(T2NErrorStorage, match="write-back"):
+                await face.flush()
+            assert face.pool.is_resident(t)
+
+            def change() -> float:
+                with other.acquire(t, mode="read_write") as changed:
+                    seen = float(changed[0])
+                    changed.add_(1.0)
+                with pytest.raises(T2NErrorStorage, match="write-back"):
+                    other.flush()
+                return seen
+
+            assert await anyio.to_thread.run_sync(change) == 1.0  # the first pool's change
+            latest = torch.full((16,), 2.0)
+            assert torch.equal(await face.resolve(t), latest)
+            assert torch.equal(await anyio.to_thread.run_sync(other.resolve, t), latest)
+            assert torch.equal(t.reload(), latest)
+            await face.flush()  # superseded: nothing to write, nothing fails
+            check_invariants(face.pool)
+            check_invariants(other)
+            os.rename(moved, failing)
+            await anyio.to_thread.run_sync(other.close)
+        assert torch.equal(on_disk(t), latest)
+        assert torch.equal(t.reload(), latest)
+        assert sorted(os.listdir(failing)) == [t.offload_path.name]
+    finally:
+        if moved.exists():
+            os.rename(moved, failing)
+        other.close()
