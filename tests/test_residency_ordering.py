@@ -31,6 +31,7 @@ from torch import nn
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
+from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.storage import _io as storage_io
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -1780,3 +1781,50 @@ def test_an_in_place_op_on_a_view_of_a_changed_value_joins_the_unsaved_change(
         assert torch.equal(pool.resolve(t), expected)
         check_invariants(pool)
     assert torch.equal(on_disk(t), expected)
+
+
+# ---------------------------------------------------------------------------------------------
+# 17. A mapped value's remap ending while its eviction writes it back
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_remap_ending_while_the_value_is_evicted_leaves_it_unpublished(
+    tmp_path: Path,
+) -> None:
+    """A mapped value that stays after a flush is mapped again from the file written (the
+    remap job). The value changes and is chosen for eviction (its write-back runs) before
+    that job ends: the remap then leaves it on its way out, never handed out again without
+    the actor, and the value changed last is the one written."""
+    t = _tensor(tmp_path, numel=1 << 16)  # 256 KiB: loaded as a mapping of its file
+    u = _tensor(tmp_path, "u")
+    remap = Breakpoint(OffloadedTensor._map_written.__code__, on="return")
+    write_back = Breakpoint(OffloadedTensor._write_back.__code__, on="call")
+    remapped = Breakpoint(Actor._on_remapped.__code__, on="return")
+    with (
+        breakpoints_in_new_threads(remap, write_back, remapped),
+        TensorResidencyPool(max_cached_bytes=t.payload_nbytes, max_workers=2) as pool,
+    ):
+        try:
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+            remap.armed.set()
+            pool.flush()  # written; the value stays, and a job maps the file written
+            assert remap.paused.wait(10)  # (that mapping made, before the change below)
+            with pool.acquire(t, mode="read_write") as value:
+                value.add_(1.0)
+            write_back.armed.set()
+            pool.resolve(u)  # over the budget: t goes, its write-back starts
+            assert write_back.paused.wait(10)
+            assert not pool.is_resident(t)
+            remapped.armed.set()
+            remap.go()
+            assert remapped.paused.wait(10)
+            remapped.go()
+            check_invariants(pool)  # t is on its way out: not published
+            assert not pool.is_resident(t)
+            assert torch.equal(pool.resolve(t), torch.full((1 << 16,), 2.0))
+        finally:
+            for point in (remap, write_back, remapped):
+                point.go()
+        assert torch.equal(pool.resolve(t), torch.full((1 << 16,), 2.0))
+        check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.full((1 << 16,), 2.0))

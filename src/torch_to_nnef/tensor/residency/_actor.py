@@ -1166,9 +1166,11 @@ class Actor:
         of the value written, which maps the replaced file: as long as a mapping of that file
         lives, its disk space stays in use. Not while a lease holds the value: then at the
         transition that sees its last lease end (:meth:`_apply`). Not once the value changed
-        again either (it goes with its eviction then, or a later write-back remaps it)."""
+        again either (it goes with its eviction then, or a later write-back remaps it), nor
+        while it is on its way out (its write-back runs): its slot stays closed, so that
+        nothing takes it without the actor."""
         remapped = entry.remapped
-        if remapped is None or self.closing or not self._close_slot(entry):
+        if remapped is None or self.closing or entry.evicting or not self._close_slot(entry):
             return
         entry.remapped = None
         mapping, counter = remapped
