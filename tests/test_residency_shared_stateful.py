@@ -50,18 +50,23 @@ class _Config:
     budget: int
     workers: int = 1
     uvloop: bool | None = None
+    read_ahead: str | None = None
 
     def __repr__(self) -> str:
-        return f"_Config({self.strategy.name}, {self.budget}, {self.workers}, {self.uvloop})"
+        return (
+            f"_Config({self.strategy.name}, {self.budget}, workers={self.workers}, "
+            f"uvloop={self.uvloop}, read_ahead={self.read_ahead})"
+        )
 
 
 CONFIGS = [
     _Config(ResidencyStrategy.LRU, 2 * SMALL),
     _Config(ResidencyStrategy.LRU, 256 * KIB, workers=2, uvloop=False),
+    _Config(ResidencyStrategy.LRU, 2 * SMALL, workers=2, read_ahead="512KiB"),
     _Config(ResidencyStrategy.FIXED, 128 * KIB + SMALL, workers=2),
     _Config(ResidencyStrategy.FIXED, SMALL),
     _Config(ResidencyStrategy.SCHEDULED, 64 * KIB + SMALL, workers=2),
-    _Config(ResidencyStrategy.SCHEDULED, 384 * KIB, uvloop=False),
+    _Config(ResidencyStrategy.SCHEDULED, 384 * KIB, uvloop=False, read_ahead="auto"),
 ]
 DTYPES = (torch.float32, torch.float16)
 
@@ -79,6 +84,7 @@ ops = st.sampled_from(["add", "mul", "fill"]).flatmap(
     )
 )
 tensors = st.integers(0, len(SIZES) - 1)
+WRITES_IN_PLACE = ["method", "slice", "out"]
 
 
 def apply(value: torch.Tensor, op: Op) -> None:
@@ -112,7 +118,10 @@ class _Model:
         )
 
     def write(self, i: int, op: Op) -> None:
-        self.values[i] = self.after(i, op)
+        self.set(i, self.after(i, op))
+
+    def set(self, i: int, value: torch.Tensor) -> None:
+        self.values[i] = value
         self.writes[i] += 1
 
     def cast(self, i: int, dtype: torch.dtype) -> None:
@@ -184,6 +193,7 @@ class SharedPoolsMachine(RuleBasedStateMachine):
         # Prefetch handles not waited for yet: (pool index, tensor index, handle).
         self.handles: list[tuple[int, int, TensorPrefetch]] = []
         self.mapped_reads = storage.set_mapped_reads(True)
+        self.steps = self.closed_at = 0
 
     @initialize(configs=st.lists(st.sampled_from(CONFIGS), min_size=2, max_size=3))
     def open_pools(self, configs: list[_Config]) -> None:
@@ -194,7 +204,11 @@ class SharedPoolsMachine(RuleBasedStateMachine):
     def _pool(self, p: int) -> TensorResidencyPool:
         config = self.configs[p]
         pool = TensorResidencyPool(
-            config.budget, config.workers, config.strategy, use_uvloop=config.uvloop
+            config.budget,
+            config.workers,
+            config.strategy,
+            use_uvloop=config.uvloop,
+            read_ahead=config.read_ahead,
         )
         pool.__enter__()
         return pool
@@ -258,14 +272,29 @@ class SharedPoolsMachine(RuleBasedStateMachine):
             apply(value, op)
         self.model.write(i, op)
 
-    @rule(data=st.data(), i=tensors)
-    def in_place_op_in_a_scope(self, data: st.DataObject, i: int) -> None:
+    def write_in_place(self, i: int, op: Op, how: str) -> None:
+        """Write ``t{i}`` itself, in a scope or outside any: an in-place method, an
+        assignment to a slice (the rest is kept), or an ``out=`` argument."""
+        t = self.tensors[i]
+        if how == "method":
+            apply(t, op)
+            self.model.write(i, op)
+            return
+        new = self.model.after(i, op)
+        if how == "slice":
+            t[1:3] = new[1:3].to(self.model.dtypes[i])
+            new[:1], new[3:] = self.model.values[i][:1], self.model.values[i][3:]
+        else:
+            torch.add(new.to(self.model.dtypes[i]), 0.0, out=t)
+        self.model.set(i, new)
+
+    @rule(data=st.data(), i=tensors, how=st.sampled_from(WRITES_IN_PLACE))
+    def in_place_op_in_a_scope(self, data: st.DataObject, i: int, how: str) -> None:
         p, op = self.writer_index(data, i), self.exact_op(data, i)
         if p is None:
             return
         with self.pools[p].scope():
-            apply(self.tensors[i], op)
-        self.model.write(i, op)
+            self.write_in_place(i, op, how)
 
     # -- leases held across steps ------------------------------------------------------------
     @precondition(lambda self: len(self.held) < 3)
@@ -286,11 +315,9 @@ class SharedPoolsMachine(RuleBasedStateMachine):
         self._release(self.held[data.draw(st.integers(0, len(self.held) - 1))])
 
     # -- direct writes, outside any pool -----------------------------------------------------
-    @rule(data=st.data(), i=tensors)
-    def in_place_op_outside_any_scope(self, data: st.DataObject, i: int) -> None:
-        op = self.exact_op(data, i)
-        apply(self.tensors[i], op)
-        self.model.write(i, op)
+    @rule(data=st.data(), i=tensors, how=st.sampled_from(WRITES_IN_PLACE))
+    def in_place_op_outside_any_scope(self, data: st.DataObject, i: int, how: str) -> None:
+        self.write_in_place(i, self.exact_op(data, i), how)
 
     @rule(
         data=st.data(),
@@ -345,6 +372,20 @@ class SharedPoolsMachine(RuleBasedStateMachine):
     def resolve(self, data: st.DataObject, i: int) -> None:
         p = self.pool_index(data)
         self.model.check(i, self.pools[p].resolve(self.tensors[i]), f"resolve of pool {p}")
+
+    @rule(data=st.data(), changed=tensors)
+    def forward_in_a_scope(self, data: st.DataObject, changed: int) -> None:
+        """A model's forward: every tensor read in turn, in the same order each time (what a
+        pool's read-ahead learns), one of them changed in place on the way."""
+        p, op = self.writer_index(data, changed), self.exact_op(data, changed)
+        if p is None:
+            return
+        with self.pools[p].scope():
+            for i, t in enumerate(self.tensors):
+                self.model.check(i, t * 1, f"forward in pool {p}'s scope")
+                if i == changed:
+                    apply(t, op)
+                    self.model.write(i, op)
 
     @rule(data=st.data(), i=tensors)
     def read_in_a_scope(self, data: st.DataObject, i: int) -> None:
@@ -486,10 +527,16 @@ class SharedPoolsMachine(RuleBasedStateMachine):
         for j, t in enumerate(self.tensors):
             self.model.check(j, on_disk(t), "the file after every pool flushed")
 
+    @rule(data=st.data(), order=st.permutations(range(len(SIZES))))
+    def declare_schedule(self, data: st.DataObject, order: list[int]) -> None:
+        self.pools[self.pool_index(data)].declare_schedule(self.tensors[i] for i in order)
+
+    @precondition(lambda self: self.steps % 4 == 0)  # a process-wide setting: now and then
     @rule(mapped=st.booleans())
     def switch_mapped_reads(self, mapped: bool) -> None:
         storage.set_mapped_reads(mapped)
 
+    @precondition(lambda self: self.steps >= self.closed_at + 8)  # pools live a while
     @rule(data=st.data())
     def close_and_replace(self, data: st.DataObject) -> None:
         p = self.pool_index(data)
@@ -504,8 +551,13 @@ class SharedPoolsMachine(RuleBasedStateMachine):
         assert self.pools[p].closed
         self.pools[p] = self._pool(p)
         self.pinned[p] = set()
+        self.closed_at = self.steps
 
     # -- comparison --------------------------------------------------------------------------
+    @invariant()
+    def count_steps(self) -> None:
+        self.steps += 1
+
     @invariant()
     def pools_keep_their_invariants(self) -> None:
         for pool in self.pools:
