@@ -208,13 +208,16 @@ def load_average() -> float | None:
         return None
 
 
-def parallel_speedup(products: int = 1500) -> float:
-    """Throughput of two threads of compute-bound matmuls over one thread's.
+def compute_speed(products: int = 1500) -> tuple[float, float]:
+    """One thread's speed at compute-bound matmuls (GFLOP/s), and the throughput of two
+    threads over one thread's.
 
-    About 2 on an idle machine with two free cores; about 1 when the benchmarks effectively
-    get one core (other processes running, or two hyper-threads of one core), in which case
-    no pipeline can overlap reads with compute. Each thread computes ``products`` products
-    of 256 x 256 matrices.
+    The first tells one run's machine from another's (a host that lends the virtual machine
+    less of its CPU slows every figure, ratios less so). The second is about 2 on an idle
+    machine with two free cores; about 1 when the benchmarks effectively get one core (other
+    processes running, or two hyper-threads of one core), in which case no pipeline can
+    overlap reads with compute. Each thread computes ``products`` products of 256 x 256
+    matrices.
     """
     import torch
 
@@ -235,7 +238,21 @@ def parallel_speedup(products: int = 1500) -> float:
         thread.start()
     for thread in threads:
         thread.join()
-    return 2 * one / (time.perf_counter() - start)
+    both = time.perf_counter() - start
+    return products * 2 * 256**3 / one / 1e9, 2 * one / both
+
+
+def interpreter_speed() -> float:
+    """Microseconds for the interpreter to sum ``range(1000)``, best of 20 runs of 1,000: the
+    pool's hit paths run Python, whose speed a host can change from one run to the next
+    as much as the CPU's."""
+    best = float("inf")
+    for _ in range(20):
+        start = time.perf_counter()
+        for _ in range(1000):
+            sum(range(1000))
+        best = min(best, time.perf_counter() - start)
+    return best * 1e3
 
 
 def run_benchmark(
@@ -484,6 +501,8 @@ def summary_markdown(
                 ["platform", machine["platform"]],
                 ["CUDA device", machine["cuda"]],
                 ["load average at start (1 min)", machine["load_average"]],
+                ["one compute thread (256 x 256 matmuls), at start", machine["one_thread_gflops"]],
+                ["Python: sum(range(1000)), at start", machine["interpreter_us"]],
                 ["speed-up of 2 compute threads over 1, at start", machine["parallel_speedup"]],
             ],
         ),
@@ -505,7 +524,10 @@ def main(argv: list[str] | None = None) -> int:
     machine = machine_description()
     load = load_average()
     machine["load_average"] = "unknown" if load is None else f"{load:.2f}"
-    machine["parallel_speedup"] = f"{parallel_speedup(300 if arguments.quick else 1500):.2f}x"
+    gflops, speedup = compute_speed(300 if arguments.quick else 1500)
+    machine["one_thread_gflops"] = f"{gflops:.1f} GFLOP/s"
+    machine["interpreter_us"] = f"{interpreter_speed():.1f} us"
+    machine["parallel_speedup"] = f"{speedup:.2f}x"
     print(
         f"machine: {machine['cpus']} CPUs, load average {machine['load_average']}, "
         f"2 threads run {machine['parallel_speedup']} as fast as 1",

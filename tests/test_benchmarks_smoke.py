@@ -249,6 +249,7 @@ def test_the_summary_shows_why_a_captured_benchmark_failed(tmp_path: Path) -> No
     outcome = run_all.run_benchmark(benchmark, tmp_path, quick=True, capture=True)
     assert outcome.status == "failed (exit code 1)"
     machine = {**run_all.machine_description(), "load_average": "-", "parallel_speedup": "-"}
+    machine.update(one_thread_gflops="-", interpreter_us="-")
     text = run_all.summary_markdown([outcome], True, 1.0, machine)
     assert "**failed (exit code 1)**" in text
     assert "```text\nline 20\n" in text and "line 49\n```" in text
