@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import threading
 
 import torch
 
@@ -110,3 +111,12 @@ def on_disk(tensor: OffloadedTensor) -> torch.Tensor:
     """The values in the tensor's payload file, read without any pool's unsaved value."""
     layout = storage.read_layout(tensor.offload_path)
     return next(iter(storage.read_payload(layout).values()))
+
+
+def io_threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
+    """The pools' I/O worker threads alive now that were not in ``before``."""
+    return [
+        thread
+        for thread in threading.enumerate()
+        if thread not in before and thread.name.startswith("t2n-residency-io")
+    ]

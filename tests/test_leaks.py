@@ -26,7 +26,7 @@ import psutil
 import pytest
 import torch
 from forking import in_forked_child
-from residency_checks import on_disk
+from residency_checks import io_threads_since, on_disk
 from stress.figures import record, scaled
 
 from torch_to_nnef.tensor import storage
@@ -289,10 +289,6 @@ def strand_and_drop(tensors: list[OffloadedTensor], mode: str) -> list[weakref.r
     del pools, pool
     gc.collect()
     return held
-
-
-def io_threads_since(before: set[threading.Thread]) -> set[threading.Thread]:
-    return {t for t in set(threading.enumerate()) - before if t.name.startswith("t2n-residency-io")}
 
 
 @pytest.mark.timeout(60)

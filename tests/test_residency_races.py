@@ -30,7 +30,7 @@ import pytest
 import torch
 from breakpoints import Breakpoint, line_of, paused_in_new_threads
 from interrupts import InterruptAt, SecondSignalAt, interrupted
-from residency_checks import check_invariants, on_disk, settle
+from residency_checks import check_invariants, io_threads_since, on_disk, settle
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -1463,22 +1463,10 @@ def test_ctrl_c_during_the_close_of_a_stranded_pool_lands_after_it(tmp_path: Pat
     assert pool.closed
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 4.0))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    workers = [
-        thread
-        for thread in threading.enumerate()
-        if thread not in before and thread.name.startswith("t2n-residency-io")
-    ]
+    workers = io_threads_since(before)
     assert not workers, f"the closed pool's I/O workers still run: {workers}"
     del task  # asyncio logs the pending task's end here, not in a later test
     gc.collect()
-
-
-def _io_threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
-    return [
-        thread
-        for thread in threading.enumerate()
-        if thread not in before and thread.name.startswith("t2n-residency-io")
-    ]
 
 
 @pytest.mark.skipif(not hasattr(signal, "SIGINT"), reason="needs SIGINT")
@@ -1509,7 +1497,7 @@ def test_a_second_ctrl_c_as_a_stranded_pool_s_close_stops_its_workers_leaves_non
         where = signal_at.where or "no point (ran to its end)"
         assert pool.closed, where
         assert torch.equal(on_disk(t), torch.full((NUMEL,), float(n))), where
-        assert not _io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
+        assert not io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
         pool.close()  # (a no-op)
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
         del task
@@ -1557,7 +1545,7 @@ def test_a_second_ctrl_c_as_asyncio_run_leaves_async_with_pool_leaves_no_worker(
         assert pool.closed, where
         assert torch.equal(on_disk(t), torch.full((NUMEL,), float(n))), where
         pool.close()
-        assert not _io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
+        assert not io_threads_since(before), f"a Ctrl-C at {where} left the workers running"
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, where
         if not signal_at.fired:
             break
