@@ -1748,11 +1748,17 @@ def test_jobs_that_ended_while_the_loop_was_busy_are_applied_by_a_loop(
     count = 600  # a recursion of some 8 frames per job would pass the limit of 1,000
     ts = make_tensors(tmp_path, count, numel=4)
     released = threading.Event()
+    queued: list[int] = []
 
     def busy() -> None:  # on the loop thread, queued behind the prefetches' drives
+        # Loads that ended before it ran were applied already: those count as ended too.
         deadline = time.monotonic() + 30
-        while len(runtime._ended) < count and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            waiting = len(runtime._ended)
+            if waiting + pool.stats().loads >= count:
+                break
             time.sleep(0.01)
+        queued.append(waiting)
         released.set()
 
     with TensorResidencyPool(max_cached_bytes=None, max_workers=2) as pool:
@@ -1760,6 +1766,7 @@ def test_jobs_that_ended_while_the_loop_was_busy_are_applied_by_a_loop(
         handles = [pool.prefetch(t) for t in ts]
         runtime.post(busy)
         assert released.wait(40)
+        assert queued[0] > count // 2  # most ends waited for the loop
         with caplog.at_level(logging.ERROR):
             values = [float(h.wait()[0]) for h in handles]
         assert values == [float(i) for i in range(count)]
