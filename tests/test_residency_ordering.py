@@ -25,12 +25,14 @@ import safetensors.torch
 import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import in_forked_child, in_forked_child_while_held
+from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk
 from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
+from torch_to_nnef.tensor.residency import _handles
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.storage import _io as storage_io
 
@@ -1828,3 +1830,39 @@ def test_a_remap_ending_while_the_value_is_evicted_leaves_it_unpublished(
         assert torch.equal(pool.resolve(t), torch.full((1 << 16,), 2.0))
         check_invariants(pool)
     assert torch.equal(on_disk(t), torch.full((1 << 16,), 2.0))
+
+
+# ---------------------------------------------------------------------------------------------
+# 18. A read of the pool's state while the end of a lease left to the actor is applied
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_a_read_of_the_pool_waits_for_a_lease_end_left_to_the_actor_under_way(
+    tmp_path: Path,
+) -> None:
+    """A Ctrl-C as a lease's exit begins to end it leaves the end to the actor's next step
+    (which a wake-up runs at once). A read of the pool's state from another thread
+    (``repr``, ``leased``) made while that step applies the end waits for it: it never
+    counts the lease as held once its exit returned."""
+    t = _tensor(tmp_path)
+    applied = Breakpoint(Actor.release.__code__, on="call")
+    with breakpoints_in_new_threads(applied), TensorResidencyPool() as pool:
+        try:
+            pool.resolve(t)  # a hit from now on
+            lease = pool.acquire(t)
+            lease.__enter__()
+            applied.armed.set()
+            # The second call counted in the lease's module: end_lease, from __exit__.
+            cut = InterruptAt(2, within=_handles.__file__)
+            assert interrupted(cut, lambda: lease.__exit__(None, None, None))
+            assert cut.where == "end_lease"
+            assert applied.paused.wait(10)  # the loop thread is applying it
+            read: concurrent.futures.Future[str] = concurrent.futures.Future()
+            threading.Thread(target=lambda: read.set_result(repr(pool)), daemon=True).start()
+            with contextlib.suppress(concurrent.futures.TimeoutError):
+                read.result(0.2)  # (before the fix: answered at once, "leased: 1")
+            applied.go()
+            assert "leased: 0," in read.result(10)
+        finally:
+            applied.go()
+        check_invariants(pool)
+    assert pool.closed

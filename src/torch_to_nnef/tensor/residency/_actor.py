@@ -105,6 +105,7 @@ class Actor:
         # What finalizers left for the next transition (see later): the ends of leases whose
         # holders were collected, and abandons of requests whose coroutines were.
         self._later: deque[Callable[[], object]] = deque()
+        self._later_running = 0  # of those, taken out and running (nested: an abandon's sync)
         self._warned_outside_leases = False  # a change outside leases was logged once
 
     # ------------------------------------------------------------------------------------------
@@ -367,22 +368,29 @@ class Actor:
         self._later.append(call)
 
     def deferred(self) -> bool:
-        """Whether calls wait for the next transition (:meth:`later`)."""
-        return bool(self._later)
+        """Whether calls wait for the next transition (:meth:`later`) or run now (any
+        thread: the queue is read first, then the count of those taken out of it)."""
+        return bool(self._later) or self._later_running > 0
 
     def sync(self) -> None:
         """Take note of what other threads did since the last transition (first thing of
         each): the recency of their hits, and the leases they took or ended, which hold a
         value out of the budget while they last."""
-        while self._later:
+        later = self._later
+        while later:
+            # Counted before it leaves the queue, so that a read of the state meanwhile
+            # (``deferred``) waits for it: no pending handler runs before the ``try``.
+            self._later_running += 1
             call = None
             try:
-                call = self._later.popleft()
+                call = later.popleft()
                 call()
             except BaseException as error:
                 if call is not None and not isinstance(error, Exception):
-                    self._later.appendleft(call)  # an interrupt cut it: run again (idempotent)
+                    later.appendleft(call)  # an interrupt cut it: run again (idempotent)
                 raise
+            finally:
+                self._later_running -= 1
         if not (self._touches or self._changed):
             return
         with self.lock:
