@@ -11,7 +11,7 @@ import inspect
 import signal
 import sys
 from collections.abc import Callable
-from types import FrameType
+from types import CodeType, FrameType
 from typing import Any
 
 from torch_to_nnef._owned import collecting_here
@@ -172,13 +172,35 @@ def in_finalizer(frame: FrameType) -> bool:
     frame to tell it by, and is not recognised."""
     if collecting_here():
         return True
-    callbacks = {getattr(callback, "__code__", None) for callback in gc.callbacks}
+    callbacks = {id(getattr(callback, "__code__", None)) for callback in gc.callbacks}
+    kinds = _CODE_KINDS
     while frame is not None:
         code = frame.f_code
-        if code.co_name == "__del__" or code.co_filename.endswith(_FINALIZERS) or code in callbacks:
+        known = kinds.get(id(code))
+        if known is None or known[0] is not code:
+            known = kinds[id(code)] = (code, _kind_of(code))
+        kind = known[1]
+        if kind == _TRACED_RUN:
+            return False  # what called the traced run is the test's own code
+        if kind == _FINALIZER or id(code) in callbacks:
             return True
         frame = frame.f_back  # type: ignore[assignment]
     return False
+
+
+_OTHER, _FINALIZER, _TRACED_RUN = range(3)
+
+_CODE_KINDS: dict[int, tuple[CodeType, int]] = {}
+"""What :func:`in_finalizer` learnt of each code object it met, by its id (the code is kept,
+so that the id stays its own): a stack's walk reads few attributes per frame."""
+
+
+def _kind_of(code: CodeType) -> int:
+    if code.co_name == "__del__" or code.co_filename.endswith(_FINALIZERS):
+        return _FINALIZER
+    if code is interrupted.__code__ or code is signalled.__code__:
+        return _TRACED_RUN  # the stack above is a test's and pytest's: no finalizer
+    return _OTHER
 
 
 _SUSPENDS = inspect.CO_GENERATOR | inspect.CO_COROUTINE | inspect.CO_ASYNC_GENERATOR
@@ -215,3 +237,4 @@ def signalled(
     finally:
         sys.setprofile(None)
     return signal_at, None
+
