@@ -176,10 +176,10 @@ def in_finalizer(frame: FrameType) -> bool:
     kinds = _CODE_KINDS
     while frame is not None:
         code = frame.f_code
-        known = kinds.get(id(code))
-        if known is None or known[0] is not code:
-            known = kinds[id(code)] = (code, _kind_of(code))
-        kind = known[1]
+        kind = kinds.get(id(code))
+        if kind is None:
+            kind = kinds[id(code)] = _kind_of(code)
+            _KNOWN.append(code)
         if kind == _TRACED_RUN:
             return False  # what called the traced run is the test's own code
         if kind == _FINALIZER or id(code) in callbacks:
@@ -190,9 +190,11 @@ def in_finalizer(frame: FrameType) -> bool:
 
 _OTHER, _FINALIZER, _TRACED_RUN = range(3)
 
-_CODE_KINDS: dict[int, tuple[CodeType, int]] = {}
-"""What :func:`in_finalizer` learnt of each code object it met, by its id (the code is kept,
-so that the id stays its own): a stack's walk reads few attributes per frame."""
+_CODE_KINDS: dict[int, int] = {}
+"""What :func:`in_finalizer` learnt of each code object it met, by its id: a stack's walk
+reads few attributes per frame (hashing a code object hashes its constants)."""
+_KNOWN: list[CodeType] = []
+"""Those code objects, kept: an id stays its own."""
 
 
 def _kind_of(code: CodeType) -> int:
