@@ -239,4 +239,3 @@ def signalled(
     finally:
         sys.setprofile(None)
     return signal_at, None
-

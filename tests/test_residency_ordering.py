@@ -31,8 +31,7 @@ from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool, stream_modules
-from torch_to_nnef.tensor.residency import _handles
+from torch_to_nnef.tensor.residency import TensorResidencyPool, _handles, stream_modules
 from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.storage import _io as storage_io
 
