@@ -162,7 +162,8 @@ def in_finalizer(frame: FrameType) -> bool:
     callback of ``weakref.py``'s) or a garbage collection's callback, which a collection
     runs amid whatever code: the finalizer's own frame, or any it called (a payload file's
     removal closing its descriptor). An interrupt raised there is lost by Python (reported
-    as unraisable), whatever the code does. It looks at the whole stack: ask it last.
+    as unraisable), whatever the code does. It looks at the stack, up to the run that
+    :func:`interrupted` or :func:`signalled` traces: ask it last.
 
     Whatever a collection that this thread runs calls is one (the package's collection
     callback tells: ``collecting_here``): the callbacks of the weak references it clears
