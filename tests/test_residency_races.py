@@ -5,6 +5,7 @@ Interrupts are injected with ``sys.settrace``: a ``KeyboardInterrupt`` raised on
 the N-th Python function the owner's thread calls, which is where CPython runs a pending
 signal handler (Ctrl-C). Worker threads are paused at a chosen point with
 ``threading.settrace`` (a debugger's breakpoint): the pool's own code runs unchanged.
+Write-backs fail for real: their offload directory is renamed away (ENOENT).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
+import json
 import logging
 import os
 import random
@@ -28,7 +30,7 @@ from typing import Any
 
 import pytest
 import torch
-from breakpoints import Breakpoint, line_of, paused_in_new_threads
+from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from interrupts import InterruptAt, SecondSignalAt, interrupted
 from residency_checks import check_invariants, io_threads_since, on_disk, settle
 
@@ -43,6 +45,7 @@ from torch_to_nnef.tensor.residency import (
     stream_modules,
 )
 from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._requests import Transition
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -469,6 +472,206 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
         for steps in range(400):
             asyncio.run(cancel_after(steps))
             assert _leased(pool) == 0, f"a lease is left after a cancellation at step {steps}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Cancellations from another event loop while a write-back fails or is recovered
+# ---------------------------------------------------------------------------------------------
+def _settled(pool: TensorResidencyPool) -> None:
+    """Wait until no disk job of ``pool`` runs, those that ended jobs started included (a
+    load's end may leave an eviction, and its write-back, to the end of its transition)."""
+    pending = Transition(lambda: [job for job in pool._actor.jobs if not job.done])
+    while pool._runtime.call(pending):
+        pending = Transition(pending.transition)
+
+
+def _unsaved_change(pool: TensorResidencyPool, t: OffloadedTensor) -> float | None:
+    """The first element of ``t``'s value when ``pool`` holds it resident and dirty (its
+    change not written), else ``None`` (read on the pool's loop thread)."""
+
+    def look() -> float | None:
+        pool._actor.sync()
+        entry = pool._actor.entries.get(id(t))
+        if entry is None or not entry.resident or entry.value is None:
+            return None
+        dirty = entry.dirty or (entry.slot is not None and entry.slot.dirty)
+        return float(entry.value[0]) if dirty else None
+
+    return pool._runtime.call(Transition(look))  # type: ignore[no-any-return]
+
+
+@contextmanager
+def _failing_writes(directory: Path) -> Iterator[None]:
+    """Inside the block, ``directory`` is gone (renamed away): every write-back of a tensor
+    offloaded there fails with ENOENT, as on a disk taken away; it is back after it."""
+    moved = directory.with_name(directory.name + "-moved")
+    os.rename(directory, moved)
+    try:
+        yield
+    finally:
+        os.rename(moved, directory)
+
+
+@contextmanager
+def _logs_that_raise() -> Iterator[None]:
+    """An application's logging filter that raises on records whose arguments JSON cannot
+    take: the warning of a failed write-back (its error) raises in the transition that
+    reports it, which the job's recovery then ends (``Job._abort``)."""
+
+    def structured(record: logging.LogRecord) -> bool:
+        record.structured = json.dumps({"message": record.msg, "args": record.args})
+        return True
+
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    logger.addFilter(structured)
+    try:
+        yield
+    finally:
+        logger.removeFilter(structured)
+
+
+async def _push_out_then_change(
+    pool: TensorResidencyPool, t: OffloadedTensor, other: OffloadedTensor, changes: list[float]
+) -> None:
+    """Lease ``other``, which pushes ``t`` out of a pool with room for one value (its
+    write-back starts), then change ``t`` under a ``read_write`` lease, which waits for that
+    write-back; ``changes`` counts the changes made."""
+    async with pool.acquire(other):
+        pass
+    async with pool.acquire(t, mode="read_write") as value:
+        value.add_(1.0)
+        changes.append(1.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("request_kind", ["aflush", "aevict", "acquire"])
+def test_cancellations_from_another_loop_as_a_write_back_fails_lose_no_change(
+    tmp_path: Path, request_kind: str
+) -> None:
+    """A pool served by its private loop, awaited from tasks of other loops: a changed value
+    is written back (``aflush``, ``aevict``, or pushed out by a lease of another tensor that
+    a ``read_write`` lease on it then waits for) into a directory that is gone, and the
+    awaiting task is cancelled after every number of steps of its await. Each time, no lease
+    is left, the invariants hold, the change stays resident and dirty (reads outside the
+    pool see it), and once the directory is back a flush writes the latest change."""
+    directory = tmp_path / "failing"
+    t = _tensor(directory, "t")
+    other = _tensor(tmp_path, "other")
+    changes: list[float] = []
+
+    async def change() -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+            changes.append(1.0)
+
+    async def cancel_after(steps: int) -> None:
+        if request_kind == "aflush":
+            task = asyncio.ensure_future(pool.aflush())
+        elif request_kind == "aevict":
+            task = asyncio.ensure_future(pool.aevict(t))
+        else:
+            task = asyncio.ensure_future(_push_out_then_change(pool, t, other, changes))
+        for _ in range(steps):
+            await asyncio.sleep(0)
+        task.cancel()
+        (outcome,) = await asyncio.gather(task, return_exceptions=True)
+        assert outcome is None or isinstance(outcome, (asyncio.CancelledError, T2NErrorStorage)), (
+            repr(outcome)
+        )
+
+    with TensorResidencyPool(max_cached_bytes=NBYTES) as pool:
+        for steps in range(40):
+            asyncio.run(change())
+            with _failing_writes(directory):
+                asyncio.run(cancel_after(steps))
+                _settled(pool)
+                assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
+                check_invariants(pool)
+                latest = float(len(changes))
+                assert _unsaved_change(pool, t) == latest, f"the change is lost at step {steps}"
+                assert torch.equal(t.reload(), torch.full((NUMEL,), latest))
+            pool.flush()
+            assert torch.equal(on_disk(t), torch.full((NUMEL,), latest)), f"at step {steps}"
+            assert _unsaved_change(pool, t) is None
+            check_invariants(pool)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), float(len(changes))))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("recovery", ["failed", "aborted"])
+@pytest.mark.parametrize("request_kind", ["aflush", "aevict", "acquire"])
+def test_a_cancellation_from_another_loop_while_a_failed_write_back_is_recovered(
+    tmp_path: Path, request_kind: str, recovery: str
+) -> None:
+    """The pool's loop thread is held where it puts its state right after a write-back
+    failed (``_write_failed``; ``_write_aborted`` when the transition reporting the failure
+    raised, in an application's logging filter), and the task of another loop awaiting the
+    write-back (``aflush``, ``aevict``, or a ``read_write`` acquire of the value a lease of
+    another tensor pushed out) is cancelled, before the recovery goes on or a few steps
+    after. No lease is left, the change stays resident and dirty, and the close, once the
+    directory is back, writes it."""
+    directory = tmp_path / "failing"
+    t = _tensor(directory, "t")
+    other = _tensor(tmp_path, "other")
+    code = (Actor._write_failed if recovery == "failed" else Actor._write_aborted).__code__
+    raising = _logs_that_raise() if recovery == "aborted" else nullcontext()
+    changes: list[float] = []
+
+    async def change(pool: TensorResidencyPool) -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1.0)
+            changes.append(1.0)
+
+    async def lease_other(pool: TensorResidencyPool) -> None:
+        async with pool.acquire(other):  # in a pool with room for one value: t goes
+            pass
+
+    async def cancelled(pool: TensorResidencyPool, point: Breakpoint, steps: int) -> None:
+        started = []
+        if request_kind == "aflush":
+            started.append(asyncio.ensure_future(pool.aflush()))
+        elif request_kind == "aevict":
+            started.append(asyncio.ensure_future(pool.aevict(t)))
+        else:
+            started.append(asyncio.ensure_future(lease_other(pool)))
+        try:
+            deadline = time.monotonic() + 10
+            while not point.paused.is_set():
+                assert time.monotonic() < deadline, "no write-back failed"
+                await asyncio.sleep(0.001)
+            if request_kind == "acquire":  # sent to the loop thread, held in the recovery
+                started.append(asyncio.ensure_future(change(pool)))
+                await asyncio.sleep(0)
+            if steps:  # the recovery goes on, and the task is cancelled as it resumes
+                point.go()
+            for _ in range(steps):
+                await asyncio.sleep(0)
+            started[-1].cancel()
+        finally:
+            point.go()
+        for outcome in await asyncio.gather(*started, return_exceptions=True):
+            assert outcome is None or isinstance(
+                outcome, (asyncio.CancelledError, T2NErrorStorage)
+            ), repr(outcome)
+
+    with raising:
+        for steps in range(8):
+            point = Breakpoint(code, "call")
+            with breakpoints_in_new_threads(point):  # (the pool's threads start inside)
+                pool = TensorResidencyPool(max_cached_bytes=NBYTES)
+                with pool:
+                    asyncio.run(change(pool))
+                    with _failing_writes(directory):
+                        point.armed.set()
+                        asyncio.run(cancelled(pool, point, steps))
+                        _settled(pool)
+                        assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
+                        check_invariants(pool)
+                        latest = float(len(changes))
+                        assert _unsaved_change(pool, t) == latest, f"lost at step {steps}"
+                        assert torch.equal(t.reload(), torch.full((NUMEL,), latest))
+            assert pool.closed
+            assert torch.equal(on_disk(t), torch.full((NUMEL,), latest)), f"at step {steps}"
 
 
 # ---------------------------------------------------------------------------------------------
