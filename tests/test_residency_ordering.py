@@ -9,8 +9,10 @@ import contextlib
 import copy
 import errno
 import gc
+import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -29,7 +31,7 @@ from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk
 from torch import nn
 
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, _handles, stream_modules
 from torch_to_nnef.tensor.residency._actor import Actor
@@ -1258,6 +1260,97 @@ def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Pat
             point.go()
             flusher.join(30)
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))  # the parent's, renamed last
+
+
+def _raising_log_filter(record: logging.LogRecord) -> bool:
+    """An application's logging filter that raises on records whose arguments JSON cannot
+    take: the warning of a failed write-back (its error) raises in the transition reporting
+    it, which the write-back's recovery then ends."""
+    record.structured = json.dumps({"message": record.msg, "args": record.args})
+    return True
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("request_kind", ["flush", "evict"])
+@pytest.mark.parametrize("moment", ["failing", "recovering", "aborting"])
+def test_a_child_forked_while_a_write_back_fails_reads_the_change_the_parent_writes_later(
+    tmp_path: Path, moment: str, request_kind: str
+) -> None:
+    """The fork comes while the parent's pool writes a changed value back into a directory
+    that is gone: as the write fails on the worker (``failing``: it holds the tensor's write
+    lock), or as the loop thread recovers from the failure (``recovering``: the value kept
+    dirty; ``aborting``: the transition reporting it raised, in a logging filter, and the
+    job's recovery ends it), another thread holding the pool's lock. In the child, reads and
+    a new pool serve the parent's unsaved change; the child's own change and direct write
+    go to a file of its own. In the parent, the request fails, the change stays resident and
+    dirty, and once the directory is back a flush writes it."""
+    directory, moved = tmp_path / "d", tmp_path / "moved"
+    t = _tensor(directory)
+    code = {
+        "failing": storage_io.write_error,
+        "recovering": Actor._write_failed,
+        "aborting": Actor._write_aborted,
+    }[moment].__code__
+    point = Breakpoint(code, "call")
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    if moment == "aborting":
+        logger.addFilter(_raising_log_filter)
+    errors: list[BaseException] = []
+    try:
+        with breakpoints_in_new_threads(point), TensorResidencyPool() as pool:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(1.0)
+            os.rename(directory, moved)  # the write-back fails with ENOENT
+            point.armed.set()
+
+            def write_back() -> None:
+                try:
+                    pool.flush() if request_kind == "flush" else pool.evict(t)
+                except BaseException as error:
+                    errors.append(error)
+
+            writer = threading.Thread(target=write_back)
+            writer.start()
+            assert point.paused.wait(30)
+
+            def child() -> str:
+                seen = [float(t.reload()[0]), float((t + 0)[0])]
+                with TensorResidencyPool() as own:
+                    seen.append(float(own.resolve(t)[0]))
+                    with own.acquire(t, mode="read_write") as changed:
+                        changed.add_(8.0)
+                    own.flush()
+                    seen.append(float(on_disk(t)[0]))
+                t.update_values(torch.full((NUMEL,), 4.0))
+                with TensorResidencyPool() as own:
+                    seen.append(float(own.resolve(t)[0]))
+                return repr(seen) + "," + repr(t.offload_path.parent == directory)
+
+            try:
+                outcome = in_forked_child_while_held([pool._actor.lock], child, seconds=20)
+            finally:
+                point.go()
+                writer.join(30)
+            assert outcome == repr([1.0, 1.0, 1.0, 9.0, 4.0]) + ",True"
+            assert len(errors) == 1 and isinstance(errors[0], T2NErrorStorage), errors
+            assert pool.is_resident(t) and pool._actor.leased_count() == 0
+            check_invariants(pool)
+            assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))  # the parent's change
+            # The child's files (the directory its writes made anew) are its own.
+            assert t.offload_path.name not in os.listdir(directory)
+            shutil.rmtree(directory)
+            os.rename(moved, directory)
+            pool.flush()
+            assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
+            check_invariants(pool)
+    finally:
+        logger.removeFilter(_raising_log_filter)
+        if moved.exists():
+            shutil.rmtree(directory, ignore_errors=True)
+            os.rename(moved, directory)
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
+    assert sorted(os.listdir(directory)) == [t.offload_path.name]
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
