@@ -90,21 +90,30 @@ def check_invariants(pool: TensorResidencyPool) -> None:
 
 
 class _Settle(Operation):
-    """Wait until no disk job runs (write-backs that evictions started end asynchronously)."""
+    """Wait until no disk job runs (write-backs that evictions started end asynchronously);
+    ``waited``: whether it found one."""
 
     def __init__(self, actor: Actor) -> None:
         super().__init__()
         self.actor = actor
+        self.waited = False
 
     def step(self) -> Job | None:
         self.actor.sync()  # as every request: leases ended before it start their write-backs
-        return next((job for job in self.actor.jobs if not job.done), None)
+        job = next((job for job in self.actor.jobs if not job.done), None)
+        self.waited = self.waited or job is not None
+        return job
 
 
 def settle(pool: TensorResidencyPool) -> None:
-    """Wait, from a thread other than the pool's loop thread, until no disk job runs."""
-    if pool._runtime.running:
-        pool._runtime.call(_Settle(pool._actor))
+    """Wait, from a thread other than the pool's loop thread, until no disk job runs. The
+    end of a job it waited for may leave an eviction to run once it is answered (and its
+    write-back to start then): it is settled once a look finds no job running."""
+    while pool._runtime.running:
+        settling = _Settle(pool._actor)
+        pool._runtime.call(settling)
+        if not settling.waited:
+            return
 
 
 def on_disk(tensor: OffloadedTensor) -> torch.Tensor:

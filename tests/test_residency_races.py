@@ -477,14 +477,6 @@ def test_cancellations_from_another_loop_at_every_step_leave_no_lease(tmp_path: 
 # ---------------------------------------------------------------------------------------------
 # Cancellations from another event loop while a write-back fails or is recovered
 # ---------------------------------------------------------------------------------------------
-def _settled(pool: TensorResidencyPool) -> None:
-    """Wait until no disk job of ``pool`` runs, those that ended jobs started included (a
-    load's end may leave an eviction, and its write-back, to the end of its transition)."""
-    pending = Transition(lambda: [job for job in pool._actor.jobs if not job.done])
-    while pool._runtime.call(pending):
-        pending = Transition(pending.transition)
-
-
 def _unsaved_change(pool: TensorResidencyPool, t: OffloadedTensor) -> float | None:
     """The first element of ``t``'s value when ``pool`` holds it resident and dirty (its
     change not written), else ``None`` (read on the pool's loop thread)."""
@@ -584,7 +576,7 @@ def test_cancellations_from_another_loop_as_a_write_back_fails_lose_no_change(
             asyncio.run(change())
             with _failing_writes(directory):
                 asyncio.run(cancel_after(steps))
-                _settled(pool)
+                settle(pool)
                 assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
                 check_invariants(pool)
                 latest = float(len(changes))
@@ -664,7 +656,7 @@ def test_a_cancellation_from_another_loop_while_a_failed_write_back_is_recovered
                     with _failing_writes(directory):
                         point.armed.set()
                         asyncio.run(cancelled(pool, point, steps))
-                        _settled(pool)
+                        settle(pool)
                         assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
                         check_invariants(pool)
                         latest = float(len(changes))
