@@ -437,7 +437,21 @@ class _CallersLoop:
         finally:
             task.cancel()
             ended = asyncio.wait_for(asyncio.gather(task, return_exceptions=True), 10)
-            self.loop.run_until_complete(ended)
+            self._run_to_its_end(self.loop.create_task(ended))
+
+    def _run_to_its_end(self, task: asyncio.Task[Any]) -> None:
+        """``run_until_complete(task)``, run again when the loop stops first: an interrupt
+        raised out of ``run_until_complete`` just as the task it ran ended leaves that run's
+        stop queued (asyncio's own callback, scheduled as the task ended), and the next run
+        obeys it."""
+        for _ in range(3):
+            try:
+                self.loop.run_until_complete(task)
+                return
+            except RuntimeError:
+                if task.done() or self.loop.is_closed():
+                    raise
+        self.loop.run_until_complete(task)
 
     def settle(self) -> None:
         """Let the loop apply what was left to the pool's next transition, leases dropped
