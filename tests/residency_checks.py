@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import concurrent.futures
+import json
+import logging
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -129,3 +133,25 @@ def io_threads_since(before: set[threading.Thread]) -> list[threading.Thread]:
         for thread in threading.enumerate()
         if thread not in before and thread.name.startswith("t2n-residency-io")
     ]
+
+
+def _structured(record: logging.LogRecord) -> bool:
+    """An application's logging filter that adds the record as JSON (and raises on arguments
+    JSON cannot take, as an exception)."""
+    record.structured = json.dumps({"message": record.msg, "args": record.args})
+    return True
+
+
+@contextmanager
+def reports_that_raise(on: bool = True) -> Iterator[None]:
+    """The pool's records go through an application's filter that raises on arguments JSON
+    cannot take: the warning of a failed write-back (its error) raises in the transition
+    that reports it, which the job's recovery then ends (``Job._abort``). ``on`` false:
+    nothing is added."""
+    logger = logging.getLogger("torch_to_nnef.tensor.residency")
+    if on:
+        logger.addFilter(_structured)
+    try:
+        yield
+    finally:
+        logger.removeFilter(_structured)

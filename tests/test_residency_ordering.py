@@ -9,7 +9,6 @@ import contextlib
 import copy
 import errno
 import gc
-import json
 import logging
 import os
 import shutil
@@ -28,7 +27,7 @@ import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import in_forked_child, in_forked_child_while_held
 from interrupts import InterruptAt, interrupted
-from residency_checks import check_invariants, on_disk
+from residency_checks import check_invariants, on_disk, reports_that_raise
 from torch import nn
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -1262,14 +1261,6 @@ def test_a_child_forked_during_a_write_back_reads_the_latest_value(tmp_path: Pat
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))  # the parent's, renamed last
 
 
-def _raising_log_filter(record: logging.LogRecord) -> bool:
-    """An application's logging filter that raises on records whose arguments JSON cannot
-    take: the warning of a failed write-back (its error) raises in the transition reporting
-    it, which the write-back's recovery then ends."""
-    record.structured = json.dumps({"message": record.msg, "args": record.args})
-    return True
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("request_kind", ["flush", "evict"])
@@ -1293,12 +1284,13 @@ def test_a_child_forked_while_a_write_back_fails_reads_the_change_the_parent_wri
         "aborting": Actor._write_aborted,
     }[moment].__code__
     point = Breakpoint(code, "call")
-    logger = logging.getLogger("torch_to_nnef.tensor.residency")
-    if moment == "aborting":
-        logger.addFilter(_raising_log_filter)
     errors: list[BaseException] = []
     try:
-        with breakpoints_in_new_threads(point), TensorResidencyPool() as pool:
+        with (
+            reports_that_raise(on=moment == "aborting"),
+            breakpoints_in_new_threads(point),
+            TensorResidencyPool() as pool,
+        ):
             with pool.acquire(t, mode="read_write") as value:
                 value.fill_(1.0)
             os.rename(directory, moved)  # the write-back fails with ENOENT
@@ -1345,7 +1337,6 @@ def test_a_child_forked_while_a_write_back_fails_reads_the_change_the_parent_wri
             assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
             check_invariants(pool)
     finally:
-        logger.removeFilter(_raising_log_filter)
         if moved.exists():
             shutil.rmtree(directory, ignore_errors=True)
             os.rename(moved, directory)

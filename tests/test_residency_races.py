@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import itertools
-import json
 import logging
 import os
 import random
@@ -32,7 +31,13 @@ import pytest
 import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from interrupts import InterruptAt, SecondSignalAt, interrupted
-from residency_checks import check_invariants, io_threads_since, on_disk, settle
+from residency_checks import (
+    check_invariants,
+    io_threads_since,
+    on_disk,
+    reports_that_raise,
+    settle,
+)
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -504,24 +509,6 @@ def _failing_writes(directory: Path) -> Iterator[None]:
         os.rename(moved, directory)
 
 
-@contextmanager
-def _logs_that_raise() -> Iterator[None]:
-    """An application's logging filter that raises on records whose arguments JSON cannot
-    take: the warning of a failed write-back (its error) raises in the transition that
-    reports it, which the job's recovery then ends (``Job._abort``)."""
-
-    def structured(record: logging.LogRecord) -> bool:
-        record.structured = json.dumps({"message": record.msg, "args": record.args})
-        return True
-
-    logger = logging.getLogger("torch_to_nnef.tensor.residency")
-    logger.addFilter(structured)
-    try:
-        yield
-    finally:
-        logger.removeFilter(structured)
-
-
 async def _push_out_then_change(
     pool: TensorResidencyPool, t: OffloadedTensor, other: OffloadedTensor, changes: list[float]
 ) -> None:
@@ -606,7 +593,7 @@ def test_a_cancellation_from_another_loop_while_a_failed_write_back_is_recovered
     t = _tensor(directory, "t")
     other = _tensor(tmp_path, "other")
     code = (Actor._write_failed if recovery == "failed" else Actor._write_aborted).__code__
-    raising = _logs_that_raise() if recovery == "aborted" else nullcontext()
+    raising = reports_that_raise(on=recovery == "aborted")
     changes: list[float] = []
 
     async def change(pool: TensorResidencyPool) -> None:

@@ -9,8 +9,6 @@ raises on it.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -19,7 +17,7 @@ from typing import Any, ClassVar
 import anyio
 import pytest
 import torch
-from residency_checks import check_invariants, on_disk
+from residency_checks import check_invariants, on_disk, reports_that_raise
 from test_residency import faces, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorStorage
@@ -260,21 +258,10 @@ async def test_a_load_waited_for_on_the_loop_thread_whose_end_cannot_be_applied(
 # ---------------------------------------------------------------------------------------------
 # Write-backs
 # ---------------------------------------------------------------------------------------------
-def _structured(record: logging.LogRecord) -> bool:
-    """An application's logging filter that adds the record as JSON (and raises on arguments
-    JSON cannot take, as an exception)."""
-    record.structured = json.dumps({"message": record.msg, "args": record.args})
-    return True
-
-
 @pytest.fixture
 def structured_logs() -> Iterator[None]:
-    logger = logging.getLogger("torch_to_nnef.tensor.residency")
-    logger.addFilter(_structured)
-    try:
+    with reports_that_raise():
         yield
-    finally:
-        logger.removeFilter(_structured)
 
 
 @pytest.mark.usefixtures("structured_logs")
