@@ -444,14 +444,13 @@ class _CallersLoop:
         raised out of ``run_until_complete`` just as the task it ran ended leaves that run's
         stop queued (asyncio's own callback, scheduled as the task ended), and the next run
         obeys it."""
-        for _ in range(3):
+        for attempt in range(3):
             try:
                 self.loop.run_until_complete(task)
                 return
             except RuntimeError:
-                if task.done() or self.loop.is_closed():
+                if task.done() or self.loop.is_closed() or attempt == 2:
                     raise
-        self.loop.run_until_complete(task)
 
     def settle(self) -> None:
         """Let the loop apply what was left to the pool's next transition, leases dropped

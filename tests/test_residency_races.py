@@ -509,6 +509,22 @@ def _failing_writes(directory: Path) -> Iterator[None]:
         os.rename(moved, directory)
 
 
+def _check_change_kept(
+    pool: TensorResidencyPool, t: OffloadedTensor, changes: list[float], steps: int
+) -> float:
+    """Once ``pool`` settled after a write-back of ``t`` failed and its request was
+    cancelled after ``steps`` steps: no lease is left, the invariants hold, and the latest
+    change (``changes`` counts them) stays resident and dirty, what reads outside the pool
+    see. Returns that change's value."""
+    settle(pool)
+    assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
+    check_invariants(pool)
+    latest = float(len(changes))
+    assert _unsaved_change(pool, t) == latest, f"the change is lost at step {steps}"
+    assert torch.equal(t.reload(), torch.full((NUMEL,), latest))
+    return latest
+
+
 async def _push_out_then_change(
     pool: TensorResidencyPool, t: OffloadedTensor, other: OffloadedTensor, changes: list[float]
 ) -> None:
@@ -563,12 +579,7 @@ def test_cancellations_from_another_loop_as_a_write_back_fails_lose_no_change(
             asyncio.run(change())
             with _failing_writes(directory):
                 asyncio.run(cancel_after(steps))
-                settle(pool)
-                assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
-                check_invariants(pool)
-                latest = float(len(changes))
-                assert _unsaved_change(pool, t) == latest, f"the change is lost at step {steps}"
-                assert torch.equal(t.reload(), torch.full((NUMEL,), latest))
+                latest = _check_change_kept(pool, t, changes, steps)
             pool.flush()
             assert torch.equal(on_disk(t), torch.full((NUMEL,), latest)), f"at step {steps}"
             assert _unsaved_change(pool, t) is None
@@ -643,12 +654,7 @@ def test_a_cancellation_from_another_loop_while_a_failed_write_back_is_recovered
                     with _failing_writes(directory):
                         point.armed.set()
                         asyncio.run(cancelled(pool, point, steps))
-                        settle(pool)
-                        assert "leased: 0," in repr(pool), f"a lease is left at step {steps}"
-                        check_invariants(pool)
-                        latest = float(len(changes))
-                        assert _unsaved_change(pool, t) == latest, f"lost at step {steps}"
-                        assert torch.equal(t.reload(), torch.full((NUMEL,), latest))
+                        latest = _check_change_kept(pool, t, changes, steps)
             assert pool.closed
             assert torch.equal(on_disk(t), torch.full((NUMEL,), latest)), f"at step {steps}"
 
