@@ -688,6 +688,10 @@ def test_offload_state_with_compressors_is_refused(weight: torch.Tensor) -> None
         (lambda s: s.update(scale=s["scale"].float()), "'scale' must hold 64 float16"),
         (lambda s: s["scale"].__setitem__(3, float("inf")), "finite float16"),
         (lambda s: s.update(shape=[128, 16]), "trailing volume 16"),
+        (
+            lambda s: s.update(shape=[0, 2**70], u8_blob=s["u8_blob"][:0], scale=s["scale"][:0]),
+            "trailing volume 1180591620717411303424",
+        ),
         (lambda s: s.update(u8_packing="none"), "'u8_packing' must be 'nibble_pairs'"),
         (lambda s: s.pop("__t2n_offload_state__"), "expected a dict tagged"),
     ],

@@ -96,7 +96,20 @@ BAD_FILES: dict[str, tuple[Any, bytes, int | None, str]] = {
     "hole": ({"a": f32(0, 8, [2]), "b": f32(12, 24, [3])}, GOOD_DATA, None, "a hole"),
     "not-from-zero": ({"a": f32(4, 24, [5])}, GOOD_DATA, None, "a hole"),
     "shape-size-mismatch": ({"a": f32(0, 24, [5])}, GOOD_DATA, None, "needs a different size"),
-    "huge-shape": ({"a": f32(0, 24, [2**62, 2**62])}, GOOD_DATA, None, "needs a different size"),
+    "huge-shape": ({"a": f32(0, 24, [2**62, 2**62])}, GOOD_DATA, None, "more than 2**63"),
+    "empty-with-a-dim-past-int64": ({"a": f32(0, 0, [0, 2**70])}, b"", None, "more than 2**63"),
+    "empty-with-dims-past-int64": (
+        {"a": f32(0, 0, [0, 2**40, 2**40])},
+        b"",
+        None,
+        "more than 2**63",
+    ),
+    "empty-with-nonzero-dims-past-int64": (
+        {"a": f32(0, 0, [2**62, 0, 4])},
+        b"",
+        None,
+        "more than 2**63",
+    ),
     "truncated-data": ({"a": f32(0, 24, [6])}, GOOD_DATA[:20], None, "truncated or trailing"),
     "trailing-data": ({"a": f32(0, 24, [6])}, GOOD_DATA + b"xx", None, "truncated or trailing"),
     "claims-2**40-bytes": (
@@ -140,6 +153,15 @@ def test_a_valid_handmade_file_passes_the_same_rules(tmp_path: Path) -> None:
     loaded = storage.read_payload(layout)
     assert loaded["a"].view(torch.uint8).tolist() == list(GOOD_DATA[:8])
     assert loaded["e"].shape == (0, 5)
+
+
+def test_empty_tensors_with_dims_up_to_the_int64_limit_load(tmp_path: Path) -> None:
+    shapes = {"a": [0, 2**63 - 1], "b": [2**62, 0, 1], "c": [0, 2**31, 2**31]}
+    header = {name: f32(0, 0, shape) for name, shape in shapes.items()}
+    layout = storage.read_layout(craft(tmp_path / "empty.safetensors", header))
+    loaded = storage.read_payload(layout)
+    assert {name: list(tensor.shape) for name, tensor in loaded.items()} == shapes
+    assert all(tensor.numel() == 0 for tensor in loaded.values())
 
 
 def test_header_claiming_a_huge_tensor_is_rejected_without_allocating_it(tmp_path: Path) -> None:

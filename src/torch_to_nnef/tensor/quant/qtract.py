@@ -439,6 +439,10 @@ def _read_state(cls: type[QTensorTractScaleOnly], state: Any) -> dict[str, Any]:
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
     ):
         raise fail(f"attribute 'shape' must be a list of non-negative ints, got {shape!r}")
+    try:  # before any use of the shape: torch cannot describe every list of ints
+        check_q40_shape(tuple(shape))
+    except T2NErrorImpossibleQuantization as exc:
+        raise fail(str(exc)) from exc
     dtype = _FLOAT_DTYPES.get(str(attributes.get("dequant_to_dtype")).removeprefix("torch."))
     if dtype is None:
         raise fail(

@@ -282,7 +282,8 @@ def parse_header(
 
     Applies, in order: UTF-8 JSON object without duplicate keys; ``__metadata__`` maps str to
     str; each entry has exactly ``dtype``, ``shape`` and ``data_offsets``, a known dtype, a list
-    of non-negative int dimensions and ``[begin, end]`` ints with ``0 <= begin <= end``; the
+    of non-negative int dimensions whose product, zeros left out, fits int64, and
+    ``[begin, end]`` ints with ``0 <= begin <= end``; the
     entries sorted by offsets cover the data section from 0 to its end without holes or
     overlaps; each span equals ``numel * itemsize``.
 
@@ -386,6 +387,14 @@ def _check_entry(path: Path, name: str, info: Any) -> tuple[torch.dtype, tuple[i
     shape = info["shape"]
     if not isinstance(shape, list) or not all(_is_int(dim) and dim >= 0 for dim in shape):
         _invalid(path, f"entry {name!r} has shape {shape!r}, not a list of non-negative ints")
+    if _product_of_nonzero(shape) > _INT64_MAX:
+        # An empty tensor passes the size rule whatever its other dimensions; torch cannot
+        # describe one whose strides overflow int64.
+        _invalid(
+            path,
+            f"entry {name!r} has shape {shape!r}, whose dimensions (zeros left out) multiply "
+            "to more than 2**63 - 1",
+        )
     offsets = info["data_offsets"]
     if (
         not isinstance(offsets, list)
@@ -397,6 +406,19 @@ def _check_entry(path: Path, name: str, info: Any) -> tuple[torch.dtype, tuple[i
     if begin > end:
         _invalid(path, f"entry {name!r} has data_offsets [{begin}, {end}] with begin > end")
     return dtype, tuple(shape), begin, end
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _product_of_nonzero(shape: Sequence[int]) -> int:
+    """The product of ``shape``'s non-zero dimensions, stopping once it exceeds int64."""
+    product = 1
+    for dim in shape:
+        product *= dim or 1
+        if product > _INT64_MAX:
+            break
+    return product
 
 
 def _numel_times_itemsize_is(shape: Sequence[int], itemsize: int, span: int) -> bool:
