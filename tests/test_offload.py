@@ -32,6 +32,7 @@ from forking import in_forked_child, in_forked_child_while_held, put_values
 from interrupts import in_finalizer, interrupted
 from quant_reference import reference_q4_0_value
 from residency_checks import on_disk
+from stress.children import context as forkserver_context
 from torch import nn
 
 from torch_to_nnef._interrupts import InterruptHold
@@ -1061,7 +1062,11 @@ def test_a_process_started_with_an_offloaded_tensor_as_argument_gets_its_value(
         OffloadedTensor.from_original_tensor(-weight, "p", offload_dir=tmp_path),
         requires_grad=False,
     )
-    context = multiprocessing.get_context(method)
+    # (The forkserver through the shared helper: the first start in this process sets what
+    # the server preloads for every later test that uses one.)
+    context = (
+        forkserver_context() if method == "forkserver" else multiprocessing.get_context(method)
+    )
     for sent, expected in [(offloaded, weight), (parameter, -weight)]:
         received = context.Queue()
         child = context.Process(target=put_values, args=(sent, received))

@@ -6,7 +6,8 @@ writer processes starts in milliseconds.
 
 from __future__ import annotations
 
-import multiprocessing
+import multiprocessing.context
+import multiprocessing.process
 import multiprocessing.synchronize
 import random
 import runpy
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from stress.children import context as forkserver_context
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -62,7 +64,7 @@ def start_writer(
     return process, ready
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(180)
 def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
     offload_dir = tmp_path / "offload"
     script = tmp_path / "writer.py"
@@ -75,8 +77,7 @@ def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
     owner.update_values(old)
     write_seconds = time.perf_counter() - started
 
-    context = multiprocessing.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch_to_nnef.tensor.offload"])
+    context = forkserver_context()
     chooser = random.Random(1234)
     outcomes = {"old": 0, "new": 0}
     interrupted_writes = 0
