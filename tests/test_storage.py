@@ -10,7 +10,6 @@ import re
 import signal
 import subprocess
 import sys
-import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ import pytest
 import safetensors.torch
 import torch
 from safetensors import safe_open
+from stress import children
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
@@ -494,38 +494,21 @@ def test_header_over_the_reader_limit_is_refused_by_the_writer(tmp_path: Path) -
     assert list(tmp_path.iterdir()) == []
 
 
-_CRASH_WRITER = textwrap.dedent(
-    """
-    import sys, torch
-    from torch_to_nnef.tensor import storage
-    path = sys.argv[1]
-    values = [torch.full((4 << 20,), 1.0), torch.full((4 << 20,), 2.0)]
-    storage.write_payload(path, {"w": values[0]})
-    print("ready", flush=True)
-    i = 1
-    while True:
-        storage.write_payload(path, {"w": values[i % 2], "n": torch.tensor(i)})
-        i += 1
-    """
-)
-
-
 @pytest.mark.timeout(90)
 def test_killed_writer_leaves_the_old_or_the_new_payload(tmp_path: Path) -> None:
     path = tmp_path / "p.safetensors"
     generator = torch.Generator().manual_seed(1)
     for _ in range(4):
-        process = subprocess.Popen(
-            [sys.executable, "-c", _CRASH_WRITER, str(path)], stdout=subprocess.PIPE, text=True
-        )
+        ready = children.context().Event()
+        process = children.start_worker("payload_writer", path=str(path), ready=ready)
         try:
-            assert process.stdout is not None and process.stdout.readline() == "ready\n"
+            # The first start also starts the forkserver, which imports torch.
+            assert ready.wait(timeout=60), "the writer process did not start"
             time.sleep(float(torch.rand((), generator=generator)) * 0.4)
         finally:
-            process.send_signal(signal.SIGKILL)
-            process.wait(timeout=30)
-            assert process.stdout is not None
-            process.stdout.close()
+            process.kill()
+            process.join(timeout=30)
+        assert process.exitcode == -signal.SIGKILL, "the writer must die by SIGKILL"
         loaded = storage.read_payload(storage.read_layout(path))
         assert loaded["w"].shape == (4 << 20,)
         assert torch.unique(loaded["w"]).tolist() in ([1.0], [2.0])

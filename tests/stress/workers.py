@@ -214,11 +214,27 @@ def disk_full(offload_dir: str, specs: list[tuple[str, str]], size_limit: int, r
     os._exit(0)
 
 
+def payload_writer(path: str, ready: Any) -> None:
+    """Write the payload file ``path`` over and over, alternating two values, until killed:
+    ``storage.write_payload`` alone, no tensor or pool."""
+    values = [torch.full((4 << 20,), 1.0), torch.full((4 << 20,), 2.0)]
+    storage.write_payload(path, {"w": values[0]})
+    ready.set()
+    generation = 1
+    while True:
+        storage.write_payload(path, {"w": values[generation % 2], "n": torch.tensor(generation)})
+        generation += 1
+
+
 def _main(namespace: dict[str, Any]) -> None:
     job = namespace.get("T2N_JOB")
     if job is None:
         return
-    jobs: dict[str, Callable[..., None]] = {"crash_writer": crash_writer, "disk_full": disk_full}
+    jobs: dict[str, Callable[..., None]] = {
+        "crash_writer": crash_writer,
+        "disk_full": disk_full,
+        "payload_writer": payload_writer,
+    }
     jobs[job](**namespace["T2N_ARGS"])
 
 
