@@ -6,17 +6,13 @@ writer processes starts in milliseconds.
 
 from __future__ import annotations
 
-import multiprocessing.context
-import multiprocessing.process
-import multiprocessing.synchronize
 import random
-import runpy
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from stress.children import context as forkserver_context
+from stress import children
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -26,50 +22,11 @@ KILLS = 20
 NAME = "big.weight"
 STORAGE_ID = "crash"
 
-# Runs in the writer process: adopt the payload file and rewrite it forever, alternating the
-# two values, until killed.
-WRITER = """
-import torch
-from torch_to_nnef.tensor.offload import OffloadedTensor
-
-tensor = OffloadedTensor(None, "cpu", OFFLOAD_DIR, NAME, torch.Tensor, storage_id=STORAGE_ID)
-old = torch.arange(ELEMENTS, dtype=torch.float32)
-new = -old
-READY.set()
-while True:
-    tensor.update_values(new)
-    tensor.update_values(old)
-"""
-
-
-def old_values() -> torch.Tensor:
-    return torch.arange(ELEMENTS, dtype=torch.float32)
-
-
-def start_writer(
-    context: multiprocessing.context.ForkServerContext, script: Path, offload_dir: Path
-) -> tuple[multiprocessing.process.BaseProcess, multiprocessing.synchronize.Event]:
-    ready = context.Event()
-    scope = {
-        "OFFLOAD_DIR": str(offload_dir),
-        "NAME": NAME,
-        "STORAGE_ID": STORAGE_ID,
-        "ELEMENTS": ELEMENTS,
-        "READY": ready,
-    }
-    process = context.Process(
-        target=runpy.run_path, args=(str(script),), kwargs={"init_globals": scope}
-    )
-    process.start()
-    return process, ready
-
 
 @pytest.mark.timeout(180)
 def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
     offload_dir = tmp_path / "offload"
-    script = tmp_path / "writer.py"
-    script.write_text(WRITER)
-    old = old_values()
+    old = torch.arange(ELEMENTS, dtype=torch.float32)  # the writer's two values: this and -this
     new = -old
     owner = OffloadedTensor(old, "cpu", offload_dir, NAME, torch.Tensor, storage_id=STORAGE_ID)
     path = owner.offload_path
@@ -77,12 +34,19 @@ def test_killed_writers_leave_the_old_or_the_new_values(tmp_path: Path) -> None:
     owner.update_values(old)
     write_seconds = time.perf_counter() - started
 
-    context = forkserver_context()
     chooser = random.Random(1234)
     outcomes = {"old": 0, "new": 0}
     interrupted_writes = 0
     for _ in range(KILLS):
-        process, ready = start_writer(context, script, offload_dir)
+        ready = children.context().Event()
+        process = children.start_worker(
+            "tensor_writer",
+            offload_dir=str(offload_dir),
+            name=NAME,
+            storage_id=STORAGE_ID,
+            elements=ELEMENTS,
+            ready=ready,
+        )
         try:
             # The first start also starts the forkserver, which imports torch: slow under load.
             assert ready.wait(timeout=120), "the writer process did not start"

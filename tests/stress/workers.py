@@ -214,6 +214,18 @@ def disk_full(offload_dir: str, specs: list[tuple[str, str]], size_limit: int, r
     os._exit(0)
 
 
+def tensor_writer(offload_dir: str, name: str, storage_id: str, elements: int, ready: Any) -> None:
+    """Adopt a tensor's payload file and rewrite it with ``update_values`` over and over,
+    alternating ``arange(elements)`` and its negation, until killed."""
+    tensor = adopt(offload_dir, name, storage_id)
+    old = torch.arange(elements, dtype=torch.float32)
+    new = -old
+    ready.set()
+    while True:
+        tensor.update_values(new)
+        tensor.update_values(old)
+
+
 def payload_writer(path: str, ready: Any) -> None:
     """Write the payload file ``path`` over and over, alternating two values, until killed:
     ``storage.write_payload`` alone, no tensor or pool."""
@@ -234,6 +246,7 @@ def _main(namespace: dict[str, Any]) -> None:
         "crash_writer": crash_writer,
         "disk_full": disk_full,
         "payload_writer": payload_writer,
+        "tensor_writer": tensor_writer,
     }
     jobs[job](**namespace["T2N_ARGS"])
 
