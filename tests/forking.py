@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import multiprocessing
 import os
 import signal
 import threading
@@ -14,6 +15,19 @@ from typing import Any
 
 import pytest
 import torch
+
+from torch_to_nnef.exceptions import T2NErrorMisuse
+
+
+def _report(body: Callable[[], str], seconds: float) -> str:
+    """What ``body`` returned in the child, or the ``repr`` of what it raised."""
+    # Where it hangs goes to stderr before the parent kills it.
+    faulthandler.dump_traceback_later(max(seconds - 2, 1), exit=True)
+    torch.set_num_threads(1)  # as data-loading workers do: OpenMP is not fork-safe
+    try:
+        return body()
+    except BaseException as error:
+        return repr(error)
 
 
 def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
@@ -28,14 +42,7 @@ def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
         child = os.fork()
     if child == 0:
         os.close(read)
-        # Where it hangs goes to stderr before the parent kills it.
-        faulthandler.dump_traceback_later(max(seconds - 2, 1), exit=True)
-        torch.set_num_threads(1)  # as data-loading workers do: OpenMP is not fork-safe
-        try:
-            report = body()
-        except BaseException as error:
-            report = repr(error)
-        os.write(write, report.encode())
+        os.write(write, _report(body, seconds).encode())
         os._exit(0)
     os.close(write)
     deadline = time.monotonic() + seconds
@@ -50,6 +57,35 @@ def in_forked_child(body: Callable[[], str], seconds: float = 30) -> str:
         pytest.fail("the forked child hung")
     with os.fdopen(read) as pipe:
         return pipe.read()
+
+
+def in_multiprocessing_child(body: Callable[[], str], seconds: float = 30) -> str:
+    """:func:`in_forked_child`, the child started by multiprocessing's ``"fork"`` context (a
+    data-loading worker's way): its bootstrap runs multiprocessing's after-fork hooks, and
+    threading's shutdown once ``body`` returned (which waits for the threads the child
+    started)."""
+    context = multiprocessing.get_context("fork")
+    read, write = context.Pipe(duplex=False)
+    process = context.Process(target=lambda: write.send(_report(body, seconds)), daemon=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads running
+        process.start()
+    write.close()
+    try:
+        if not read.poll(seconds):
+            process.kill()
+            process.join(10)
+            pytest.fail("the forked child hung")
+        report: str = read.recv()
+    finally:
+        read.close()
+    process.join(seconds)
+    if process.is_alive():
+        process.kill()
+        process.join(10)
+        pytest.fail("the forked child hung as it ended")
+    assert process.exitcode == 0, f"the forked child ended with {process.exitcode}"
+    return report
 
 
 def in_forked_child_while_held(
@@ -83,3 +119,25 @@ def put_values(tensor: torch.Tensor, queue: Any) -> None:
     what a child received comes back without sharing the child's memory (gone once it
     exits)."""
     queue.put(tensor.tolist())
+
+
+FORKS: dict[str, Callable[[Callable[[], str]], str]] = {
+    "os.fork": in_forked_child,
+    "multiprocessing": in_multiprocessing_child,
+}
+"""The ways to fork a child that runs a function: ``FORKS[way](body)``."""
+
+
+def outcomes(*calls: Callable[[], object]) -> str:
+    """What each call did, in a forked child: "forked" when it refused to use the parent's
+    pool, "returned", or the error."""
+    done = []
+    for call in calls:
+        try:
+            call()
+            done.append("returned")
+        except T2NErrorMisuse as error:
+            done.append("forked" if "forked" in str(error) else str(error))
+        except BaseException as error:
+            done.append(repr(error))
+    return ",".join(done)

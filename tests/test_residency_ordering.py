@@ -25,7 +25,8 @@ import pytest
 import safetensors.torch
 import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
-from forking import in_forked_child, in_forked_child_while_held
+from forking import FORKS, in_forked_child, in_forked_child_while_held
+from forking import outcomes as _outcomes
 from interrupts import InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, reports_that_raise
 from torch import nn
@@ -1063,21 +1064,6 @@ def _first_step(request: Coroutine[Any, Any, object]) -> None:
         request.close()
 
 
-def _outcomes(*calls: Callable[[], object]) -> str:
-    """What each call did, in a forked child: "forked" when it refused to use the parent's
-    pool, "returned", or the error."""
-    outcomes = []
-    for call in calls:
-        try:
-            call()
-            outcomes.append("returned")
-        except T2NErrorMisuse as error:
-            outcomes.append("forked" if "forked" in str(error) else str(error))
-        except BaseException as error:
-            outcomes.append(repr(error))
-    return ",".join(outcomes)
-
-
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 def test_a_forked_child_is_told_to_create_its_own_pool(tmp_path: Path) -> None:
     ts = [_tensor(tmp_path, f"t{i}") for i in range(2)]
@@ -1400,6 +1386,67 @@ def test_a_child_forked_while_another_thread_holds_a_read_write_lease_reads_the_
         assert in_forked_child_while_held([changing()], child, seconds=20) == repr([0.0] * 3)
         assert torch.equal(ts[0].reload(), torch.full((NUMEL,), 5.0))
     assert torch.equal(on_disk(ts[0]), torch.full((NUMEL,), 5.0))
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fork", sorted(FORKS))
+@pytest.mark.parametrize("moment", ["before its note", "after its note"])
+def test_a_child_forked_while_the_actor_applies_a_lease_end_left_to_it_serves_and_writes(
+    tmp_path: Path, fork: str, moment: str
+) -> None:
+    """A Ctrl-C cuts a ``read_write`` lease's exit: its end, the change kept, is left to the
+    actor's next step, which the loop thread runs at once. The fork comes while that step
+    applies it (a deferred call under way), before or after it made the change the tensor's
+    latest write. In the child, the parent's pool answers its reads and says it was forked,
+    the tensor reads the value as the step left it at the fork, and a new pool serves it and
+    writes the child's change, which the child reads from then on: nothing waits for the
+    step, which never ends there. In the parent, the lease ends, and a flush writes its
+    change."""
+    t = _tensor(tmp_path)
+    if moment == "before its note":
+        point = Breakpoint(Actor.release.__code__, on="call")
+    else:
+        point = Breakpoint(
+            OffloadedTensor._note_unsaved.__code__, on="return", caller=Actor.release.__code__
+        )
+    with breakpoints_in_new_threads(point), TensorResidencyPool() as pool:
+        try:
+            pool.resolve(t)  # a hit from now on
+            lease = pool.acquire(t, mode="read_write")
+            lease.__enter__().fill_(1.0)
+            point.armed.set()
+            # The second call counted in the lease's module: end_lease, from __exit__.
+            cut = InterruptAt(2, within=_handles.__file__)
+            assert interrupted(cut, lambda: lease.__exit__(None, None, None))
+            assert cut.where == "end_lease"
+            assert point.paused.wait(10)  # the loop thread is applying the lease's end
+            assert pool._actor._later_running == 1
+
+            def child() -> str:
+                seen = [float(t.reload()[0]), float((t + 0)[0])]
+                with TensorResidencyPool() as own:
+                    seen.append(float(own.resolve(t)[0]))
+                    with own.acquire(t, mode="read_write") as changed:
+                        changed.add_(8.0)
+                    own.flush()
+                    seen += [float(on_disk(t)[0]), float(t.reload()[0])]
+                parents = _outcomes(lambda: repr(pool), lambda: pool.is_resident(t))
+                return f"{seen},{parents},{_outcomes(lambda: pool.resolve(t))}"
+
+            report = FORKS[fork](child)
+        finally:
+            point.go()
+        before = 1.0 if moment == "after its note" else 0.0
+        changed = before + 8.0
+        assert report == f"{[before] * 3 + [changed] * 2},returned,returned,forked"
+        assert "leased: 0," in repr(pool)
+        assert pool._actor._later_running == 0
+        check_invariants(pool)
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 1.0))
+        pool.flush()
+        assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 1.0))
 
 
 # ---------------------------------------------------------------------------------------------
