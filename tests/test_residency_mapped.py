@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import copy
 import gc
+import os
 import threading
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
+from forking import FORKS, outcomes
+from residency_checks import check_invariants, on_disk
 from torch import nn
 
 from torch_to_nnef.tensor import (
@@ -20,6 +23,7 @@ from torch_to_nnef.tensor import (
     offload_module,
     storage,
 )
+from torch_to_nnef.tensor.residency._actor import Actor
 
 needs_proc_maps = pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="needs /proc")
 
@@ -249,3 +253,59 @@ def test_a_value_loaded_mapped_maps_the_file_written_with_mapped_reads_off_since
             assert torch.equal(pool.resolve(tensor), torch.ones(numel))
         finally:
             storage.set_mapped_reads(previous)
+
+
+@needs_proc_maps
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("fork", sorted(FORKS))
+@pytest.mark.parametrize("moment", ["mapping", "swapping"])
+def test_a_child_forked_while_a_written_value_is_mapped_again_serves_and_writes_it(
+    tmp_path: Path, fork: str, moment: str
+) -> None:
+    """The fork comes while the parent's pool maps again a value it wrote back and keeps:
+    as a worker maps the file written (``mapping``: it holds the tensor's write lock), or as
+    the loop thread swaps the value for that mapping (``swapping``). In the child, the
+    parent's pool answers its reads and says it was forked, the tensor reads the value
+    written, and a new pool serves it and writes the child's change, which the child reads
+    from then on. In the parent, the value maps the new file, and a later change is
+    written."""
+    numel = storage.MAPPED_MIN_BYTES // 4  # float32: mapped as it loads
+    t = OffloadedTensor.from_original_tensor(torch.zeros(numel), "w", tmp_path)
+    if moment == "mapping":
+        code, text = OffloadedTensor._map_written, "host = storage.load_payload"
+    else:
+        code, text = Actor._remap, "entry.value = mapping"
+    point = Breakpoint(code.__code__, on="line", line=line_of(code, text))
+    with breakpoints_in_new_threads(point), TensorResidencyPool(max_cached_bytes=1 << 30) as pool:
+        try:
+            add_one_under_a_lease(pool, t)
+            point.armed.set()
+            pool.flush()  # written: the value stays, and is mapped again from the file written
+            assert point.paused.wait(10)
+
+            def child() -> str:
+                seen = [float(t.reload()[0]), float((t + 0)[-1])]
+                with TensorResidencyPool() as own:
+                    seen.append(float(own.resolve(t)[0]))
+                    add_one_under_a_lease(own, t)
+                    own.flush()
+                    seen += [float(on_disk(t)[-1]), float(t.reload()[0])]
+                    seen.append(float(own.resolve(t)[-1]))
+                parents = outcomes(lambda: repr(pool), lambda: pool.is_resident(t))
+                return f"{seen},{parents},{outcomes(lambda: pool.resolve(t))}"
+
+            report = FORKS[fork](child)
+        finally:
+            point.go()
+        assert report == f"{[1.0] * 3 + [2.0] * 3},returned,returned,forked"
+        assert no_deleted_file_mapped_soon(tmp_path), deleted_files_mapped(tmp_path)
+        assert pool.is_resident(t) and "leased: 0," in repr(pool)
+        check_invariants(pool)
+        assert torch.equal(pool.resolve(t), torch.ones(numel))
+        add_one_under_a_lease(pool, t)
+        pool.flush()
+        assert torch.equal(on_disk(t), torch.full((numel,), 2.0))
+        assert no_deleted_file_mapped_soon(tmp_path), deleted_files_mapped(tmp_path)
+        assert torch.equal(pool.resolve(t), torch.full((numel,), 2.0))
+    assert torch.equal(t.reload(), torch.full((numel,), 2.0))
