@@ -22,7 +22,7 @@ import safetensors.torch
 import torch
 from interrupts import signalled
 from open_files import open_descriptors
-from residency_checks import settle
+from residency_checks import check_invariants, settle
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.tensor import load_offloaded_checkpoint, storage
@@ -293,6 +293,44 @@ def test_a_ctrl_c_anywhere_in_a_read_write_lease_leaves_no_lease_even_kept(
         points = sweep(keeping, tmp_path, check, within=str(Path(_handles.__file__).parent))
         assert points > 20, "the lease made fewer points than expected: the test proves little"
         kept.clear()
+    assert pool.closed
+
+
+@needs_proc
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", ["read", "read_write"])
+def test_a_ctrl_c_anywhere_in_a_lease_leaves_its_value_to_the_budget(
+    tmp_path: Path, mode: str
+) -> None:
+    """A Ctrl-C at each point of a lease on a value that the pool's budget holds alone: once
+    the lease ended, that value is cached again, and a load of another value evicts it. (One
+    landing as the lease's end queued its value for the pool's loop, after the lease let go
+    of it, left it counted as in use for good: over the budget, never evicted.)"""
+    ts = [
+        OffloadedTensor.from_original_tensor(torch.zeros(256), f"t{i}", offload_dir=tmp_path)
+        for i in range(2)
+    ]
+    with TensorResidencyPool(max_cached_bytes=256 * 4) as pool:  # one value
+
+        def lease() -> None:
+            with pool.acquire(ts[0], mode=mode) as value:
+                value.add_(0)
+                settle(pool)  # the pool's loop counts the lease
+
+        def check(where: str) -> None:
+            settle(pool)
+            assert "leased: 0," in repr(pool), f"a Ctrl-C at {where} left a lease"
+            pool.resolve(ts[1])  # evicts the other value
+            settle(pool)
+            assert not pool.is_resident(ts[0]), f"a Ctrl-C at {where} left the value in use"
+            check_invariants(pool)
+
+        def tidy() -> None:
+            pool.resolve(ts[0])  # a hit at the next point
+
+        tidy()
+        points = sweep(lease, tmp_path, check, str(Path(_handles.__file__).parent), tidy)
+        assert points > 10, "the lease made fewer points than expected: the test proves little"
     assert pool.closed
 
 

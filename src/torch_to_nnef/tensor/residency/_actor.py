@@ -319,7 +319,10 @@ class Actor:
     def _ended(self, slot: Slot, holder: Holder, changed: bool) -> bool:
         """The end of :meth:`release` for the lease ``holder`` holds on ``slot`` (under the
         lock): the counts, and whether the actor must hear of it. The holder lets go of the
-        slot and the counts drop in one step, with no call in between."""
+        slot, the counts drop and the slot whose last lease this was is queued for the
+        actor's next transition in one step, with no call an interrupt could land on before
+        the last of them (once the holder let go, a Ctrl-C leaves nothing for its exit to
+        end: a slot left unqueued would stay counted as leased, its value in use for good)."""
         holder.slot = None
         slot.leases -= 1
         slot.writers -= holder.read_write
@@ -330,12 +333,12 @@ class Actor:
             slot.seen = slot.value._version  # what the lease did is its change
         if changed:
             slot.dirty = True
+        if not slot.leases and not slot.changed:
+            slot.changed = True
+            self._changed.append(slot)
         self._touches.append(slot.key)
         if slot.leases:
             return False
-        if not slot.changed:
-            self._changed.append(slot)
-            slot.changed = True
         # The slot was queued before this: a pending wake-up sees it.
         entry = slot.entry
         wake = entry.remapped is not None  # the file written is mapped now (see _remap)
