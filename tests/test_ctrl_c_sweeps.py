@@ -13,6 +13,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import safetensors.torch
 import torch
 from interrupts import signalled
 from open_files import open_descriptors
-from residency_checks import check_invariants, settle
+from residency_checks import check_invariants, on_disk, settle
 
 from torch_to_nnef import _interrupts
 from torch_to_nnef.tensor import load_offloaded_checkpoint, storage
@@ -672,6 +673,93 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
     within = str(Path(_handles.__file__).parent)
     points = sweep(miss, nothing, check, within, tidy=lambda: servings[-1].tidy())
     assert points > 20, "the miss made fewer points than expected: the test proves little"
+
+
+@needs_proc
+@pytest.mark.timeout(180)
+def test_a_ctrl_c_anywhere_in_a_lease_end_that_maps_a_written_value_again_loses_no_change(
+    tmp_path: Path,
+) -> None:
+    """A lease held a value through its write-back, so the mapping of the file written waits
+    for its end: the lease's exit, on a loop of the caller's on the main thread, swaps the
+    value for it. A Ctrl-C at each point of that exit: the lease ends, the value reads the
+    latest write whole, the pool's counts hold, and a change made after is written back.
+    Once the pool's next request ran, nothing keeps the replaced value."""
+    numel = storage.MAPPED_MIN_BYTES // 4  # float32: mapped as it loads
+    t = OffloadedTensor.from_original_tensor(torch.zeros(numel), "t", offload_dir=tmp_path)
+    serving = _CallersLoop.unswept()
+    pool = serving.pool
+    leases: list[Any] = []
+    # The replaced value, held through the exit: its mapping ends in a weak reference's
+    # callback as it goes, which loses a Ctrl-C landing in it (see in_finalizer).
+    replaced: list[torch.Tensor] = []
+    written = [0.0]
+
+    async def add_one() -> None:
+        async with pool.acquire(t, mode="read_write") as value:
+            value.add_(1)
+
+    async def entered(lease: Any) -> None:
+        await lease.__aenter__()
+
+    async def until_mapped() -> None:
+        while pool._actor.entries[id(t)].remapped is None:
+            await asyncio.sleep(0.001)
+
+    def written_while_leased() -> None:
+        """Change the value, lease it, flush it, and let its mapping of the file written
+        wait for the lease's end."""
+        serving.run(add_one())
+        written[0] += 1
+        leases[:] = [pool.acquire(t)]
+        serving.run(entered(leases[0]))
+        serving.run(pool.aflush())
+        serving.run(until_mapped())
+        replaced[:] = [pool._actor.entries[id(t)].value]
+
+    exits: list[bool] = []  # whether the exit's task began
+
+    async def exit_lease() -> None:
+        exits.append(True)
+        await leases[0].__aexit__(None, None, None)
+
+    def run_exit() -> None:
+        exits.clear()
+        serving.run(exit_lease())
+
+    def check(where: str) -> None:
+        if not exits:  # a Ctrl-C before the exit's task began: it runs as its owner unwinds
+            serving.run(leases[0].__aexit__(None, None, None))
+        serving.settle()
+        assert "leased: 0," in repr(pool), f"a Ctrl-C at {where} left a lease"
+        entry = pool._actor.entries[id(t)]
+        assert entry.slot is not None and entry.slot.value is entry.value, where
+        check_invariants(pool)
+        expected = torch.full((numel,), written[0])
+        assert torch.equal(pool.resolve(t), expected), f"a Ctrl-C at {where}: not the latest"
+        gone = weakref.ref(replaced.pop())
+        gc.collect()
+        assert gone() is None, f"a Ctrl-C at {where} kept the replaced value"
+        serving.run(add_one())
+        written[0] += 1
+        serving.run(pool.aflush())
+        expected = torch.full((numel,), written[0])
+        assert torch.equal(on_disk(t), expected), f"a Ctrl-C at {where} lost a later change"
+
+    def tidy() -> None:
+        if leases[0].slot is not None:  # (a Ctrl-C at its exit's entry: ended again)
+            serving.run(leases[0].__aexit__(None, None, None))
+        serving.settle()
+        replaced.clear()
+        written_while_leased()
+
+    written_while_leased()
+    within = str(Path(_handles.__file__).parent)
+    points = sweep(run_exit, tmp_path, check, within, tidy)
+    assert points > 10, "the exit made fewer points than expected: the test proves little"
+    leases.clear()
+    serving.close_checked("the end")
+    assert torch.equal(on_disk(t), torch.full((numel,), written[0]))
 
 
 LOST = ("return ModuleStream.__init__", "return stream_modules", "call ModuleStream.__enter__")

@@ -137,6 +137,18 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_threads_in_child)
 
 
+def _transition(callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    """Run ``callback(*args)``, a transition of the actor's, on the calling thread (the loop's,
+    or any once no loop serves the pool). A Ctrl-C on a loop of the caller's on the main
+    thread (a lease's exit there tells the actor at once) is raised once it ended, as one in
+    a serve is: landing in it, it would leave the actor half-way through it (the slots whose
+    leases ended taken out of their queue, and never applied: their values counted as in use
+    for good)."""
+    with InterruptHold() as hold:
+        hold.start()
+        callback(*args)
+
+
 def _synced(actor: Actor, done: Reply) -> None:
     """On the loop thread: take note of other threads (what finalizers deferred included),
     then settle ``done``."""
@@ -948,7 +960,7 @@ class Runtime:
         """Tell the actor something without waiting (any thread); reads of the pool's state
         from other threads see it (:meth:`catch_up`)."""
         if self.on_loop_thread() or not self.running or os.getpid() != self._pid:
-            callback(*args)
+            _transition(callback, args)
             return
         with self._lock:
             loop = self.loop
@@ -958,7 +970,7 @@ class Runtime:
                     self._sent -= 1
                     loop = None
         if loop is None:
-            callback(*args)  # the loop is gone: nothing runs concurrently any more
+            _transition(callback, args)  # the loop is gone: nothing runs concurrently any more
 
     def _counted(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
