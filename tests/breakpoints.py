@@ -52,6 +52,12 @@ class Breakpoint:
     def go(self) -> None:
         self._go.set()
 
+    def rearm(self) -> None:
+        """Pause the next thread again, once :meth:`go` let the last one go."""
+        self.paused.clear()
+        self._go.clear()
+        self.armed.set()
+
 
 @contextmanager
 def paused_in_new_threads(

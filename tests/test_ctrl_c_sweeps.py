@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from breakpoints import Breakpoint, breakpoints_in_new_threads
 from interrupts import signalled
 from open_files import open_descriptors
 from residency_checks import check_invariants, on_disk, settle
@@ -673,6 +674,74 @@ def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no
     within = str(Path(_handles.__file__).parent)
     points = sweep(miss, nothing, check, within, tidy=lambda: servings[-1].tidy())
     assert points > 20, "the miss made fewer points than expected: the test proves little"
+
+
+@needs_proc
+@pytest.mark.timeout(180)
+# A Ctrl-C in a serve that runs before the waiting task's first step cancels the task unstarted.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_ctrl_c_anywhere_as_the_callers_loop_maps_a_written_value_again_keeps_it_whole(
+    tmp_path: Path,
+) -> None:
+    """A value a ``read_write`` lease changed, written back by a flush and kept, is mapped
+    again from the file written by a job of the pool's; a loop of the caller's on the main
+    thread applies the job's end, swapping the value for that mapping. A Ctrl-C at each
+    point of that: once the pool's next request ran, the value was swapped (nothing keeps
+    the replaced value, which maps the replaced file), it reads the latest write whole, the
+    pool holds no lease, its counts hold, and it closes."""
+    numel = storage.MAPPED_MIN_BYTES // 4  # float32: mapped as it loads
+    t = OffloadedTensor.from_original_tensor(torch.zeros(numel), "t", offload_dir=tmp_path)
+    mapping = Breakpoint(OffloadedTensor._map_written.__code__, on="call")
+    with breakpoints_in_new_threads(mapping):
+        serving = _CallersLoop.unswept()
+        pool = serving.pool
+        replaced: list[weakref.ref[torch.Tensor]] = []
+
+        async def add_one() -> None:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.add_(1)
+
+        def written_and_mapped() -> None:
+            """Change and flush the value; the job mapping the file written is left to end
+            while the loop is stopped, its end for the loop's next run to apply."""
+            mapping.rearm()
+            serving.run(add_one())
+            serving.run(pool.aflush())
+            assert mapping.paused.wait(10), "no job maps the file written"
+            replaced[:] = [weakref.ref(pool._actor.entries[id(t)].value)]
+            mapping.go()
+            deadline = time.monotonic() + 10
+            while not any(job.kind == "remap" for job in pool._runtime._ended):
+                assert time.monotonic() < deadline, "the job mapping the file never ended"
+                time.sleep(0.001)
+
+        def swapped() -> bool:
+            entry = pool._actor.entries.get(id(t))
+            return entry is not None and entry.value is not replaced[0]()
+
+        async def until_swapped() -> None:
+            while not swapped():
+                await asyncio.sleep(0.001)
+
+        def check(where: str) -> None:
+            serving.settle()  # (its request applies the ends a Ctrl-C left queued)
+            assert swapped(), f"a Ctrl-C at {where} left the value mapping the replaced file"
+            gc.collect()
+            assert replaced[0]() is None, f"a Ctrl-C at {where} kept the replaced value"
+            assert "leased: 0," in repr(pool), f"a Ctrl-C at {where} left a lease"
+            check_invariants(pool)
+            value = pool.resolve(t)
+            assert torch.equal(value, torch.full((numel,), value[0].item())), f"torn at {where}"
+            assert torch.equal(t.reload(), value), f"a Ctrl-C at {where}: not the latest write"
+
+        written_and_mapped()
+        within = str(Path(_handles.__file__).parent)
+        points = sweep(
+            lambda: serving.run(until_swapped()), tmp_path, check, within, written_and_mapped
+        )
+        assert points > 10, "the swap made fewer points than expected: the test proves little"
+        serving.close_checked("the end")
+    assert torch.equal(on_disk(t), torch.full((numel,), float(points + 2)))
 
 
 @needs_proc
