@@ -1232,6 +1232,42 @@ def test_a_read_write_lease_dropped_without_its_exit_ends_at_once(
 
 
 @pytest.mark.timeout(60)
+def test_a_read_write_lease_dropped_on_the_loop_serving_its_pool_ends_at_once(
+    tmp_path: Path,
+) -> None:
+    """A task on the loop serving the pool (``async with pool``) enters a read_write lease,
+    changes the value and drops the lease without its exit (its object freed there, on the
+    pool's loop thread): its change is the tensor's latest write at once, before the pool's
+    next step. A read right after sees it, and so does a read_write lease of another pool
+    entered right after, whose change, later in program order, stands."""
+    t = _tensor(tmp_path, "t")
+    other = TensorResidencyPool()
+    seen: list[float] = []
+
+    async def main() -> None:
+        async with TensorResidencyPool() as pool:
+            lease = pool.acquire(t, mode="read_write")
+            value = await lease.__aenter__()
+            value.fill_(5.0)
+            del lease, value  # freed on the loop thread, the pool's actor not running
+            seen.append(t.reload()[0].item())
+            with other.acquire(t, mode="read_write") as changed:  # (on its own loop thread)
+                seen.append(changed[0].item())
+                changed.fill_(6.0)
+            await asyncio.sleep(0.05)  # the pool's next steps
+            seen.append(t.reload()[0].item())
+            assert _leased(pool) == 0
+        seen.append(t.reload()[0].item())
+
+    try:
+        asyncio.run(main())
+    finally:
+        other.close()
+    assert seen == [5.0, 5.0, 6.0, 6.0]
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
+@pytest.mark.timeout(60)
 def test_a_lease_freed_by_a_collection_has_ended_when_the_pools_state_is_read(
     tmp_path: Path,
 ) -> None:

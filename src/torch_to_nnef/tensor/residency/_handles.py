@@ -53,14 +53,21 @@ this does nothing) skips the call.
 
 
 def end_lease(
-    pool: TensorResidencyPool, holder: Holder, changed: bool, *, by_owner: bool = True
+    pool: TensorResidencyPool,
+    holder: Holder,
+    changed: bool,
+    *,
+    by_owner: bool = True,
+    tell_now: bool = True,
 ) -> None:
     """End ``holder``'s lease if it holds one (any thread; idempotent); when that puts the
     pool over its budget, the actor hears of it without waiting (a wake-up of its loop).
     ``changed``: a ``read_write`` lease that was entered, whose change is kept; on a CUDA
     value it records an event on the caller's current stream, which the write-back waits
     for. ``by_owner``: its owner ends it, and is told when the value was reshaped (else, the
-    lease being collected, the change is dropped with a warning: see ``Actor.release``)."""
+    lease being collected, the change is dropped with a warning: see ``Actor.release``).
+    ``tell_now`` false: the actor hears of the end at its next step (a wake-up of its loop),
+    never inline (a lease collected on the pool's loop thread, amid a step perhaps)."""
     slot = holder.slot
     if slot is None:
         return
@@ -72,7 +79,10 @@ def end_lease(
             changed = refused is None
     actor = pool._actor
     if actor.release(holder, changed):
-        pool._runtime.notify(actor.leases_ended)
+        if tell_now:
+            pool._runtime.notify(actor.leases_ended)
+        else:
+            pool._runtime.wake()
     if refused is not None:
         raise refused
 
@@ -210,8 +220,9 @@ class TensorResidencyLease(Holder, Uncopyable):
     ``KeyboardInterrupt`` while it is being entered gives it back; one landing where no code
     of the lease runs (on the way into ``__exit__``) leaves it to the lease object's
     collection, which ends it as the exit would (a ``read_write`` lease's change is the
-    tensor's latest write from then on), or at the pool's next step where its thread cannot
-    wait for the pool (a garbage collection, the pool's own code or threads). A task inside
+    tensor's latest write from then on, on the pool's loop thread too), or at the pool's next
+    step where its thread cannot wait for the pool (a garbage collection, the pool's own
+    code, its I/O workers). A task inside
     ``async with`` whose coroutine is collected
     without running (its loop left it pending) ends it at the pool's next step, as does a
     generator suspended inside ``with`` that a collection closes amid the pool's own code. A
@@ -442,7 +453,9 @@ class TensorResidencyLease(Holder, Uncopyable):
         # An interrupt landed where its owner could not end it (or before it was built).
         # Ended here as an exit ends it, its change the tensor's latest write from now on
         # (a direct write after it stands on it), unless this thread cannot wait for the
-        # pool: then at the pool's next step.
+        # pool: then at the pool's next step. On the pool's loop thread (a task of the loop
+        # serving it, or amid a step of the actor's) it ends as another thread's release
+        # would, and the actor hears of it at its next step, not inline.
         try:
             slot = self.slot
         except AttributeError:
@@ -451,8 +464,14 @@ class TensorResidencyLease(Holder, Uncopyable):
             return
         runtime = self._pool._runtime
         try:
-            if not (runtime.on_loop_thread() or runtime.may_wait_for_itself()):
-                end_lease(self._pool, self, self.entered, by_owner=False)
+            if not runtime.may_wait_for_itself():
+                end_lease(
+                    self._pool,
+                    self,
+                    self.entered,
+                    by_owner=False,
+                    tell_now=not runtime.on_loop_thread(),
+                )
         finally:
             self._drop()  # at the next step: all of it, or what an interrupt left of it
 
