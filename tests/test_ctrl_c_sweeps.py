@@ -772,7 +772,12 @@ def test_a_ctrl_c_anywhere_in_a_lease_end_that_maps_a_written_value_again_loses_
         await lease.__aenter__()
 
     async def until_mapped() -> None:
-        while pool._actor.entries[id(t)].remapped is None:
+        """Until the mapping of the file just written waits for the lease's end, and no job
+        runs (a remap of an earlier write-back, late on a loaded machine, maps nothing)."""
+        entry = pool._actor.entries[id(t)]
+        while (
+            entry.remapped is None or entry.remapped[1] != entry.value._version or pool._actor.jobs
+        ):
             await asyncio.sleep(0.001)
 
     def written_while_leased() -> None:
