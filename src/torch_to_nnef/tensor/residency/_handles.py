@@ -222,10 +222,9 @@ class TensorResidencyLease(Holder, Uncopyable):
     collection, which ends it as the exit would (a ``read_write`` lease's change is the
     tensor's latest write from then on, on the pool's loop thread too), or at the pool's next
     step where its thread cannot wait for the pool (a garbage collection, the pool's own
-    code, its I/O workers). A task inside
-    ``async with`` whose coroutine is collected
-    without running (its loop left it pending) ends it at the pool's next step, as does a
-    generator suspended inside ``with`` that a collection closes amid the pool's own code. A
+    code, its I/O workers). A task inside ``async with`` whose coroutine is collected without
+    running (its loop left it pending) ends it at the pool's next step, as does a generator
+    suspended inside ``with`` that a collection closes amid the pool's own code. A
     ``read_write`` change ended that way that reshaped the value is dropped, as an exit
     refuses it.
 
