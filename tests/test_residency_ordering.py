@@ -43,6 +43,19 @@ NUMEL = 256
 BIG = 1 << 22  # float32: 16 MiB, so that a load or a write-back takes a while
 
 
+def _read_then_changed_by_a_new_pool(t: OffloadedTensor) -> list[float]:
+    """In a forked child: ``t``'s first element as ``reload``, an op and a new pool read it,
+    then on disk once that pool added 8 to it under a ``read_write`` lease and flushed."""
+    seen = [float(t.reload()[0]), float((t + 0)[0])]
+    with TensorResidencyPool() as own:
+        seen.append(float(own.resolve(t)[0]))
+        with own.acquire(t, mode="read_write") as changed:
+            changed.add_(8.0)
+        own.flush()
+        seen.append(float(on_disk(t)[0]))
+    return seen
+
+
 def _tensor(directory: Path, name: str = "t", numel: int = NUMEL) -> OffloadedTensor:
     return OffloadedTensor.from_original_tensor(torch.zeros(numel), name, offload_dir=directory)
 
@@ -1293,13 +1306,7 @@ def test_a_child_forked_while_a_write_back_fails_reads_the_change_the_parent_wri
             assert point.paused.wait(30)
 
             def child() -> str:
-                seen = [float(t.reload()[0]), float((t + 0)[0])]
-                with TensorResidencyPool() as own:
-                    seen.append(float(own.resolve(t)[0]))
-                    with own.acquire(t, mode="read_write") as changed:
-                        changed.add_(8.0)
-                    own.flush()
-                    seen.append(float(on_disk(t)[0]))
+                seen = _read_then_changed_by_a_new_pool(t)
                 t.update_values(torch.full((NUMEL,), 4.0))
                 with TensorResidencyPool() as own:
                     seen.append(float(own.resolve(t)[0]))
@@ -1424,13 +1431,7 @@ def test_a_child_forked_while_the_actor_applies_a_lease_end_left_to_it_serves_an
             assert pool._actor._later_running == 1
 
             def child() -> str:
-                seen = [float(t.reload()[0]), float((t + 0)[0])]
-                with TensorResidencyPool() as own:
-                    seen.append(float(own.resolve(t)[0]))
-                    with own.acquire(t, mode="read_write") as changed:
-                        changed.add_(8.0)
-                    own.flush()
-                    seen += [float(on_disk(t)[0]), float(t.reload()[0])]
+                seen = [*_read_then_changed_by_a_new_pool(t), float(t.reload()[0])]
                 parents = _outcomes(lambda: repr(pool), lambda: pool.is_resident(t))
                 return f"{seen},{parents},{_outcomes(lambda: pool.resolve(t))}"
 
