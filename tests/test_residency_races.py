@@ -2552,3 +2552,51 @@ def test_two_closes_stopping_the_private_loop_at_once_end_its_thread_cleanly(
         thread.join(10)
     assert not [thread.name for thread in started if thread.is_alive()]
     assert loop.is_closed()
+
+
+def test_a_lease_collected_amid_its_tensors_code_after_a_ctrl_c_cut_the_collections_callback(
+    tmp_path: Path,
+) -> None:
+    """A generator inside `with pool.acquire(t, "read_write")`, freed by a garbage
+    collection that runs while this thread holds the lock its end takes to note its change
+    (amid the tensor's own code), a Ctrl-C landing on the collection's first callback: the
+    lease still ends at the pool's next step, never amid that code, keeping its change."""
+    import _thread
+    import operator
+    from collections import deque
+
+    t = _tensor(tmp_path, "t")
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            value.fill_(1.0)  # an unsaved change, which the lease's end would replace
+
+        def hold() -> Generator[None, None, None]:
+            with pool.acquire(t, mode="read_write") as value:
+                value.fill_(2.0)
+                yield
+
+        caught: list[Any] = []
+        gc.collect()
+        gc.disable()
+        previous = sys.unraisablehook
+        sys.unraisablehook = caught.append
+        try:
+            generator = hold()
+            next(generator)
+            cycle: list[Any] = [generator]
+            cycle.append(cycle)
+            del cycle, generator
+            with t._pending_lock:
+                unsaved = t._unsaved
+                # The Ctrl-C is pending as the collection starts, called from C at once.
+                deque(map(operator.call, (_thread.interrupt_main, gc.collect)), maxlen=0)
+                unchanged = t._unsaved is unsaved
+        finally:
+            sys.unraisablehook = previous
+            gc.enable()
+        assert [report.exc_type for report in caught] == [KeyboardInterrupt]
+        assert unchanged, "the lease's end changed the tensor amid its own code"
+        pool.flush()  # a step of the pool's: the lease ended there
+        assert _leased(pool) == 0
+        assert torch.equal(t.reload(), torch.full((NUMEL,), 2.0))
+    assert torch.equal(on_disk(t), torch.full((NUMEL,), 2.0))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import threading
+from collections import OrderedDict
 from typing import Any
 
 __all__ = ["collecting_here", "held_here", "owned_lock"]
@@ -32,12 +33,27 @@ def held_here(lock: threading.RLock) -> bool:
 
 
 _collector: int | None = None
-"""The thread running a garbage collection, if any (one at a time: collections do not nest)."""
+"""The thread running a garbage collection, if any (one at a time: collections do not nest),
+as the collection's first callback named it; ``None`` when none does, or when a Ctrl-C cut
+that callback."""
+
+_phase = OrderedDict.fromkeys(("start", "stop"))
+"""The phase of the latest collection, as its last key: ``"start"`` while one runs. Kept by
+a callback written in C (``move_to_end``, given the phase and the collection's details, a
+true ``last``), which runs no Python code: Python runs a pending Ctrl-C's handler at the
+start of the first Python code a collection calls, a callback of it perhaps, and discards the
+``KeyboardInterrupt`` (reported as unraisable), so that a Python callback may not run at all."""
 
 
 def collecting_here() -> bool:
     """Whether the calling thread runs a garbage collection (a finalizer of it, then)."""
-    return _collector == threading.get_ident()
+    if next(reversed(_phase)) != "start":
+        return False
+    # A collection whose callback naming its thread was cut runs on the main thread: that is
+    # the only thread a Ctrl-C lands on. (A name left by a cut end of the collection before
+    # is the main thread's too.)
+    collector = _collector or threading.main_thread().ident
+    return collector == threading.get_ident()
 
 
 def _note_collection(phase: str, info: dict[str, Any]) -> None:
@@ -45,4 +61,5 @@ def _note_collection(phase: str, info: dict[str, Any]) -> None:
     _collector = threading.get_ident() if phase == "start" else None
 
 
+gc.callbacks.append(_phase.move_to_end)  # type: ignore[arg-type]  # (the details as ``last``)
 gc.callbacks.append(_note_collection)
