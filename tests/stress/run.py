@@ -1,10 +1,11 @@
 """``make stress``: the long runs of the reliability tests, and a report of their figures.
 
-Runs the fault, fuzz, crash, disk-full, soak, leak and no-code-execution tests with
-``T2N_STRESS=1`` (many more fuzzed files, 200 killed pools, 5000 pools and tensors for the
-leak checks, a 60 s soak), collects the figures each test records (one JSON line per test, see
-``tests/stress/figures.py``) and prints the totals: operations run, faults injected, files
-fuzzed, crashes survived, payloads verified and whether anything was lost.
+Runs the fault, fuzz, crash, disk-full, soak, hostile-mix, leak and no-code-execution tests
+with ``T2N_STRESS=1`` (many more fuzzed files, 200 killed pools, 200 seeds of the hostile mix,
+5000 pools and tensors for the leak checks, a 60 s soak), collects the figures each test
+records (one JSON line per test, see ``tests/stress/figures.py``) and prints the totals:
+operations run, faults injected, files fuzzed, crashes survived, payloads verified, Ctrl-C
+interrupts and forks survived, and whether anything was lost.
 
 Usage: ``python tests/stress/run.py [--soak-seconds N] [--figures FILE] [pytest args...]``.
 The exit status is pytest's.
@@ -30,6 +31,7 @@ TESTS = [
     "tests/test_crash_writeback.py",
     "tests/test_disk_full.py",
     "tests/test_soak.py",
+    "tests/test_hostile_mix.py",
     "tests/test_leaks.py",
     "tests/test_no_code_execution.py",
 ]
@@ -46,6 +48,12 @@ TOTALS = [
     ("invariant_checks", "pool invariant checks in the soak"),
     ("seconds", "seconds of soak"),
     ("pools", "pools created and closed in the leak runs"),
+    ("seeds", "seeds of the hostile mix"),
+    ("interrupts", "Ctrl-C interrupts landed in the hostile mix"),
+    ("interrupts_in_finalizers", "of them in finalizers (reported as unraisable)"),
+    ("forks", "forked children checked in the hostile mix"),
+    ("reads_checked", "reads checked against the hostile mix's model"),
+    ("defects", "defects found by the hostile mix"),
     ("lost", "values lost"),
 ]
 
@@ -93,7 +101,7 @@ def report(lines: list[dict[str, Any]], status: int, seconds: float) -> str:
     out = ["", "=" * 72, "Stress report", "=" * 72]
     for key, label in TOTALS:
         out.append(f"  {label:<{width}}  {totals.get(key, 0):>10,.0f}")
-    lost = totals.get("lost", 0)
+    lost = totals.get("lost", 0) + totals.get("defects", 0)
     verdict = "nothing lost" if status == 0 and lost == 0 else "FAILURES: see the pytest output"
     out += [
         f"  {'tests':<{width}}  {'passed' if status == 0 else 'FAILED':>10}",
