@@ -22,6 +22,7 @@ from typing import Any
 
 import anyio
 import torch
+from residency_checks import settle
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
@@ -181,6 +182,7 @@ def disk_full(offload_dir: str, specs: list[tuple[str, str]], size_limit: int, r
                 value.add_(2.0)
             with pool.acquire(third) as value:
                 facts["third_readable"] = torch.equal(value, old[2])
+            settle(pool)  # the pushed-out value is resident again once its write-back failed
             facts["pressure_resident"] = [pool.is_resident(first), pool.is_resident(second)]
             facts["pressure_kept"] = [
                 torch.equal(pool.resolve(first), old[0] + 1),
