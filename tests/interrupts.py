@@ -1,22 +1,37 @@
 """Interrupts injected into a thread's own code: with ``sys.settrace``, a
 ``KeyboardInterrupt`` raised on entry to a chosen function, where CPython runs a pending
 signal handler (Ctrl-C); with ``sys.setprofile``, the SIGINT handler in force run at a chosen
-call or return, C functions' included, as a signal arriving there would run it."""
+call or return, C functions' included, as a signal arriving there would run it; with C code
+alone (:func:`interrupted_then`), a Ctrl-C pending as a call begins, such as a garbage
+collection's, whose first Python code runs the handler."""
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import dis
 import gc
 import inspect
+import operator
 import signal
 import sys
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
 from torch_to_nnef._owned import collecting_here
 
-__all__ = ["InterruptAt", "SecondSignalAt", "SignalAt", "in_finalizer", "interrupted", "signalled"]
+__all__ = [
+    "InterruptAt",
+    "SecondSignalAt",
+    "SignalAt",
+    "collections_by_hand",
+    "in_finalizer",
+    "interrupted",
+    "interrupted_then",
+    "signalled",
+]
 
 Trace = Callable[[FrameType, str, Any], Any]
 
@@ -240,3 +255,25 @@ def signalled(
     finally:
         sys.setprofile(None)
     return signal_at, None
+
+
+@contextlib.contextmanager
+def collections_by_hand() -> Iterator[list[Any]]:
+    """Automatic garbage collections off, earlier garbage gone; yields what Python reports as
+    unraisable inside the block (an interrupt lost in a finalizer or a collection's callback)."""
+    caught: list[Any] = []
+    gc.collect()
+    gc.disable()
+    previous = sys.unraisablehook
+    sys.unraisablehook = caught.append
+    try:
+        yield caught
+    finally:
+        sys.unraisablehook = previous
+        gc.enable()
+
+
+def interrupted_then(call: Callable[[], object]) -> None:
+    """Make a Ctrl-C pending and run ``call`` at once, from C: no Python code runs between, so
+    the first Python code ``call`` runs (a collection's callback, say) runs the handler."""
+    deque(map(operator.call, (_thread.interrupt_main, call)), maxlen=0)

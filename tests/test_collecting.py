@@ -12,14 +12,10 @@ from __future__ import annotations
 
 import _thread
 import gc
-import operator
-import sys
-from collections import deque
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import pytest
+from interrupts import collections_by_hand, interrupted_then
 
 from torch_to_nnef import _owned
 from torch_to_nnef._owned import collecting_here
@@ -49,32 +45,11 @@ class _Interrupting:
         self.cycle = self
 
 
-@contextmanager
-def _collections_by_hand() -> Iterator[list[Any]]:
-    """Automatic collections off, earlier garbage gone; yields what was reported as
-    unraisable inside the block."""
-    caught: list[Any] = []
-    gc.collect()
-    gc.disable()
-    previous = sys.unraisablehook
-    sys.unraisablehook = caught.append
-    try:
-        yield caught
-    finally:
-        sys.unraisablehook = previous
-        gc.enable()
-
-
-def _interrupted_then(call: Callable[[], object]) -> None:
-    """Make a Ctrl-C pending and run ``call`` at once, from C: no Python code runs between."""
-    deque(map(operator.call, (_thread.interrupt_main, call)), maxlen=0)
-
-
 def test_finalizers_know_they_run_in_a_collection_whose_first_callback_a_ctrl_c_cut() -> None:
     _Recorded.seen.clear()
-    with _collections_by_hand() as caught:
+    with collections_by_hand() as caught:
         _Recorded()
-        _interrupted_then(gc.collect)
+        interrupted_then(gc.collect)
     assert [(report.exc_type, report.object) for report in caught] == [
         (KeyboardInterrupt, _owned._note_collection)
     ], "the Ctrl-C did not land on the package's callback: the test proves nothing"
@@ -83,7 +58,7 @@ def test_finalizers_know_they_run_in_a_collection_whose_first_callback_a_ctrl_c_
 
 
 def test_no_collection_is_said_to_run_after_one_whose_last_callback_a_ctrl_c_cut() -> None:
-    with _collections_by_hand() as caught:
+    with collections_by_hand() as caught:
         _Interrupting()
         gc.collect()
     assert [(report.exc_type, report.object) for report in caught] == [

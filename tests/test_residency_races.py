@@ -30,7 +30,13 @@ from typing import Any
 import pytest
 import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
-from interrupts import InterruptAt, SecondSignalAt, interrupted
+from interrupts import (
+    InterruptAt,
+    SecondSignalAt,
+    collections_by_hand,
+    interrupted,
+    interrupted_then,
+)
 from residency_checks import (
     check_invariants,
     io_threads_since,
@@ -2561,10 +2567,6 @@ def test_a_lease_collected_amid_its_tensors_code_after_a_ctrl_c_cut_the_collecti
     collection that runs while this thread holds the lock its end takes to note its change
     (amid the tensor's own code), a Ctrl-C landing on the collection's first callback: the
     lease still ends at the pool's next step, never amid that code, keeping its change."""
-    import _thread
-    import operator
-    from collections import deque
-
     t = _tensor(tmp_path, "t")
     with TensorResidencyPool() as pool:
         with pool.acquire(t, mode="read_write") as value:
@@ -2575,12 +2577,7 @@ def test_a_lease_collected_amid_its_tensors_code_after_a_ctrl_c_cut_the_collecti
                 value.fill_(2.0)
                 yield
 
-        caught: list[Any] = []
-        gc.collect()
-        gc.disable()
-        previous = sys.unraisablehook
-        sys.unraisablehook = caught.append
-        try:
+        with collections_by_hand() as caught:
             generator = hold()
             next(generator)
             cycle: list[Any] = [generator]
@@ -2588,12 +2585,8 @@ def test_a_lease_collected_amid_its_tensors_code_after_a_ctrl_c_cut_the_collecti
             del cycle, generator
             with t._pending_lock:
                 unsaved = t._unsaved
-                # The Ctrl-C is pending as the collection starts, called from C at once.
-                deque(map(operator.call, (_thread.interrupt_main, gc.collect)), maxlen=0)
+                interrupted_then(gc.collect)  # the Ctrl-C lands as the collection starts
                 unchanged = t._unsaved is unsaved
-        finally:
-            sys.unraisablehook = previous
-            gc.enable()
         assert [report.exc_type for report in caught] == [KeyboardInterrupt]
         assert unchanged, "the lease's end changed the tensor amid its own code"
         pool.flush()  # a step of the pool's: the lease ended there
