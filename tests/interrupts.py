@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
 from typing import Any
 
+from torch_to_nnef import _owned
 from torch_to_nnef._owned import collecting_here
 
 __all__ = [
@@ -259,17 +260,26 @@ def signalled(
 
 @contextlib.contextmanager
 def collections_by_hand() -> Iterator[list[Any]]:
-    """Automatic garbage collections off, earlier garbage gone; yields what Python reports as
-    unraisable inside the block (an interrupt lost in a finalizer or a collection's callback)."""
+    """Automatic garbage collections off, earlier garbage gone, the package's collection
+    callbacks alone in force (another's written in Python, such as torch's, may come first and
+    take a Ctrl-C meant for them); yields what Python reports as unraisable inside the block
+    (an interrupt lost in a finalizer or a collection's callback)."""
     caught: list[Any] = []
     gc.collect()
     gc.disable()
+    callbacks = gc.callbacks[:]
+    gc.callbacks[:] = [
+        callback
+        for callback in callbacks
+        if callback is _owned._note_collection or callback == _owned._phase.move_to_end
+    ]
     previous = sys.unraisablehook
     sys.unraisablehook = caught.append
     try:
         yield caught
     finally:
         sys.unraisablehook = previous
+        gc.callbacks[:] = callbacks
         gc.enable()
 
 

@@ -45,7 +45,7 @@ from residency_checks import (
     settle,
 )
 
-from torch_to_nnef import _interrupts
+from torch_to_nnef import _interrupts, _owned
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
@@ -2587,7 +2587,9 @@ def test_a_lease_collected_amid_its_tensors_code_after_a_ctrl_c_cut_the_collecti
                 unsaved = t._unsaved
                 interrupted_then(gc.collect)  # the Ctrl-C lands as the collection starts
                 unchanged = t._unsaved is unsaved
-        assert [report.exc_type for report in caught] == [KeyboardInterrupt]
+        assert [(report.exc_type, report.object) for report in caught] == [
+            (KeyboardInterrupt, _owned._note_collection)
+        ], "the Ctrl-C did not land on the package's callback: the test proves nothing"
         assert unchanged, "the lease's end changed the tensor amid its own code"
         pool.flush()  # a step of the pool's: the lease ended there
         assert _leased(pool) == 0
