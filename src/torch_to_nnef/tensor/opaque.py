@@ -324,7 +324,9 @@ def _expand(value: Any) -> Any:
 def _expand_all(
     args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    return tuple(_expand(a) for a in args), {k: _expand(v) for k, v in kwargs.items()}
+    # Plain tensors, the most common arguments, skip the call (this runs on every op).
+    expanded = tuple([a if type(a) is torch.Tensor else _expand(a) for a in args])
+    return expanded, {k: _expand(v) for k, v in kwargs.items()} if kwargs else {}
 
 
 def _call_expanded(
