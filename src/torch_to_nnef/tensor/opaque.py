@@ -341,6 +341,21 @@ def _call_expanded(
         return func(*args, **kwargs)
 
 
+def _runs_expanded(func: Callable[..., Any]) -> bool:
+    """Whether :meth:`OpaqueTensor.__torch_function__` runs ``func``, given no keyword
+    arguments and writing no argument of its own, on the expanded values of its arguments
+    (:func:`_call_on_values`): no metadata query, no aten op called as such (which may go down
+    to ``__torch_dispatch__``)."""
+    return not isinstance(func, _ATEN_OPS) and not _is_passthrough(func)
+
+
+def _call_on_values(func: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+    """:func:`_call_expanded` of a ``func`` that :func:`_runs_expanded`, given positional
+    arguments alone."""
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*[a if type(a) is torch.Tensor else _expand(a) for a in args])
+
+
 class OpaqueTensor(torch.Tensor):
     """A tensor whose value is produced on demand by :meth:`to_base_tensor`.
 

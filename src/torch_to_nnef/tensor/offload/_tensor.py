@@ -45,7 +45,9 @@ from torch_to_nnef.tensor.offload._protocol import (
 from torch_to_nnef.tensor.opaque import (
     OpaqueTensor,
     SupportsOffloadState,
+    _call_on_values,
     _is_tracing,
+    _runs_expanded,
     _writes_first_argument,
     opaque_to_final_tensor,
 )
@@ -449,6 +451,30 @@ def _multi_tensor_refusal(func: Callable[..., Any]) -> T2NErrorNotImplemented:
         "ones in place (a multi-tensor op): its writes would be lost. Write each "
         "tensor on its own (optimizers: foreach=False, fused=False)"
     )
+
+
+_ONLY_READS: dict[Any, bool] = {}
+
+
+def _only_reads(func: Callable[..., Any]) -> bool:
+    """Whether ``func``, called with positional arguments alone, takes the last case of
+    :meth:`OffloadedTensor.__torch_function__` whatever they are: it writes none of them
+    (neither in place, nor as :func:`_arguments_written` finds, nor as a lookup of few rows
+    reads its table), and runs on the values of the opaque ones (decided once per function)."""
+    try:
+        return _ONLY_READS[func]
+    except KeyError:
+        pass
+    except TypeError:  # unhashable callable
+        return False
+    reads = (
+        not _writes_first_argument(func)
+        and getattr(func, "overloadpacket", func) not in _RUNNING_STATS_FLAG
+        and func not in _LOOKUPS_WITH_MAX_NORM  # (the lookup of few rows among them)
+        and _runs_expanded(func)
+    )
+    _ONLY_READS[func] = reads
+    return reads
 
 
 def _arguments_written(
@@ -1913,8 +1939,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     ) -> Any:
         kwargs = kwargs or {}
         _refuse_swapping_conversion()
-        writes = _writes_first_argument(func) or kwargs.get("inplace") is True
-        if args and isinstance(args[0], OffloadedTensor) and writes:
+        read = not kwargs and _only_reads(func)  # most ops: none of the cases below applies
+        writes = not read and (_writes_first_argument(func) or kwargs.get("inplace") is True)
+        if read:
+            result = _call_on_values(func, args)
+        elif args and isinstance(args[0], OffloadedTensor) and writes:
             result = args[0]._apply_in_place(func, args[1:], kwargs)
         elif isinstance(kwargs.get("out"), OffloadedTensor):
             result = kwargs["out"]._apply_to_keyword("out", func, args, kwargs)
@@ -1932,6 +1961,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             result = super().__torch_function__(func, types, args, kwargs)
         else:
             result = super().__torch_function__(func, types, args, kwargs)
+            read = True
+        if read:
             scope = active_tensor_residency()
             if scope is not None:
                 _note_aliases(scope[0], args, kwargs, result)
