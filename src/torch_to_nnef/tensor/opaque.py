@@ -321,12 +321,16 @@ def _expand(value: Any) -> Any:
     return value
 
 
+def _expanded(args: tuple[Any, ...]) -> list[Any]:
+    """The positional arguments ``args`` expanded: plain tensors, the most common ones, skip
+    the call (this runs on every op)."""
+    return [a if type(a) is torch.Tensor else _expand(a) for a in args]
+
+
 def _expand_all(
     args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> tuple[tuple[Any, ...], dict[str, Any]]:
-    # Plain tensors, the most common arguments, skip the call (this runs on every op).
-    expanded = tuple([a if type(a) is torch.Tensor else _expand(a) for a in args])
-    return expanded, {k: _expand(v) for k, v in kwargs.items()} if kwargs else {}
+    return tuple(_expanded(args)), {k: _expand(v) for k, v in kwargs.items()} if kwargs else {}
 
 
 def _call_expanded(
@@ -353,7 +357,7 @@ def _call_on_values(func: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """:func:`_call_expanded` of a ``func`` that :func:`_runs_expanded`, given positional
     arguments alone."""
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*[a if type(a) is torch.Tensor else _expand(a) for a in args])
+        return func(*_expanded(args))
 
 
 class OpaqueTensor(torch.Tensor):
