@@ -10,10 +10,11 @@ budget that holds one (:meth:`Setup.tight`). At once:
 - worker threads run random operations through those pools: ``read_write`` leases (some
   dropped without their exit), direct writes (``update_values``, changing the shape and dtype
   where the setup allows it; ``copy_`` inside or outside a pool's scope), resolves, read
-  leases, prefetches, pins, evictions, flushes, closes (the pool is replaced), ``reload()``
-  outside any pool, deep copies, reads of the payload file, invariant checks, cancellations of
-  the event loops' tasks and, rarely, a fork whose child reads every tensor and writes one
-  (a read that finds the file replaced by the parent since the fork raises, as documented);
+  leases, prefetches, pins, evictions, flushes, closes (the pool is replaced), reads
+  (``reload()`` or a torch op on the tensor) inside a pool's scope and outside any pool, deep
+  copies, reads of the payload file, invariant checks, cancellations of the event loops'
+  tasks and, rarely, a fork whose child reads every tensor and writes one (a read that finds
+  the file replaced by the parent since the fork raises, as documented);
 - the event loop thread, and in half the setups a second event loop, run tasks doing leases,
   resolves, prefetches, evictions and flushes, some under ``asyncio.wait_for`` timeouts, some
   cancelled at once, some later by a thread;
@@ -236,6 +237,20 @@ class Model:
                 state.possible.add(constant)
             if pool is not None:
                 self.leases_open[(pool, index)] -= 1
+
+    @contextlib.contextmanager
+    def writing(
+        self, index: int, constant: int, value: torch.Tensor, pool: int | None, kind: str
+    ) -> Iterator[None]:
+        """A write of ``constant`` made by the block: it landed if the block ends without an
+        error, else it may have (an interrupt may come after the write itself)."""
+        self.begin_write(index, constant, value, pool, kind)
+        landed = False
+        try:
+            yield
+            landed = True
+        finally:
+            self.end_write(index, constant, pool, landed)
 
     def read_start(self, index: int, pool: int | None) -> ReadStart:
         with self.lock:
@@ -709,13 +724,8 @@ class World:
                 shape = rng.choice([(numel,), (2, max(numel // 2, 1))])
                 dtype = rng.choice([torch.float32, torch.float64, torch.int64])
                 new = torch.full(shape, written, dtype=dtype)
-            self.model.begin_write(index, written, new, None, "update_values")
-            landed = False
-            try:
+            with self.model.writing(index, written, new, None, "update_values"):
                 tensor.update_values(new, strict_shape=strict, strict_dtype=strict)
-                landed = True
-            finally:
-                self.model.end_write(index, written, None, landed)
         finally:
             state.writer.release()
 
@@ -731,14 +741,11 @@ class World:
             tensor = self.tensors[index]
             written = self.new_constant()
             new = torch.full(tuple(tensor.shape), written, dtype=tensor.dtype)
-            self.model.begin_write(index, written, new, key, "copy_")
-            landed = False
-            try:
-                with contextlib.nullcontext() if used is None else used.pool.scope():
-                    tensor.copy_(new)
-                landed = True
-            finally:
-                self.model.end_write(index, written, key, landed)
+            with (
+                self.model.writing(index, written, new, key, "copy_"),
+                contextlib.nullcontext() if used is None else used.pool.scope(),
+            ):
+                tensor.copy_(new)
         finally:
             state.writer.release()
 
@@ -791,11 +798,13 @@ class World:
         self.check_read(before, value.clone(), "reload outside the pools")
 
     def scope_read(self, rng: random.Random) -> None:
+        """A read inside a pool's scope: ``reload()``, or a torch op on the tensor."""
         used, index = self.pick_pool(rng), self.pick_tensor(rng)
+        tensor = self.tensors[index]
         before = self.model.read_start(index, used.key)
         with used.pool.scope():
-            value = self.tensors[index].reload().clone()
-        self.check_read(before, value, "reload in a scope")
+            value = tensor.reload().clone() if rng.random() < 0.5 else torch.as_tensor(tensor + 0)
+        self.check_read(before, value, "read in a scope")
 
     def pin(self, rng: random.Random) -> None:
         """A pin, waited for, or an unpin (a FIXED pool has nothing to pin)."""
