@@ -33,6 +33,7 @@ def _check(pool: TensorResidencyPool) -> None:
     in_use = [e for e in resident if not e.pinned and (e.tracked or e.waiters)]
     assert actor.in_use_bytes == sum(e.nbytes for e in in_use)
     assert actor.loading_bytes == sum(e.nbytes for e in actor.entries.values() if e.load)
+    assert actor.pins == sum(e.pinned for e in actor.entries.values())
     # Spare buffers fill only what resident values and loads leave of the budget plus the
     # peak in use, so the pool never holds more than that.
     assert actor.spares.nbytes <= actor.spare_room()

@@ -20,7 +20,11 @@ from test_residency import faces, make_tensors, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyLease, TensorResidencyPool
+from torch_to_nnef.tensor.residency import (
+    ResidencyStrategy,
+    TensorResidencyLease,
+    TensorResidencyPool,
+)
 from torch_to_nnef.tensor.residency._requests import read_by_caller
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -312,6 +316,63 @@ def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path
         stats = pool.stats()
         assert (stats.loads, stats.caller_reads, stats.misses) == (4, 2, 3)
         assert stats.bytes_read == 2 * 4096 + (1 << 20) + 4 + 4096
+        check_invariants(pool)
+
+
+def test_a_sync_acquire_miss_read_by_its_own_thread_is_leased_as_a_hit(tmp_path: Path) -> None:
+    # The pool keeps what the thread read as a resolve's load keeps it, and the lease is then
+    # taken on it as on a hit: one request (a miss) and one load each. The value leased
+    # outlasts the requests that push the pool over its budget, is cached once the lease
+    # ended, and a read_write lease's change is written back.
+    ts = make_tensors(tmp_path, 5, numel=1024)
+    with TensorResidencyPool(max_cached_bytes=2 * 4096) as pool:
+        with pool.acquire(ts[0]) as value:
+            stats = pool.stats()
+            assert (stats.hits, stats.misses, stats.loads, stats.caller_reads) == (0, 1, 1, 1)
+            for t in ts[1:4]:
+                pool.resolve(t)
+            assert pool.is_resident(ts[0])
+            assert torch.equal(value, torch.zeros(1024))
+            check_invariants(pool)
+        assert torch.equal(pool.resolve(ts[0]), torch.zeros(1024))
+        stats = pool.stats()
+        assert (stats.hits, stats.misses, stats.loads) == (1, 4, 4)
+        with pool.acquire(ts[4], mode="read_write") as value:
+            value.fill_(7.0)
+        pool.flush()
+        stats = pool.stats()
+        assert (stats.hits, stats.misses, stats.loads, stats.caller_reads) == (1, 5, 5, 5)
+        check_invariants(pool)
+    assert torch.equal(ts[4].reload(), torch.full((1024,), 7.0))
+
+
+@pytest.mark.parametrize("room_taken_by", ["a pin", "the schedule", "fixed admissions"])
+def test_a_sync_acquire_miss_whose_value_would_not_stay_cached_is_read_once(
+    tmp_path: Path, room_taken_by: str
+) -> None:
+    # Where the value would leave as soon as it arrived (a pin fills the budget; a known
+    # schedule evicts the value just used first; FIXED admitted others up to the budget), the
+    # acquire reserves it while its thread's read is applied: one load, not a second one
+    # after the value left.
+    ts = make_tensors(tmp_path, 3, numel=1024)
+    strategy = {
+        "a pin": ResidencyStrategy.LRU,
+        "the schedule": ResidencyStrategy.SCHEDULED,
+        "fixed admissions": ResidencyStrategy.FIXED,
+    }[room_taken_by]
+    with TensorResidencyPool(max_cached_bytes=4096, strategy=strategy) as pool:
+        if room_taken_by == "a pin":
+            pool.pin(ts[0]).wait()
+        else:
+            pool.declare_schedule(ts)
+            pool.resolve(ts[0])
+        for t in ts[1:]:
+            with pool.acquire(t) as value:
+                assert torch.equal(value, t.reload())
+                assert pool.is_resident(t)
+                check_invariants(pool)
+        stats = pool.stats()
+        assert stats.loads == 3, f"{stats.loads} loads for 3 tensors"
         check_invariants(pool)
 
 

@@ -67,6 +67,7 @@ class Actor:
         self.resident_bytes = 0
         self.evicting_bytes = 0  # resident bytes already on their way out (write-back running)
         self.in_use_bytes = 0  # resident bytes leased or awaited (outside the budget)
+        self.pins = 0  # pinned entries (their values count toward the budget)
         self.loading_bytes = 0  # bytes of the loads running
         # The most the values in use and the loads have held at once: spare buffers fill at
         # most the part of it they do not hold now (see _spare_room).
@@ -180,16 +181,17 @@ class Actor:
         with self.lock:
             self._touches.append(key)
 
-    def try_lease(self, slot: Slot, holder: Holder) -> bool:
+    def try_lease(self, slot: Slot, holder: Holder, count: bool = True) -> bool:
         """Take a lease on an open slot for ``holder`` without the actor (any thread); counts
-        the hit (its recency is the lease's end: :meth:`release` notes it). A ``read_write``
-        lease waits for a write-back of the value (refused here)."""
+        the hit, unless ``count`` is false (a request counted already), and the value's use
+        (its recency is the lease's end: :meth:`release` notes it). A ``read_write`` lease
+        waits for a write-back of the value (refused here)."""
         with self.lock:
             if not slot.open or (holder.read_write and slot.writing):
                 return False
             self._grant(slot, holder)
             if not holder.ahead:
-                self._lock_hits += 1
+                self._lock_hits += count
                 slot.used = True
         return True
 
@@ -648,9 +650,10 @@ class Actor:
         if entry is not None and (self.entries.get(entry.key) is not entry or self._stale(entry)):
             ticket.waiting = False  # its reservation left with that value
             entry = None
+        read = None
         if entry is None:
-            entry = ticket.entry = self._entry_for(ticket.source, ticket.device, ticket.read)
-            ticket.read = None
+            read, ticket.read = ticket.read, None
+            entry = ticket.entry = self._entry_for(ticket.source, ticket.device, read)
         request = not ticket.holder.ahead  # a read-ahead's lease is no request
         if request:
             entry.used = True
@@ -685,12 +688,33 @@ class Actor:
         if ticket.first:
             self._misses += request
             ticket.first = False
-        if not ticket.waiting:
+        # A load that took what the caller read ends as this step returns, before the next
+        # step. When the value then stays (retained, other values evicted before it, no pin
+        # taking its room), that step takes the lease as a hit takes it (lease_read_value),
+        # and nothing is reserved meanwhile: the value is cached, as a resolve's.
+        ticket.as_hit = (
+            read is not None
+            and read.value is None
+            and not self.pins
+            and self.policy.stays(entry.key, entry.nbytes)
+        )
+        if not ticket.waiting and not ticket.as_hit:
             ticket.waiting = True
             self._hold(entry, waiters=1)
         pending = write if entry.value is not None else entry.load
         assert pending is not None
         return pending
+
+    def lease_read_value(self, ticket: Ticket) -> torch.Tensor | Job:
+        """The step after one whose load took what its caller read, and that reserved nothing
+        (see :meth:`acquire_step`): the value its end made resident is leased as a hit takes
+        it, the request counted already. A value gone meanwhile (evicted as it arrived, or
+        written since) is no hit: the request goes on as any acquire, reserving the value."""
+        ticket.as_hit = False
+        slot = self.fresh_slot(ticket.source, ticket.device)
+        if slot is not None and self.try_lease(slot, ticket.holder, count=False):
+            return slot.value
+        return self.acquire_step(ticket)
 
     def abandon_acquire(self, ticket: Ticket) -> None:
         """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
@@ -816,7 +840,7 @@ class Actor:
         left without a value goes (the next request loads again)."""
         self._load_errors += 1
         if entry.value is None and self.entries.get(entry.key) is entry:
-            del self.entries[entry.key]
+            self._forget(entry)
             self.policy.forget(entry.key, entry.nbytes, entry.retained)
         job.finish(None, error)
         LOGGER.debug("load of %r failed: %r", entry.source.name, error)
@@ -873,12 +897,12 @@ class Actor:
         if entry.value is None:  # not loaded yet: neither in use nor known to the policy
             entry.waiters += waiters
             if pinned is not None:
-                entry.pinned = pinned
+                self._pin(entry, pinned)
             return
         was_held, was_in_use = entry.holds()
         entry.waiters += waiters
         if pinned is not None:
-            entry.pinned = pinned
+            self._pin(entry, pinned)
         slot = entry.slot
         if track is not None and slot is not None:
             with self.lock:
@@ -898,6 +922,15 @@ class Actor:
                 self._reopen(entry)
         else:
             self._to_eviction_order(entry)
+
+    def _pin(self, entry: Entry, pinned: bool) -> None:
+        self.pins += pinned - entry.pinned
+        entry.pinned = pinned
+
+    def _forget(self, entry: Entry) -> None:
+        """Take ``entry`` out of :attr:`entries` (with its pin, if any)."""
+        del self.entries[entry.key]
+        self.pins -= entry.pinned
 
     def _maybe_release(self, entry: Entry) -> None:
         if entry.value is not None and not entry.held:
@@ -1018,7 +1051,7 @@ class Actor:
             self._set_evicting(entry, False)
         if self._in_use(entry):
             self.in_use_bytes -= entry.nbytes
-        del self.entries[entry.key]
+        self._forget(entry)
         slot, entry.slot = entry.slot, None  # the slot refers to the entry: no cycle left
         if slot is not None and slot.open:  # (an eviction closed it already)
             with self.lock:

@@ -135,6 +135,8 @@ class Acquire(Operation, Ticket):
         waited = self.waited
         if waited is not None and waited.kind == "load" and waited.error is not None:
             raise as_storage_error(waited.error)
+        if self.as_hit:
+            return self.actor.lease_read_value(self)
         return self.actor.acquire_step(self)
 
     def abandon(self) -> None:

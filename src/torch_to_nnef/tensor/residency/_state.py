@@ -403,3 +403,6 @@ class Ticket:
         self.waiting = False  # counted in the entry's waiters
         self.first = True  # the first try (counts the hit or the miss)
         self.read: CallerRead | None = None  # what the caller read itself (its first try)
+        # The next step takes the lease as a hit: the caller read the value, and the step
+        # that made it the load's outcome reserved nothing (see Actor.acquire_step).
+        self.as_hit = False
