@@ -17,6 +17,7 @@ import stat as stat_module
 import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -47,7 +48,7 @@ from torch_to_nnef.exceptions import (
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.opaque import opaque_to_final_tensor
+from torch_to_nnef.tensor.opaque import _PerFunction, opaque_to_final_tensor
 from torch_to_nnef.tensor.quant import (
     QTensorTractScaleOnly,
     fp_to_tract_q4_0_with_min_max_calibration,
@@ -395,6 +396,37 @@ def test_an_out_argument_is_a_write(offloaded: OffloadedTensor, weight: torch.Te
     with pytest.warns(UserWarning, match="resized"), pytest.raises(T2NErrorMisuse, match="shape"):
         torch.add(torch.ones(3), 1, out=offloaded)
     assert torch.equal(offloaded.reload(), torch.full_like(weight, 3.0))
+
+
+def test_ops_made_afresh_for_each_call_are_not_kept(
+    offloaded: OffloadedTensor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A function that hands itself to __torch_function__ (as torch's own do), made anew for
+    # each call with what it closes over: the decisions cached per function forget old ones,
+    # so neither they nor what they hold pile up (their bound lowered, to reach it quickly).
+    monkeypatch.setattr(_PerFunction, "LIMIT", 64)
+
+    class Held:
+        pass
+
+    def make_op(held: Held) -> Callable[[torch.Tensor], torch.Tensor]:
+        def op(x: torch.Tensor) -> torch.Tensor:
+            if torch.overrides.has_torch_function((x,)):
+                return torch.overrides.handle_torch_function(op, (x,), x)  # type: ignore[no-any-return]
+            assert held is not None
+            return x * 2
+
+        return op
+
+    expected = offloaded.reload() * 2
+    first = Held()
+    gone = weakref.ref(first)
+    assert torch.equal(make_op(first)(offloaded), expected)
+    del first
+    for _ in range(200):
+        assert torch.equal(make_op(Held())(offloaded), expected)
+    gc.collect()
+    assert gone() is None, "what the first function held is still kept"
 
 
 ATEN_WRITES: dict[str, tuple[Callable[[OffloadedTensor], Any], Callable[[torch.Tensor], Any]]] = {

@@ -75,7 +75,23 @@ _INPLACE_OPERATORS = frozenset(
 )
 # Trailing-underscore methods that do not write the tensor's values.
 _NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
-_WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
+
+
+class _PerFunction(dict[Any, bool]):
+    """A decision cached per torch function. Bounded: a caller handing ``__torch_function__`` a
+    new callable each time (a lambda made per call) empties it now and then instead of
+    growing it, and what those callables hold, for good."""
+
+    LIMIT = 4096
+
+    def remember(self, func: Any, decision: bool) -> bool:
+        if len(self) >= self.LIMIT:
+            self.clear()
+        self[func] = decision
+        return decision
+
+
+_WRITES_FIRST_ARGUMENT = _PerFunction()
 # Private in-place ops that write a list of tensors: foreach and fused optimizer kernels.
 _MULTI_TENSOR_PREFIXES = ("_foreach_", "_fused_")
 
@@ -95,8 +111,7 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
         and (not name.startswith("_") or name.startswith(_MULTI_TENSOR_PREFIXES))
         and name not in _NOT_VALUE_WRITES
     )
-    _WRITES_FIRST_ARGUMENT[func] = writes
-    return writes
+    return _WRITES_FIRST_ARGUMENT.remember(func, writes)
 
 
 def _in_place_refusal(operation: Any, written: type) -> T2NErrorNotImplemented:
