@@ -25,6 +25,7 @@ from torch_to_nnef.tensor.residency import (
     TensorResidencyLease,
     TensorResidencyPool,
 )
+from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._requests import read_by_caller
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -344,6 +345,34 @@ def test_a_sync_acquire_miss_read_by_its_own_thread_is_leased_as_a_hit(tmp_path:
         assert (stats.hits, stats.misses, stats.loads, stats.caller_reads) == (1, 5, 5, 5)
         check_invariants(pool)
     assert torch.equal(ts[4].reload(), torch.full((1024,), 7.0))
+
+
+def test_an_acquire_miss_whose_value_is_written_before_its_lease_is_taken_serves_the_write(
+    tmp_path: Path,
+) -> None:
+    # The tensor is written after the pool kept what the thread read, before the step that
+    # takes the lease on it: that value is no hit any more, and the acquire reads the write.
+    t = make_tensors(tmp_path, 1, numel=1024)[0]
+    got: list[torch.Tensor] = []
+
+    def reader() -> None:
+        with pool.acquire(t) as value:
+            got.append(value.clone())
+
+    lease_step = Actor.lease_read_value.__code__
+    with paused_in_new_threads(lease_step, on="call") as point, TensorResidencyPool() as pool:
+        point.armed.set()
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        assert point.paused.wait(30), "the lease was not taken as a hit"
+        t.update_values(torch.full((1024,), 9.0))
+        point.go()
+        thread.join(30)
+        assert not thread.is_alive(), "the acquire never ended"
+        assert torch.equal(got[0], torch.full((1024,), 9.0))
+        stats = pool.stats()
+        assert (stats.hits, stats.misses, stats.loads) == (0, 1, 2)
+        check_invariants(pool)
 
 
 @pytest.mark.parametrize("room_taken_by", ["a pin", "the schedule", "fixed admissions"])
