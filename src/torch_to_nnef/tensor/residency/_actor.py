@@ -689,9 +689,10 @@ class Actor:
             self._misses += request
             ticket.first = False
         # A load that took what the caller read ends as this step returns, before the next
-        # step. When the value then stays (retained, other values evicted before it, no pin
-        # taking its room), that step takes the lease as a hit takes it (lease_read_value),
-        # and nothing is reserved meanwhile: the value is cached, as a resolve's.
+        # step. When the value then stays (retained, other values evicted before it, and no
+        # pinned value that may take its room), that step takes the lease as a hit takes it
+        # (lease_read_value), and nothing is reserved meanwhile: the value is cached, as a
+        # resolve's.
         ticket.as_hit = (
             read is not None
             and read.value is None
