@@ -45,10 +45,10 @@ from torch_to_nnef.exceptions import (
     T2NErrorStorage,
     T2NErrorValueMismatch,
 )
-from torch_to_nnef.tensor import storage
+from torch_to_nnef.tensor import opaque, storage
 from torch_to_nnef.tensor.checkpoint import offload_module
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.opaque import _PerFunction, opaque_to_final_tensor
+from torch_to_nnef.tensor.opaque import opaque_to_final_tensor
 from torch_to_nnef.tensor.quant import (
     QTensorTractScaleOnly,
     fp_to_tract_q4_0_with_min_max_calibration,
@@ -404,7 +404,7 @@ def test_ops_made_afresh_for_each_call_are_not_kept(
     # A function that hands itself to __torch_function__ (as torch's own do), made anew for
     # each call with what it closes over: the decisions cached per function forget old ones,
     # so neither they nor what they hold pile up (their bound lowered, to reach it quickly).
-    monkeypatch.setattr(_PerFunction, "LIMIT", 64)
+    monkeypatch.setattr(opaque, "_PER_FUNCTION_LIMIT", 64)
 
     class Held:
         pass

@@ -77,21 +77,22 @@ _INPLACE_OPERATORS = frozenset(
 _NOT_VALUE_WRITES = frozenset({"requires_grad_", "detach_", "share_memory_", "retain_grad_"})
 
 
-class _PerFunction(dict[Any, bool]):
-    """A decision cached per torch function. Bounded: a caller handing ``__torch_function__`` a
-    new callable each time (a lambda made per call) empties it now and then instead of
-    growing it, and what those callables hold, for good."""
-
-    LIMIT = 4096
-
-    def remember(self, func: Any, decision: bool) -> bool:
-        if len(self) >= self.LIMIT:
-            self.clear()
-        self[func] = decision
-        return decision
+_PER_FUNCTION_LIMIT = 4096
+"""The most decisions a cache of :func:`_remember` keeps."""
 
 
-_WRITES_FIRST_ARGUMENT = _PerFunction()
+def _remember(cache: dict[Any, bool], func: Any, decision: bool) -> bool:
+    """Cache ``decision`` for the torch function ``func``. The cache is a plain dict (its
+    lookups run on every op) that empties itself at :data:`_PER_FUNCTION_LIMIT` entries: a
+    caller handing ``__torch_function__`` a new callable each time (a lambda made per call)
+    does not grow it, and what those callables hold, for good."""
+    if len(cache) >= _PER_FUNCTION_LIMIT:
+        cache.clear()
+    cache[func] = decision
+    return decision
+
+
+_WRITES_FIRST_ARGUMENT: dict[Any, bool] = {}
 # Private in-place ops that write a list of tensors: foreach and fused optimizer kernels.
 _MULTI_TENSOR_PREFIXES = ("_foreach_", "_fused_")
 
@@ -111,7 +112,7 @@ def _writes_first_argument(func: Callable[..., Any]) -> bool:
         and (not name.startswith("_") or name.startswith(_MULTI_TENSOR_PREFIXES))
         and name not in _NOT_VALUE_WRITES
     )
-    return _WRITES_FIRST_ARGUMENT.remember(func, writes)
+    return _remember(_WRITES_FIRST_ARGUMENT, func, writes)
 
 
 def _in_place_refusal(operation: Any, written: type) -> T2NErrorNotImplemented:

@@ -47,7 +47,7 @@ from torch_to_nnef.tensor.opaque import (
     SupportsOffloadState,
     _call_on_values,
     _is_tracing,
-    _PerFunction,
+    _remember,
     _runs_expanded,
     _writes_first_argument,
     opaque_to_final_tensor,
@@ -454,7 +454,7 @@ def _multi_tensor_refusal(func: Callable[..., Any]) -> T2NErrorNotImplemented:
     )
 
 
-_ONLY_READS = _PerFunction()
+_ONLY_READS: dict[Any, bool] = {}
 
 
 def _only_reads(func: Callable[..., Any]) -> bool:
@@ -474,7 +474,7 @@ def _only_reads(func: Callable[..., Any]) -> bool:
         and func not in _LOOKUPS_WITH_MAX_NORM  # (the lookup of few rows among them)
         and _runs_expanded(func)
     )
-    return _ONLY_READS.remember(func, reads)
+    return _remember(_ONLY_READS, func, reads)
 
 
 def _arguments_written(
