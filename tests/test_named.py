@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import pickle
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -278,6 +280,45 @@ def test_compiled_named_model_computes_the_values_and_gradients_of_the_unnamed_o
     ):
         assert type(named) is NamedTensor and named.grad is not None, name
         torch.testing.assert_close(named.grad, plain.grad)
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_package_leaves_dynamo_out_until_a_tensor_is_named() -> None:
+    """Dynamo takes longer to import than torch itself: a process that never names a tensor
+    never imports it."""
+    code = (
+        "import sys, torch, torch_to_nnef.tensor, torch_to_nnef.tensor.residency; "
+        "from torch_to_nnef.tensor.named import NamedTensor; "
+        "assert 'torch._dynamo' not in sys.modules, 'imported with the package'; "
+        "NamedTensor(torch.zeros(2), 'w'); "
+        "assert 'torch._dynamo' in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.compile")
+def test_full_graph_compile_of_a_named_model_says_why_in_a_fresh_process() -> None:
+    """The function that dynamo skips exists before the first compile traces an operation
+    on a NamedTensor (made later, the call making it would be what ``fullgraph`` refuses)."""
+    code = (
+        "import torch\n"
+        "from torch_to_nnef.tensor.named import apply_name_to_tensor_in_module\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "apply_name_to_tensor_in_module(model)\n"
+        "try:\n"
+        "    torch.compile(model, backend='eager', fullgraph=True)(torch.ones(3, 4))\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, str(error))\n"
+        "else:\n"
+        "    print('compiled')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
+    )
+    assert done.stdout.startswith("Unsupported"), done.stdout + done.stderr
+    assert "compile a model whose tensors are not named" in done.stdout, done.stdout
+    assert "marked as skipped" not in done.stdout, done.stdout
 
 
 @pytest.mark.timeout(120)

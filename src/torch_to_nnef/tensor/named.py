@@ -107,6 +107,8 @@ class NamedTensor(torch.Tensor):
         if not isinstance(nnef_name, str) or not nnef_name:
             raise T2NErrorMisuse(f"nnef_name must be a non-empty str, got {nnef_name!r}")
         named: NamedTensor = torch.Tensor._make_subclass(cls, fp_tensor, False)
+        if _eager_apply is None:
+            _make_eager_apply()
         return named
 
     def __init__(self, fp_tensor: torch.Tensor, nnef_name: str) -> None:
@@ -189,11 +191,6 @@ def _apply(func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str,
         return _strip_names(result, args)
 
 
-@torch.compiler.disable(  # type: ignore[untyped-decorator]
-    reason="operations on a NamedTensor run outside compiled graphs; for one whole graph "
-    "(fullgraph=True), compile a model whose tensors are not named "
-    "(named.as_subclass(torch.Tensor) is a plain tensor sharing the values)"
-)
 def _apply_outside_compiled_graph(
     func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
 ) -> Any:
@@ -207,7 +204,29 @@ def _apply_outside_compiled_graph(
     call fails with a ``TypeError`` from inside torch (pytorch/pytorch#193932). A named buffer
     is such an input, and so is a named parameter, its ``data`` being itself.
     """
-    return _apply(func, args, kwargs)
+    return (_eager_apply or _make_eager_apply())(func, args, kwargs)
+
+
+def _make_eager_apply() -> Callable[..., Any]:
+    """Make :data:`_eager_apply`, once: as the first NamedTensor is built, before any
+    compiled graph can trace an operation on one (made while dynamo traces, the call that
+    makes it would be one more graph break, and under ``fullgraph=True`` the error would
+    name it instead of the reason below)."""
+    global _eager_apply
+    if _eager_apply is None:
+        _eager_apply = torch.compiler.disable(
+            _apply,
+            reason="operations on a NamedTensor run outside compiled graphs; for one whole "
+            "graph (fullgraph=True), compile a model whose tensors are not named "
+            "(named.as_subclass(torch.Tensor) is a plain tensor sharing the values)",
+        )
+    return _eager_apply
+
+
+_eager_apply: Callable[..., Any] | None = None
+""":func:`_apply` as ``torch.compiler.disable`` makes it: dynamo skips it. Made by the first
+NamedTensor, not at import: ``torch.compiler.disable`` imports dynamo, which takes longer
+than importing torch, in every process that imports the package, names or not."""
 
 
 def get_or_add_named_tensor(
