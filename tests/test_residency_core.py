@@ -300,6 +300,30 @@ async def test_prefetch_of_a_resident_value_is_done_at_once(tmp_path: Path, face
         assert torch.equal(await handle, torch.zeros(256))
 
 
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_prefetches_awaited_on_the_serving_loop_arm_no_timer_each(tmp_path: Path) -> None:
+    """A task on the loop serving the pool awaits a prefetch without looking at that loop
+    (it runs): the tasks of a ``gather`` of many pending prefetches arm no timer each, which
+    the loop would keep re-arming while the loads last."""
+    loop = asyncio.get_running_loop()
+    if not hasattr(loop, "_scheduled"):
+        pytest.skip("counts the timers of asyncio's own loop (uvloop shows none)")
+    ts = make_tensors(tmp_path, 200)
+    async with TensorResidencyPool(max_workers=1) as pool:
+        with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__, "call") as load:
+            load.armed.set()
+            waiting = asyncio.gather(*(pool.prefetch(t) for t in ts))
+            assert await asyncio.to_thread(load.paused.wait, 30)  # the first load is held
+            await asyncio.sleep(0.25)  # every task awaits its prefetch (past two looks)
+            assert not waiting.done()
+            timers = len(loop._scheduled)  # type: ignore[attr-defined]
+            load.go()
+            values = await waiting
+    assert timers < 20, f"{timers} timers armed while 200 prefetches were awaited"
+    assert all(torch.equal(v, torch.full((256,), float(i))) for i, v in enumerate(values))
+
+
 def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:
     # A payload of up to 1 MiB for the CPU: the thread that missed reads it, with no hand-off
     # to an I/O worker; a larger one goes to the workers; a prefetch never reads on its

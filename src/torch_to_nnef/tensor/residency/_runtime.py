@@ -1304,9 +1304,14 @@ class Runtime:
         return result
 
     async def await_foreign(self, done: Reply, operation: Operation | None = None) -> Any:
-        """Await a completion from a loop other than the pool's (refused in a forked child,
-        as :meth:`wait`). Cancelling the awaiting task never cancels ``done``: the operation
-        is abandoned in order instead."""
+        """Await a completion from a loop other than the pool's, or on the loop serving it
+        (refused in a forked child, as :meth:`wait`). Cancelling the awaiting task never
+        cancels ``done``: the operation is abandoned in order instead.
+
+        Only a task of another loop looks, every :data:`_WATCH_INTERVAL`, at the loop it
+        waits for: one on the serving loop runs only while that loop runs. Each look costs
+        that loop a timer, so the tasks of a ``gather`` of thousands of prefetches looking
+        would keep it busy re-arming them."""
         if not done.done():
             self.check_process()
         orphaned = None
@@ -1315,7 +1320,7 @@ class Runtime:
         wrapped = done.wrap(orphaned)
         try:
             loop = self.loop
-            if self.private or loop is None:
+            if self.private or loop is None or self.in_serving_loop():
                 return await asyncio.shield(wrapped)
             watch = _LoopWatch(loop)
             while True:  # as wait(): asyncio.wait never cancels what it waits for
