@@ -684,7 +684,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         workloads = [Workload(8, 256), Workload(6, 512)]
     else:
         workloads = [Workload(16, 2048), Workload(6, 4096)]
-    repeat = arguments.repeat or (2 if arguments.quick else 7)
+    repeat = arguments.repeat or (2 if arguments.quick else 4)
     runs = []
     for workload in workloads:
         with tempfile.TemporaryDirectory(prefix="t2n-bench-overlap-") as directory:
