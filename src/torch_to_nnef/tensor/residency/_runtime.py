@@ -1309,9 +1309,9 @@ class Runtime:
         cancels ``done``: the operation is abandoned in order instead.
 
         Only a task of another loop looks, every :data:`_WATCH_INTERVAL`, at the loop it
-        waits for: one on the serving loop runs only while that loop runs. Each look costs
-        that loop a timer, so the tasks of a ``gather`` of thousands of prefetches looking
-        would keep it busy re-arming them."""
+        waits for: one on the serving loop runs only while that loop runs. Each look arms a
+        timer on the task's own loop: the tasks of a ``gather`` of thousands of prefetches
+        on the serving loop would keep it busy re-arming them."""
         if not done.done():
             self.check_process()
         orphaned = None
