@@ -22,6 +22,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     ResidencyStrategy,
+    TensorPrefetch,
     TensorResidencyLease,
     TensorResidencyPool,
 )
@@ -322,6 +323,47 @@ async def test_prefetches_awaited_on_the_serving_loop_arm_no_timer_each(tmp_path
             values = await waiting
     assert timers < 20, f"{timers} timers armed while 200 prefetches were awaited"
     assert all(torch.equal(v, torch.full((256,), float(i))) for i, v in enumerate(values))
+
+
+@pytest.mark.asyncio
+@pytest.mark.timeout(60)
+async def test_tasks_awaiting_prefetches_on_the_serving_loop_cancelled_from_a_thread(
+    tmp_path: Path,
+) -> None:
+    """Tasks of the serving loop awaiting prefetch handles, cancelled from another thread
+    while the loads are held: each task ends cancelled, the loads go on (a cancel never
+    cancels the pool's completion), and the handles and the pool serve the values after,
+    with no load again."""
+    ts = make_tensors(tmp_path, 8)
+    loop = asyncio.get_running_loop()
+    async with TensorResidencyPool(max_workers=1) as pool:
+        with paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__, "call") as load:
+            load.armed.set()
+            handles = [pool.prefetch(t) for t in ts]
+
+            async def take(handle: TensorPrefetch) -> torch.Tensor:
+                return await handle
+
+            tasks = [asyncio.ensure_future(take(h)) for h in handles]
+            assert await asyncio.to_thread(load.paused.wait, 30)  # the first load is held
+            await asyncio.sleep(0.05)  # every task awaits its handle
+
+            def cancel_all() -> None:
+                for task in tasks:
+                    loop.call_soon_threadsafe(task.cancel)
+
+            await asyncio.to_thread(cancel_all)
+            outcomes = await asyncio.gather(*tasks, return_exceptions=True)
+            assert all(isinstance(o, asyncio.CancelledError) for o in outcomes), outcomes
+            assert not any(h.done() for h in handles), "a cancel ended a load"
+            load.go()
+        for i, handle in enumerate(handles):
+            assert torch.equal(await handle, torch.full((256,), float(i)))
+        for i, t in enumerate(ts):
+            assert torch.equal(await pool.aresolve(t), torch.full((256,), float(i)))
+        stats = pool.stats()
+        assert stats.loads == len(ts), f"{stats.loads} loads for {len(ts)} tensors"
+        check_invariants(pool)
 
 
 def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:
