@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import line_of, paused_in_new_threads
 from residency_checks import check_invariants
 from test_residency import faces, make_tensors, open_pool
 
@@ -92,6 +92,139 @@ def test_a_held_lease_never_changes_while_other_threads_churn(
         assert not errors, errors
         check_invariants(pool)
         assert pool.stats().evictions > 0, "the other threads did not churn the pool"
+
+
+@pytest.mark.parametrize("closing", ["evict", "close"])
+def test_a_reader_that_joins_as_the_actor_closes_its_slot_keeps_its_value(
+    tmp_path: Path, closing: str
+) -> None:
+    """The actor found no lease on a value and is about to close its slot (paused there), to
+    evict the value or to close the pool. A thread's hit lease joins the readers meanwhile,
+    finds the slot open and enters. The actor, once it closed the slot, looks at the readers
+    again: it finds that one, opens the slot again and refuses (the value is leased). Had it
+    not looked again, the value would leave under the lease."""
+    (t,) = make_tensors(tmp_path, 1, numel=256)
+    if closing == "evict":
+        code, text = Actor._close_slot, "slot.open = False"
+    else:
+        code, text = Actor.begin_close, "for slot in self.published.values():"
+    inside, leave = threading.Event(), threading.Event()
+    errors: list[BaseException] = []
+
+    def hold() -> None:
+        try:
+            with pool.acquire(t) as value:
+                inside.set()
+                assert leave.wait(30)
+                assert torch.equal(value, torch.zeros(256)), "a held value changed"
+                assert pool.is_resident(t), "a held value lost its residency"
+        except BaseException as error:
+            errors.append(error)
+
+    def close_it() -> None:
+        try:
+            with pytest.raises(T2NErrorMisuse, match="leased"):
+                pool.evict(t) if closing == "evict" else pool.close()
+        except BaseException as error:
+            errors.append(error)
+
+    with paused_in_new_threads(code.__code__, on="line", line=line_of(code, text)) as point:
+        pool = TensorResidencyPool()  # its loop thread starts here: the point is in it
+        pool.resolve(t)  # resident: the lease below is a hit
+        point.armed.set()
+        closer = threading.Thread(target=close_it)
+        closer.start()
+        assert point.paused.wait(30), "the actor did not reach the close of the slot"
+        holder = threading.Thread(target=hold)
+        holder.start()
+        assert inside.wait(30), "the lease waited for the actor"
+        point.go()
+        closer.join(30)
+        leave.set()
+        holder.join(30)
+    assert not errors, errors
+    assert pool.stats().hits >= 1
+    pool.evict(t)  # the lease ended: nothing holds the value now
+    assert not pool.is_resident(t)
+    pool.close()
+
+
+@pytest.mark.usefixtures("buffered_reads")  # an evicted value's buffers serve later loads
+def test_hit_leases_taken_without_the_lock_keep_their_values_through_evictions_and_a_close(
+    tmp_path: Path,
+) -> None:
+    """Threads enter and leave leases on hits, each one of its slot's readers (no lock),
+    while other threads' loads evict those values and the main thread closes the pool. The
+    actor closes a slot, then looks for readers; a reader joins, then looks whether the slot
+    is open. Had either looked first, a value would leave under a reader: evicted, its buffer
+    refilled by another load, or the pool closed while a lease holds it. Thread switches
+    come every few microseconds here, so that the two meet often."""
+    ts = make_tensors(tmp_path, 10, numel=1024)
+    hot, others = ts[:3], ts[3:]
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    entered = [0]
+    pool = TensorResidencyPool(max_cached_bytes=3 * 4096, max_workers=2)
+    actor = pool._actor
+
+    def read(index: int) -> None:
+        expected = float(index)
+        try:
+            while not stop.is_set():
+                try:
+                    with pool.acquire(hot[index]) as value:
+                        entered[0] += 1
+                        assert not (actor.closing or actor.closed), "closed under a lease"
+                        first = float(value[0])
+                        time.sleep(0)
+                        assert first == expected == float(value[-1]), "a held value changed"
+                        assert bool((value == expected).all()), "a held value changed"
+                except T2NErrorMisuse as error:
+                    assert "closed" in str(error) or "closing" in str(error), error
+                    return
+        except BaseException as error:
+            errors.append(error)
+
+    def churn() -> None:
+        try:
+            rng = random.Random(7)
+            while not stop.is_set():
+                try:
+                    value = pool.resolve(rng.choice(others))
+                except T2NErrorMisuse as error:
+                    assert "closed" in str(error) or "closing" in str(error), error
+                    return
+                assert float(value[0]) == float(value[-1])
+        except BaseException as error:
+            errors.append(error)
+
+    for t in hot:
+        pool.resolve(t)
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-5)
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    threads.append(threading.Thread(target=churn))
+    try:
+        for thread in threads:
+            thread.start()
+        time.sleep(1.5)
+        refused = 0
+        deadline = time.monotonic() + 30
+        while not pool.closed and time.monotonic() < deadline:
+            try:
+                pool.close()
+            except T2NErrorMisuse as error:
+                assert "leased" in str(error), error
+                refused += 1
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(30)
+        sys.setswitchinterval(interval)
+    assert not errors, errors[:3]
+    assert pool.closed, "the pool never closed: a lease was left held"
+    assert entered[0] > 1000, "the readers took too few leases: the test proves little"
+    assert pool.stats().evictions > 0, "nothing was evicted: the test proves little"
 
 
 def _release(

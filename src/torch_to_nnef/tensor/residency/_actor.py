@@ -8,14 +8,17 @@ runtime's I/O workers; their completions come back as transitions on the loop th
 
 Other threads never call a transition. They read :attr:`Actor.published` (resident values,
 one :class:`~torch_to_nnef.tensor.residency._state.Slot` each) and take or end leases on a
-slot under :attr:`Actor.lock`, the only state they share with the actor; the actor closes a
-slot under the same lock before it evicts, replaces or drops its value, and never does while
-the slot has leases.
+slot under :attr:`Actor.lock`, the only state they share with the actor, or, for a ``read``
+lease on a hit, as one of the slot's readers, without the lock (see ``Slot``); the actor
+closes a slot under the same lock before it evicts, replaces or drops its value, and never
+does while the slot has leases.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import sys
 import weakref
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -47,6 +50,12 @@ LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
 SubmitJob = Callable[[Job], None]
 """How the actor starts a disk job: ``submit(job)`` (one that ran already is only ended)."""
+
+LOCK_FREE_READERS = getattr(sys, "_is_gil_enabled", lambda: True)()
+"""Whether ``read`` leases on hits are taken without the lock (:meth:`Actor.take_reader`):
+that relies on the GIL, which makes a list's ``append`` and ``remove`` atomic and every
+thread see the others' writes in order. Without it (a free-threaded build that runs with
+the GIL off), they take the lock as every other lease does."""
 
 
 class Actor:
@@ -87,6 +96,12 @@ class Actor:
         self._reused_buffers = self._wasted_prefetches = self._caller_reads = 0
         self._stall_seconds = 0.0  # added by any thread, under the lock
         self._lock_hits = 0  # hits served without the actor, counted under the lock
+        # ... and without it (each counter atomic): hits of resolve, and those of readers,
+        # the tokens drawn less those of readers refused. A token stands for its reader among
+        # a slot's readers.
+        self._free_hits = itertools.count()
+        self._reader_tokens = itertools.count(1)
+        self._readers_refused = itertools.count()
         # Recency of those hits, replayed by the next transition (bounded: only the most
         # recent matter).
         self._touches: deque[int] = deque(maxlen=8192)
@@ -114,7 +129,12 @@ class Actor:
     # ------------------------------------------------------------------------------------------
     def stats(self) -> PoolStats:
         return PoolStats(
-            hits=self._hits + self._lock_hits,
+            hits=self._hits
+            + self._lock_hits
+            + _counted(self._free_hits)
+            + _counted(self._reader_tokens)
+            - 1
+            - _counted(self._readers_refused),
             misses=self._misses,
             loads=self._loads,
             bytes_read=self._bytes_read,
@@ -170,7 +190,13 @@ class Actor:
                 slot.aliased = True
 
     def count_hit(self, slot: Slot) -> None:
-        """Count a hit served from ``slot``, found in :attr:`published` (any thread)."""
+        """Count a hit served from ``slot``, found in :attr:`published` (any thread): without
+        the lock where readers take none (see :data:`LOCK_FREE_READERS`)."""
+        if LOCK_FREE_READERS:
+            next(self._free_hits)
+            self._touches.append(slot.key)
+            slot.used = True
+            return
         with self.lock:
             self._lock_hits += 1
             self._touches.append(slot.key)
@@ -178,8 +204,7 @@ class Actor:
 
     def touch(self, key: int) -> None:
         """Note a use of a published value that is no request (a prefetch; any thread)."""
-        with self.lock:
-            self._touches.append(key)
+        self._touches.append(key)  # (atomic: the actor takes touches one by one)
 
     def try_lease(self, slot: Slot, holder: Holder, count: bool = True) -> bool:
         """Take a lease on an open slot for ``holder`` without the actor (any thread); counts
@@ -200,12 +225,65 @@ class Actor:
         change together, before any call an interrupt could land on. ``note``: queue the
         slot for the actor's next transition, which counts its leases (the actor taking a
         value back for a lease counts it at once instead)."""
-        slot.leases += 1
+        slot.granted += 1
         slot.writers += holder.read_write
         holder.slot = slot
+        holder.reader = 0
         if note and not slot.changed:
             self._changed.append(slot)
             slot.changed = True
+
+    def take_reader(self, slot: Slot, holder: Holder) -> bool:
+        """Take a ``read`` lease on ``slot`` for ``holder`` (a request's, not a read-ahead's)
+        without the lock (any thread), counting the hit, as :meth:`try_lease` takes one;
+        whether it did. The holder joins the slot's readers, then looks whether the slot is
+        open: once closed, the actor looked at the readers (see ``Slot``), and the holder
+        leaves (the actor may have counted it as holding the value).
+
+        Whoever queues the slot for the actor sets ``changed``, and the actor clears it
+        before it counts the leases: a holder that finds it set joined before that count."""
+        if not LOCK_FREE_READERS:
+            return self.try_lease(slot, holder)
+        holder.reader = next(self._reader_tokens)  # (not the holder: its collection ends it)
+        holder.slot = slot
+        slot.readers.append(holder.reader)
+        if slot.open:
+            slot.used = True
+            if not slot.changed:
+                slot.changed = True
+                self._changed.append(slot)
+            return True
+        next(self._readers_refused)
+        self.end_reader(holder)
+        return False
+
+    def end_reader(self, holder: Holder) -> bool:
+        """End the lease of a reader (:meth:`take_reader`; any thread; idempotent, and a call
+        again finishes an end an interrupt cut): as :meth:`release` returns, whether the
+        actor must hear of it now. It leaves the readers first, then looks at the other
+        leases: of two holders ending the last leases at once, one sees the other gone and
+        queues the slot. Only the last lease of a value the actor counts as in use (or of one
+        to remap) takes the lock, for the part :meth:`release` takes it for."""
+        slot, token = holder.slot, holder.reader
+        if slot is None:
+            return False
+        try:  # (not contextlib.suppress: its calls are points an interrupt lands on)  # noqa: SIM105
+            slot.readers.remove(token)
+        except ValueError:
+            pass  # left already: this finishes an end an interrupt cut
+        self._touches.append(slot.key)
+        wake = False
+        if not slot.readers and not slot.granted:
+            if not slot.changed:
+                slot.changed = True
+                self._changed.append(slot)
+            if slot.tracked or slot.entry.remapped is not None:
+                with self.lock:
+                    wake = not slot.leases and self._last_ended(slot)
+        if holder.reader == token:  # (else its owner took another lease since: a cancel's)
+            holder.slot = None
+            holder.reader = 0
+        return wake
 
     def enter(self, holder: Holder) -> None:
         """``holder``'s ``read_write`` lease reaches its owner, who may change the value from
@@ -255,6 +333,8 @@ class Actor:
         note does not happen: the change is handed to that lease, or, if it ended meanwhile
         and handed it back, noted again.
         """
+        if holder.reader:
+            return self.end_reader(holder)
         slot = holder.slot
         if slot is None:
             return False
@@ -326,7 +406,7 @@ class Actor:
         the last of them (once the holder let go, a Ctrl-C leaves nothing for its exit to
         end: a slot left unqueued would stay counted as leased, its value in use for good)."""
         holder.slot = None
-        slot.leases -= 1
+        slot.granted -= 1
         slot.writers -= holder.read_write
         if holder.entered:
             holder.entered = False
@@ -335,13 +415,20 @@ class Actor:
             slot.seen = slot.value._version  # what the lease did is its change
         if changed:
             slot.dirty = True
-        if not slot.leases and not slot.changed:
+        # (Counted without a call: see Slot.leases.)
+        leased = slot.granted or slot.readers
+        if not leased and not slot.changed:
             slot.changed = True
             self._changed.append(slot)
         self._touches.append(slot.key)
-        if slot.leases:
+        if leased:
             return False
         # The slot was queued before this: a pending wake-up sees it.
+        return self._last_ended(slot)
+
+    def _last_ended(self, slot: Slot) -> bool:
+        """The last lease on ``slot`` ended (under the lock, the slot queued): whether the
+        actor must hear of it now (see :meth:`release`)."""
         entry = slot.entry
         wake = entry.remapped is not None  # the file written is mapped now (see _remap)
         if slot.tracked:
@@ -399,10 +486,9 @@ class Actor:
         if not (self._touches or self._changed):
             return
         with self.lock:
-            keys = list(self._touches)
-            self._touches.clear()
-            changed = list(self._changed)
-            self._changed.clear()
+            # Taken one by one: readers append without the lock (see take_reader).
+            keys = _take_all(self._touches)
+            changed = _take_all(self._changed)
             self.syncing = True  # before the flag a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
             self._released_bytes = 0
@@ -435,7 +521,7 @@ class Actor:
                 if leased == slot.tracked:
                     continue  # e.g. a lease taken and ended since the last look
                 if self.entries.get(entry.key) is entry and entry.slot is slot:
-                    self._hold(entry, track=leased)
+                    leased = self._track(entry, leased)
                     released = released or not leased
         for entry in remaps:
             self._remap(entry)
@@ -964,11 +1050,28 @@ class Actor:
             leased = bool(slot.leases)
             if not leased:
                 slot.open = False
-                self.published.pop(entry.key, None)
+                if slot.readers:  # joined before the close: it holds the value
+                    slot.open = leased = True
+                else:
+                    self.published.pop(entry.key, None)
             self._take_dirty(entry)
             if leased != slot.tracked:
-                self._hold(entry, track=leased)
+                leased = self._track(entry, leased)
+                if not leased:  # the last reader left as it was counted
+                    return self._close_slot(entry)
         return not leased
+
+    def _track(self, entry: Entry, leased: bool) -> bool:
+        """Count the leases on ``entry``'s slot as holding its value, or no longer
+        (``leased``; under the lock); whether they do. Readers leave without the lock: once
+        counted, one that left before it looked at ``tracked`` is seen gone here, and one
+        that leaves after sees it set (and tells the actor)."""
+        self._hold(entry, track=leased)
+        slot = entry.slot
+        if leased and slot is not None and not slot.leases:
+            self._hold(entry, track=False)
+            return False
+        return leased
 
     def _reopen(self, entry: Entry) -> None:
         slot = entry.slot
@@ -1303,17 +1406,18 @@ class Actor:
             return
         self.check_open()
         with self.lock:
-            leased = [
-                e.source.name
-                for e in self.entries.values()
-                if (e.slot is not None and e.slot.leases) or e.waiters
-            ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
+            leased = self._leased_names()
             if not leased:
-                self.closing = True
-                self.close_ended = Job(CLOSE_UNDER_WAY, _nothing, (), _nothing)
                 for slot in self.published.values():
                     slot.open = False
-                self.published.clear()
+                leased = self._leased_names()  # readers that joined before the close
+                if leased:
+                    for slot in self.published.values():
+                        slot.open = True
+                else:
+                    self.closing = True
+                    self.close_ended = Job(CLOSE_UNDER_WAY, _nothing, (), _nothing)
+                    self.published.clear()
         if leased:
             raise T2NErrorMisuse(
                 f"cannot close the TensorResidencyPool while {len(leased)} value(s) are leased "
@@ -1322,6 +1426,14 @@ class Actor:
                 "interrupted in another thread holds its module's leases until its stream is "
                 "closed)"
             )
+
+    def _leased_names(self) -> list[str]:
+        """The tensors whose values are leased or awaited by an acquire (under the lock)."""
+        return [
+            e.source.name
+            for e in self.entries.values()
+            if (e.slot is not None and e.slot.leases) or e.waiters
+        ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
 
     def abort_close(self) -> None:
         self.closing = False
@@ -1391,3 +1503,17 @@ def _unservable(source: PoolSource, value: torch.Tensor) -> T2NErrorStorage | No
 
 def _nothing(*args: Any) -> None:
     """What the marker job of a close runs: nothing (it is never submitted)."""
+
+
+def _counted(counter: itertools.count[int]) -> int:
+    """The next number ``counter`` gives (read without drawing it)."""
+    return int(repr(counter)[6:-1])
+
+
+def _take_all(queue: deque[Any]) -> list[Any]:
+    """Take every item out of ``queue``, which other threads append to meanwhile (one at a
+    time: a copy and a ``clear`` would lose an append made in between)."""
+    taken = []
+    while queue:
+        taken.append(queue.popleft())
+    return taken

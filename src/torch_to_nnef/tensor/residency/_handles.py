@@ -77,14 +77,18 @@ def end_lease(
         if by_owner:
             refused = _undo_reshaping(slot)
             changed = refused is None
-    actor = pool._actor
-    if actor.release(holder, changed):
+    if pool._actor.release(holder, changed):
         if tell_now:
-            pool._runtime.notify(actor.leases_ended)
+            _tell_leases_ended(pool)
         else:
             pool._runtime.wake()
     if refused is not None:
         raise refused
+
+
+def _tell_leases_ended(pool: TensorResidencyPool) -> None:
+    """Tell the actor that leases ended over the budget, without waiting (see ``end_lease``)."""
+    pool._runtime.notify(pool._actor.leases_ended)
 
 
 def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
@@ -249,6 +253,7 @@ class TensorResidencyLease(Holder, Uncopyable):
         self.read_write = mode == "read_write"
         self.entered = False
         self.ahead = False
+        self.reader = 0
         self.slot = None
         self._pool = pool
         self._source = source
@@ -282,7 +287,11 @@ class TensorResidencyLease(Holder, Uncopyable):
         """Take the lease on a resident value without the loop thread; whether it did."""
         actor = self._pool._actor
         slot = actor.fresh_slot(self._source, self._device)
-        return slot is not None and actor.try_lease(slot, self)
+        if slot is None:
+            return False
+        if self.read_write or self.ahead:
+            return actor.try_lease(slot, self)
+        return actor.take_reader(slot, self)
 
     def _outdated(self) -> bool:
         """Whether the value granted is older than the tensor's latest write (a lease begun
@@ -373,11 +382,14 @@ class TensorResidencyLease(Holder, Uncopyable):
             if begun is None:  # _fast and _value, inlined: the path of every hit
                 actor = self._pool._actor
                 slot = actor.fresh_slot(self._source, self._device)
-                if slot is not None and actor.try_lease(slot, self):
-                    if self.read_write:
+                if slot is not None:
+                    if not self.read_write:
+                        if actor.take_reader(slot, self):
+                            return slot.value if slot.as_is else hand_over(slot.value, slot.device)
+                    elif actor.try_lease(slot, self):
                         actor.enter(self)
                         self._source._shelter_unsaved(actor, slot.value)
-                    return slot.value if slot.as_is else hand_over(slot.value, slot.device)
+                        return slot.value if slot.as_is else hand_over(slot.value, slot.device)
                 self._pool._runtime.call(self._acquire())
             else:
                 self._begun = self._request = None
@@ -406,7 +418,10 @@ class TensorResidencyLease(Holder, Uncopyable):
             self._drop()
             return
         try:
-            end_lease(self._pool, self, True)
+            if not self.reader:
+                end_lease(self._pool, self, True)
+            elif self._pool._actor.end_reader(self):  # a hit's (as end_lease ends it)
+                _tell_leases_ended(self._pool)
         except KeyboardInterrupt:  # what it left of the end: at the pool's next step
             self._drop()
             raise
@@ -436,7 +451,10 @@ class TensorResidencyLease(Holder, Uncopyable):
         # As in __exit__ (not a shared method: its call would be one more point where Python
         # runs a pending handler, before its ``try``).
         try:
-            end_lease(self._pool, self, True)
+            if not self.reader:
+                end_lease(self._pool, self, True)
+            elif self._pool._actor.end_reader(self):
+                _tell_leases_ended(self._pool)
         except KeyboardInterrupt:
             self._drop()
             raise
@@ -480,7 +498,8 @@ class TensorResidencyLease(Holder, Uncopyable):
         slot = self.slot
         if slot is not None:
             dropped = Holder(self.read_write)
-            dropped.slot, dropped.entered, self.slot = slot, self.entered, None
+            dropped.reader, dropped.entered = self.reader, self.entered
+            dropped.slot, self.slot = slot, None
             self._pool._actor.drop(dropped, self.entered)
             self._pool._runtime.wake()
 

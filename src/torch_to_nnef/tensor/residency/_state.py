@@ -218,13 +218,22 @@ class Slot:
     Every field but ``key``, ``value``, ``device``, ``as_is``, ``shape``, ``dtype`` (fixed at
     creation: the value's shape and dtype are what a lease's change must keep),
     ``hit_state`` (the tensor's, which a hit checks) and
-    ``aliased`` (a flag any thread sets, never cleared) changes under the actor's lock only.
+    ``aliased`` (a flag any thread sets, never cleared) changes under the actor's lock only,
+    but for what a reader changes (below).
     A thread takes or ends a lease here without the loop thread
     (reading and writing the slot only, never its entry); the actor never evicts, reuses or
     replaces a value whose slot has leases, and closes the slot (no new lease) before it
     does. A write-back of the value never runs while a ``read_write`` lease
     is held (``writers``): one is not granted while ``writing``, and the actor sets
     ``writing`` (under the lock, seeing no writer) before the write-back starts copying.
+
+    A ``read`` lease entered on a hit takes no lock: its holder joins ``readers`` (one
+    atomic list operation under the GIL), then looks at ``open``; the actor closes the slot,
+    then looks at ``readers``. One of the two sees the other, so that a value is never taken
+    away from a reader: the reader leaves a closed slot (and asks the actor), or the actor
+    counts it and opens the slot again. What a reader sets besides (``used``, ``changed``)
+    is set to the same value by whoever sets it, and read again by the actor after it
+    clears it (see ``Actor.take_reader``).
     """
 
     __slots__ = (
@@ -238,10 +247,11 @@ class Slot:
         "dtype",
         "enters",
         "entry",
+        "granted",
         "hit_state",
         "key",
-        "leases",
         "open",
+        "readers",
         "seen",
         "shape",
         "tracked",
@@ -272,7 +282,8 @@ class Slot:
         # A view of the value was handed out (an op of a scope): hits check the counter.
         self.aliased = False
         self.open = True  # leases may be taken without the actor
-        self.leases = 0  # held by any thread
+        self.granted = 0  # leases granted under the lock, held by any thread
+        self.readers: list[int] = []  # tokens of read leases taken without the lock (above)
         self.writers = 0  # of which read_write leases (a write-back waits for them)
         # ... and of those, the ones entered: their owners have the value and may change it.
         # Entered read_write leases held at once share the value: their changes are one
@@ -291,6 +302,13 @@ class Slot:
         self.writing = False  # a write-back runs: read_write leases go to the actor
         self.changed = False  # queued for the actor's next look at its leases
         self.used = False  # a hit without the actor served it (the entry's ``used``)
+
+    @property
+    def leases(self) -> int:
+        """The leases held on the value (any thread; under the lock, those it counts and the
+        readers that joined before the read). A call, where an interrupt may land: the steps
+        that must not be cut read ``granted`` and ``readers`` instead."""
+        return self.granted + len(self.readers)
 
     def none_entered_since(self, enters: int) -> bool:
         """Whether no ``read_write`` lease was entered on the value since ``enters`` counted
@@ -362,14 +380,19 @@ class Holder:
     ``read_write``: the lease's mode; ``entered``: a ``read_write`` lease whose value reached
     its owner, who may change it (the slot's ``changing`` counts it); ``ahead``: a lease the
     read-ahead holds for a forward to come, which is no request (no hit, no miss, no use: a
-    value it read and nothing used counts as a wasted prefetch)."""
+    value it read and nothing used counts as a wasted prefetch). ``reader``: the token of a
+    ``read`` lease taken without the lock, among its slot's ``readers`` (``0``: none). It is
+    set before ``slot``, which is set before the token joins the readers and cleared after it
+    left, so that an end an interrupt cut is finished by a call again (see
+    ``Actor.take_reader``)."""
 
-    __slots__ = ("ahead", "entered", "read_write", "slot")
+    __slots__ = ("ahead", "entered", "read_write", "reader", "slot")
 
     def __init__(self, read_write: bool) -> None:
         self.read_write = read_write
         self.entered = False
         self.ahead = False
+        self.reader = 0
         self.slot: Slot | None = None
 
 
