@@ -322,6 +322,40 @@ def test_full_graph_compile_of_a_named_model_says_why_in_a_fresh_process() -> No
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.compile")
+def test_full_graph_compile_of_a_loaded_named_tensor_says_why_in_a_fresh_process(
+    tmp_path: Path,
+) -> None:
+    """``torch.load`` builds a saved NamedTensor without its constructor: the function that
+    dynamo skips is made as it loads all the same, before a compile traces an operation on
+    the tensor (made then, the call making it would be what ``fullgraph`` refuses)."""
+    path = tmp_path / "named.pt"
+    torch.save({"w": NamedTensor(torch.ones(4), "w")}, path)
+    code = (
+        "import torch\n"
+        "from torch_to_nnef.tensor import named\n"
+        "with torch.serialization.safe_globals([named.NamedTensor]):\n"
+        f"    w = torch.load({str(path)!r})['w']\n"
+        "assert type(w) is named.NamedTensor and w.nnef_name == 'w'\n"
+        "print('made as it loaded:', named._eager_apply is not None)\n"
+        "try:\n"
+        "    torch.compile(lambda x: x * w, backend='eager', fullgraph=True)(torch.ones(4))\n"
+        "except Exception as error:\n"
+        "    print(type(error).__name__, str(error))\n"
+        "else:\n"
+        "    print('compiled')\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
+    )
+    lines = done.stdout.splitlines()
+    assert lines[0] == "made as it loaded: True", done.stdout + done.stderr
+    assert lines[1].startswith("Unsupported"), done.stdout + done.stderr
+    assert "compile a model whose tensors are not named" in done.stdout, done.stdout
+    assert "marked as skipped" not in done.stdout, done.stdout
+
+
+@pytest.mark.timeout(120)
 @pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.export")
 def test_strictly_exported_named_model_keeps_its_operations_in_the_graph() -> None:
     """torch.export traces with dynamo too; unlike torch.compile it keeps the operations on

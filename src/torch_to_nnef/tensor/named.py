@@ -115,6 +115,14 @@ class NamedTensor(torch.Tensor):
         super().__init__()
         self.nnef_name = nnef_name
 
+    def __setstate__(self, state: Any) -> None:
+        """Restore a NamedTensor that unpickling built (``torch.load``, ``pickle``): as the
+        constructor does, make the function that compiled graphs skip first (unpickling
+        builds the tensor without the constructor)."""
+        if _eager_apply is None:
+            _make_eager_apply()
+        torch._utils._set_obj_state(self, state)
+
     def _renamed(self, value: torch.Tensor) -> NamedTensor:
         """View ``value`` (a plain tensor) as a NamedTensor with this tensor's name.
 
