@@ -1423,11 +1423,10 @@ def test_a_child_forked_while_the_actor_applies_a_lease_end_left_to_it_serves_an
             lease = pool.acquire(t, mode="read_write")
             lease.__enter__().fill_(1.0)
             point.armed.set()
-            # The second call counted in the pool's modules, from __exit__: the end of the
-            # hit's lease, one of its slot's readers.
-            cut = InterruptAt(2, within=str(Path(_handles.__file__).parent))
+            # The second call counted in the lease's module: end_lease, from __exit__.
+            cut = InterruptAt(2, within=_handles.__file__)
             assert interrupted(cut, lambda: lease.__exit__(None, None, None))
-            assert cut.where == "Actor.end_reader"
+            assert cut.where == "end_lease"
             assert point.paused.wait(10)  # the loop thread is applying the lease's end
             assert pool._actor._later_running == 1
 
