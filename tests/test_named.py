@@ -296,29 +296,44 @@ def test_importing_the_package_leaves_dynamo_out_until_a_tensor_is_named() -> No
     subprocess.run([sys.executable, "-c", code], check=True, timeout=100)
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.compile")
-def test_full_graph_compile_of_a_named_model_says_why_in_a_fresh_process() -> None:
-    """The function that dynamo skips exists before the first compile traces an operation
-    on a NamedTensor (made later, the call making it would be what ``fullgraph`` refuses)."""
+def _compiled_in_a_fresh_process(prepare: str, compile_call: str) -> list[str]:
+    """Run ``prepare``, then ``compile_call`` (a ``fullgraph=True`` compile and call), in a
+    fresh interpreter; the lines it printed, the last one the compile's outcome: the error's
+    type and message, or ``compiled``."""
     code = (
-        "import torch\n"
-        "from torch_to_nnef.tensor.named import apply_name_to_tensor_in_module\n"
-        "model = torch.nn.Linear(4, 2)\n"
-        "apply_name_to_tensor_in_module(model)\n"
+        f"{prepare}\n"
         "try:\n"
-        "    torch.compile(model, backend='eager', fullgraph=True)(torch.ones(3, 4))\n"
+        f"    {compile_call}\n"
         "except Exception as error:\n"
-        "    print(type(error).__name__, str(error))\n"
+        "    print(type(error).__name__, str(error).replace(chr(10), ' '))\n"
         "else:\n"
         "    print('compiled')\n"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
     )
-    assert done.stdout.startswith("Unsupported"), done.stdout + done.stderr
-    assert "compile a model whose tensors are not named" in done.stdout, done.stdout
-    assert "marked as skipped" not in done.stdout, done.stdout
+    return done.stdout.splitlines() or [done.stderr]
+
+
+def _says_why_it_is_refused(outcome: str) -> None:
+    assert outcome.startswith("Unsupported"), outcome
+    assert "compile a model whose tensors are not named" in outcome, outcome
+    assert "marked as skipped" not in outcome, outcome
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not torch._dynamo.is_dynamo_supported(), reason="needs torch.compile")
+def test_full_graph_compile_of_a_named_model_says_why_in_a_fresh_process() -> None:
+    """The function that dynamo skips exists before the first compile traces an operation
+    on a NamedTensor (made later, the call making it would be what ``fullgraph`` refuses)."""
+    printed = _compiled_in_a_fresh_process(
+        "import torch\n"
+        "from torch_to_nnef.tensor.named import apply_name_to_tensor_in_module\n"
+        "model = torch.nn.Linear(4, 2)\n"
+        "apply_name_to_tensor_in_module(model)",
+        "torch.compile(model, backend='eager', fullgraph=True)(torch.ones(3, 4))",
+    )
+    _says_why_it_is_refused(printed[-1])
 
 
 @pytest.mark.timeout(120)
@@ -331,28 +346,17 @@ def test_full_graph_compile_of_a_loaded_named_tensor_says_why_in_a_fresh_process
     the tensor (made then, the call making it would be what ``fullgraph`` refuses)."""
     path = tmp_path / "named.pt"
     torch.save({"w": NamedTensor(torch.ones(4), "w")}, path)
-    code = (
+    printed = _compiled_in_a_fresh_process(
         "import torch\n"
         "from torch_to_nnef.tensor import named\n"
         "with torch.serialization.safe_globals([named.NamedTensor]):\n"
         f"    w = torch.load({str(path)!r})['w']\n"
         "assert type(w) is named.NamedTensor and w.nnef_name == 'w'\n"
-        "print('made as it loaded:', named._eager_apply is not None)\n"
-        "try:\n"
-        "    torch.compile(lambda x: x * w, backend='eager', fullgraph=True)(torch.ones(4))\n"
-        "except Exception as error:\n"
-        "    print(type(error).__name__, str(error))\n"
-        "else:\n"
-        "    print('compiled')\n"
+        "print('made as it loaded:', named._eager_apply is not None)",
+        "torch.compile(lambda x: x * w, backend='eager', fullgraph=True)(torch.ones(4))",
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=100
-    )
-    lines = done.stdout.splitlines()
-    assert lines[0] == "made as it loaded: True", done.stdout + done.stderr
-    assert lines[1].startswith("Unsupported"), done.stdout + done.stderr
-    assert "compile a model whose tensors are not named" in done.stdout, done.stdout
-    assert "marked as skipped" not in done.stdout, done.stdout
+    assert printed[0] == "made as it loaded: True", printed
+    _says_why_it_is_refused(printed[-1])
 
 
 @pytest.mark.timeout(120)

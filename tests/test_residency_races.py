@@ -1872,64 +1872,17 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+@pytest.mark.parametrize("hit", [False, True], ids=["granted on a miss", "a hit"])
 def test_a_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within_its_budget(
-    tmp_path: Path,
+    tmp_path: Path, hit: bool
 ) -> None:
-    """A thread's lease on ``a`` (granted on a miss: it counts toward the budget) ends just as
-    the load of ``b``, the last step of all, counts it as holding ``a``. Had that thread
-    seen the value not counted as held (no wake-up) and the step counted it after (held, by
-    no lease), the idle pool would stay over its budget for good."""
-    a, b = _tensor(tmp_path, "a", 1.0), _tensor(tmp_path, "b", 2.0)
-    loaded = Breakpoint(OffloadedTensor._reload_unmanaged.__code__, "return")
-    counted = Breakpoint(Actor._hold.__code__, "call", caller=Actor._track.__code__)
-    inside, leave = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with pool.acquire(a) as value:
-            assert value[0].item() == 1.0
-            inside.set()
-            leave.wait(30)
-
-    def trace(frame: FrameType, event: str, arg: Any) -> Any:
-        return loaded._trace(frame, event, arg) or counted._trace(frame, event, arg)
-
-    threading.settrace(trace)
-    try:
-        pool = TensorResidencyPool(max_cached_bytes=NBYTES, max_workers=2)
-        loaded.armed.set()
-        handle = pool.prefetch(b)
-        assert loaded.paused.wait(30)  # b's load ends on a worker, held there
-        holder = threading.Thread(target=hold)
-        holder.start()
-        assert inside.wait(30)  # a was loaded by the other worker, and leased
-        counted.armed.set()
-        loaded.go()
-        assert counted.paused.wait(30)  # b's load ended: its step counts a's lease
-        leave.set()
-        holder.join(0.5)  # the lease ends meanwhile, or waits for the count to end
-        counted.go()
-        holder.join(30)
-    finally:
-        threading.settrace(None)  # type: ignore[arg-type]
-        loaded.go()
-        counted.go()
-    assert torch.equal(handle.wait(), torch.full((NUMEL,), 2.0))
-    time.sleep(0.05)
-    # Read before any request (check_invariants takes note of what threads did, as a step).
-    assert pool.resident_bytes <= NBYTES, "an idle pool is over its budget"
-    assert _leased(pool) == 0
-    pool.close()
-
-
-def test_a_hit_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within_its_budget(
-    tmp_path: Path,
-) -> None:
-    """As above, with a lease taken on a hit: its holder is one of the slot's readers, which
-    take and end leases without the lock. It ends just as the load of ``b`` counts it as
-    holding ``a`` (the actor at the call that counts it, the flag not set yet): the thread
-    finds ``a`` not counted and tells no one, so the step must see after counting it that
-    the lease is gone. Else ``a`` stays counted as in use, and the idle pool over its
-    budget."""
+    """A thread's lease on ``a`` ends just as the load of ``b``, the last step of all, counts
+    it as holding ``a``. One granted on a miss (it counts toward the budget) ends under the
+    lock the count holds: had the thread seen the value not counted as held (no wake-up) and
+    the step counted it after (held, by no lease), the idle pool would stay over its budget
+    for good. One taken on a hit is one of the slot's readers, which end without the lock:
+    the thread finds ``a`` not counted yet and tells no one, so the step must see, once it
+    counted it, that the lease is gone."""
     a, b = _tensor(tmp_path, "a", 1.0), _tensor(tmp_path, "b", 2.0)
     loaded = Breakpoint(OffloadedTensor._reload_unmanaged.__code__, "return")
     counted = Breakpoint(Actor._hold.__code__, "call", caller=Actor._track.__code__)
@@ -1948,20 +1901,24 @@ def test_a_hit_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within
     threading.settrace(trace)  # (for the threads the pool starts)
     try:
         pool = TensorResidencyPool(max_cached_bytes=NBYTES, max_workers=2)
-        pool.resolve(a)  # resident: the lease below is a hit
+        if hit:
+            pool.resolve(a)  # resident: the lease below is a hit
         hits = pool.stats().hits
         loaded.armed.set()
         handle = pool.prefetch(b)
         assert loaded.paused.wait(30)  # b's load ends on a worker, held there
         holder = threading.Thread(target=hold)
         holder.start()
-        assert inside.wait(30)
-        assert pool._actor.published[id(a)].readers, "the hit took no lease as a reader"
+        assert inside.wait(30)  # (on a miss, a was loaded by the other worker, and leased)
+        assert bool(pool._actor.published[id(a)].readers) == hit
         counted.armed.set()
         loaded.go()
         assert counted.paused.wait(30)  # b's load ended: its step counts a's lease
         leave.set()
-        assert left.wait(30), "the lease's end waited for the actor"
+        if hit:
+            assert left.wait(30), "the lease's end waited for the actor"
+        else:
+            holder.join(0.5)  # the lease ends meanwhile, or waits for the count to end
         counted.go()
         holder.join(30)
     finally:
@@ -1973,7 +1930,7 @@ def test_a_hit_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within
     # Read before any request (check_invariants takes note of what threads did, as a step).
     assert pool._actor.in_use_bytes == 0, "a value no lease holds is counted as in use"
     assert pool.resident_bytes <= NBYTES, "an idle pool is over its budget"
-    assert pool.stats().hits == hits + 1
+    assert pool.stats().hits == hits + hit
     assert _leased(pool) == 0
     pool.close()
 
