@@ -486,8 +486,10 @@ class Actor:
         if not (self._touches or self._changed):
             return
         with self.lock:
-            # Taken one by one: readers append without the lock (see take_reader).
-            keys = _take_all(self._touches)
+            # Readers append without the lock (see take_reader): a touch appended between
+            # the copy and the clear is lost (a hint of recency), a queued slot never.
+            keys = list(self._touches)
+            self._touches.clear()
             changed = _take_all(self._changed)
             self.syncing = True  # before the flag a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
@@ -508,6 +510,12 @@ class Actor:
         superseded = self.superseded
         remaps = []  # (a removed entry holds no remapped value)
         for slot in changed:
+            if not (slot.tracked or slot.granted or slot.readers or superseded) and (
+                slot.entry.remapped is None
+            ):
+                # Leases taken and ended since the last look (most hits): nothing to do,
+                # read without the lock, as a lease taken from now on queues the slot again.
+                continue
             # The leases are counted and acted on in one hold of the lock: a lease that
             # ends meanwhile finds the value counted as held (and tells the actor if it
             # must), or not, never counted after it ended. A later change is queued behind.
@@ -1513,7 +1521,5 @@ def _counted(counter: itertools.count[int]) -> int:
 def _take_all(queue: deque[Any]) -> list[Any]:
     """Take every item out of ``queue``, which other threads append to meanwhile (one at a
     time: a copy and a ``clear`` would lose an append made in between)."""
-    taken = []
-    while queue:
-        taken.append(queue.popleft())
-    return taken
+    take = queue.popleft
+    return [take() for _ in range(len(queue))]
