@@ -987,7 +987,7 @@ def test_a_threads_request_waiting_as_an_async_with_exit_fails_is_served_after_i
     logger.addHandler(handler)
     try:
         with (
-            paused_in_new_threads(_runtime.Runtime.wait.__code__, on="call") as point,
+            paused_in_new_threads(_runtime.Runtime._wait.__code__, on="call") as point,
             pytest.raises(RuntimeError, match="the request failed"),
         ):
             asyncio.run(serve())

@@ -119,6 +119,8 @@ class InterruptHold:
         """Hold SIGINT from now to the end of the block (in the main thread, under a handler
         set from Python; a no-op elsewhere, inside a hold in force, and when already
         holding)."""
+        if _thread.get_ident() != _main[0]:  # first: most holds run on other threads
+            return
         if self._holding or _replaced or not callable(_signal.getsignal(signal.SIGINT)):
             return
         self._holding, self._previous = hold_sigint(self._record)

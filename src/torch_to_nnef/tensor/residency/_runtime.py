@@ -1213,7 +1213,7 @@ class Runtime:
             operation.prepare()
         try:
             self._post_request(self.drive, operation, reply)  # start(), knowing the thread
-            result = self.wait(reply, timeout)
+            result = self._wait(reply, timeout)  # (checked as it began)
             self.count_stall(operation, started)
         except BaseException:
             # Interrupted (or failed): whatever it holds is given back, in order after it
@@ -1234,6 +1234,10 @@ class Runtime:
             return done.result()
         self.check_process()
         self._refuse_a_wait_for_itself()
+        return self._wait(done, timeout)
+
+    def _wait(self, done: Reply, timeout: float | None) -> Any:
+        """:meth:`wait`, once the caller was checked (a request's own thread, in ``call``)."""
         loop = self.loop
         if self.private or loop is None:
             return done.result(timeout)
