@@ -628,6 +628,53 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
 
 @needs_proc
 @pytest.mark.timeout(300)
+# A Ctrl-C before the task's first step cancels it unstarted.
+@pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
+def test_a_ctrl_c_anywhere_in_a_step_ending_a_collected_lease_leaves_no_lease(
+    tmp_path: Path,
+) -> None:
+    """A lease whose holder was collected where its thread could not wait for the pool ends at
+    the pool's next step (``Actor.later``). A Ctrl-C at each point of that step, on a loop of
+    the caller's on the main thread: once the loop runs again, the pool holds no lease and
+    closes. (The loop runs what other threads post under a hold of Ctrl-C: without it, one
+    landing just as the step took the lease's end out of its queue lost that end, the value
+    stayed leased for good and the pool could not close.)"""
+    nothing = tmp_path / "nothing"
+    nothing.mkdir()
+    t = OffloadedTensor.from_original_tensor(torch.arange(64.0), "t", offload_dir=tmp_path)
+    servings: list[_CallersLoop] = []
+
+    async def resolve() -> None:
+        assert torch.equal(await servings[-1].pool.aresolve(t), torch.arange(64.0))
+
+    def step() -> None:
+        profiler = sys.getprofile()
+        sys.setprofile(None)  # the set-up is not swept
+        try:
+            servings.append(_CallersLoop(TensorResidencyPool()))
+            servings[-1].run(resolve())  # resident from now on
+            lease = servings[-1].pool.acquire(t)
+            lease.__enter__()
+            lease._drop()  # as its collection amid the pool's code ends it
+            assert "leased: 1," in repr(servings[-1].pool)
+        finally:
+            sys.setprofile(profiler)
+        servings[-1].run(resolve())  # its first step ends the lease
+
+    def check(where: str) -> None:
+        serving = servings[-1]
+        serving.settle()
+        assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left the lease"
+        serving.run(resolve())
+        serving.close_checked(where)
+
+    within = str(Path(_handles.__file__).parent)
+    points = sweep(step, nothing, check, within, tidy=lambda: servings[-1].tidy())
+    assert points > 20, "the step made fewer points than expected: the test proves little"
+
+
+@needs_proc
+@pytest.mark.timeout(300)
 # A Ctrl-C in a serve that runs before the waiting task's first step cancels the task unstarted.
 @pytest.mark.filterwarnings("ignore:coroutine .* was never awaited:RuntimeWarning")
 def test_a_ctrl_c_anywhere_in_a_threads_miss_served_by_the_callers_loop_loses_no_request(
