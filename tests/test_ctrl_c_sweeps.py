@@ -521,6 +521,14 @@ class _CallersLoop:
             self.settle()
             self.close()
 
+    def check_usable(self, where: str, request: Callable[[], Any]) -> None:
+        """Once what was left to the pool's next step is applied, the pool holds no lease,
+        serves ``request()`` (a coroutine) and closes, and the loop reported no error."""
+        self.settle()
+        assert "leased: 0," in repr(self.pool), f"a Ctrl-C at {where} left a lease"
+        self.run(request())
+        self.close_checked(where)
+
     def close_checked(self, where: str) -> None:
         """Close: the pool closes, and the loop reported no error meanwhile."""
         self.close()
@@ -615,11 +623,7 @@ def test_a_ctrl_c_anywhere_in_an_async_miss_on_the_callers_loop_leaves_the_pool_
         servings[-1].run(acquire())
 
     def check(where: str) -> None:
-        serving = servings[-1]
-        serving.settle()
-        assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left a lease"
-        serving.run(acquire())
-        serving.close_checked(where)
+        servings[-1].check_usable(where, acquire)
 
     within = str(Path(_handles.__file__).parent)
     points = sweep(miss, nothing, check, within, tidy=lambda: servings[-1].tidy())
@@ -662,11 +666,7 @@ def test_a_ctrl_c_anywhere_in_a_step_ending_a_collected_lease_leaves_no_lease(
         servings[-1].run(resolve())  # its first step ends the lease
 
     def check(where: str) -> None:
-        serving = servings[-1]
-        serving.settle()
-        assert "leased: 0," in repr(serving.pool), f"a Ctrl-C at {where} left the lease"
-        serving.run(resolve())
-        serving.close_checked(where)
+        servings[-1].check_usable(where, resolve)
 
     within = str(Path(_handles.__file__).parent)
     points = sweep(step, nothing, check, within, tidy=lambda: servings[-1].tidy())
