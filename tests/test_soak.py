@@ -566,11 +566,15 @@ def interrupted_reads(pool: TensorResidencyPool, world: Ordered, seconds: float)
     interrupted = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not world.stop.is_set():
-        stop = threading.Event()
-        timer = threading.Thread(target=_interrupt_main, args=(stop, rng.uniform(0, 0.002)))
+        stop, go = threading.Event(), threading.Event()
+        delay = rng.uniform(0, 0.002)
+        timer = threading.Thread(target=_interrupt_main, args=(go, stop, delay))
+        # Started before the round: an interrupt landing in Thread.start (in its wait on a
+        # threading.Condition, whose Python code it cuts) breaks that condition's lock.
+        timer.start()
         try:  # an interrupt may land anywhere in the round, even once the leases ended
-            timer.start()
             try:
+                go.set()
                 for index in rng.sample(range(ORDER_TENSORS), 3):
                     with pool.acquire(world.tensors[index]) as value:
                         first = value.flatten()[0]
@@ -587,7 +591,8 @@ def interrupted_reads(pool: TensorResidencyPool, world: Ordered, seconds: float)
     return interrupted
 
 
-def _interrupt_main(stop: threading.Event, delay: float) -> None:
+def _interrupt_main(go: threading.Event, stop: threading.Event, delay: float) -> None:
+    go.wait()
     if not stop.wait(delay):
         _thread.interrupt_main()
 
