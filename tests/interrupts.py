@@ -3,7 +3,8 @@
 signal handler (Ctrl-C); with ``sys.setprofile``, the SIGINT handler in force run at a chosen
 call or return, C functions' included, as a signal arriving there would run it; with C code
 alone (:func:`interrupted_then`), a Ctrl-C pending as a call begins, such as a garbage
-collection's, whose first Python code runs the handler."""
+collection's, whose first Python code runs the handler; from a timer thread
+(:class:`CtrlCTimer`), one at a random moment, as a terminal's Ctrl-C arrives."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import inspect
 import operator
 import signal
 import sys
+import threading
 from collections import deque
 from collections.abc import Callable, Iterator
 from types import CodeType, FrameType
@@ -24,6 +26,7 @@ from torch_to_nnef import _owned
 from torch_to_nnef._owned import collecting_here
 
 __all__ = [
+    "CtrlCTimer",
     "InterruptAt",
     "SecondSignalAt",
     "SignalAt",
@@ -287,3 +290,29 @@ def interrupted_then(call: Callable[[], object]) -> None:
     """Make a Ctrl-C pending and run ``call`` at once, from C: no Python code runs between, so
     the first Python code ``call`` runs (a collection's callback, say) runs the handler."""
     deque(map(operator.call, (_thread.interrupt_main, call)), maxlen=0)
+
+
+class CtrlCTimer:
+    """One Ctrl-C (``_thread.interrupt_main``) ``delay`` seconds after :meth:`arm`, unless
+    :meth:`stop` came first. Its thread starts as the timer is made, and waits to be armed:
+    an interrupt landing in ``Thread.start`` (its wait on a ``threading.Condition``, whose
+    Python code the interrupt cuts) would leave that condition's lock broken."""
+
+    def __init__(self, delay: float) -> None:
+        self._go, self._stop = threading.Event(), threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(delay,), name="ctrl-c-timer")
+        self._thread.start()
+
+    def _run(self, delay: float) -> None:
+        self._go.wait()
+        if not self._stop.wait(delay):
+            _thread.interrupt_main()
+
+    def arm(self) -> None:
+        self._go.set()
+
+    def stop(self) -> None:
+        """No Ctrl-C from now on (one that fired is pending or raised); the thread ended."""
+        self._stop.set()
+        self._go.set()  # (one never armed ends too)
+        self._thread.join()

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import concurrent.futures
 import contextlib
@@ -27,7 +26,7 @@ import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import FORKS, in_forked_child, in_forked_child_while_held
 from forking import outcomes as _outcomes
-from interrupts import InterruptAt, interrupted
+from interrupts import CtrlCTimer, InterruptAt, interrupted
 from residency_checks import check_invariants, on_disk, reports_that_raise
 from torch import nn
 
@@ -685,11 +684,6 @@ async def test_calls_from_a_thread_during_the_async_exit_end(tmp_path: Path) -> 
 # ---------------------------------------------------------------------------------------------
 # 12. Ctrl-C during a blocking acquire
 # ---------------------------------------------------------------------------------------------
-def _interrupt(stop: threading.Event, delay: float) -> None:
-    if not stop.wait(delay):
-        _thread.interrupt_main()
-
-
 def _checkpoint() -> None:
     """Run some bytecode: a pending (simulated) interrupt is raised here at the latest."""
     sum(range(10))
@@ -711,17 +705,15 @@ def test_an_interrupt_during_a_blocking_acquire_leaks_no_lease(tmp_path: Path) -
     with TensorResidencyPool(max_cached_bytes=0) as pool:
         interrupted = 0
         for round_index in range(60):
-            stop = threading.Event()
-            thread = threading.Thread(target=_interrupt, args=(stop, 0.0001 * (round_index % 10)))
+            timer = CtrlCTimer(0.0001 * (round_index % 10))
             try:  # an interrupt may land anywhere in the round, even once the acquires ended
-                thread.start()
                 try:
+                    timer.arm()
                     for t in ts:
                         with pool.acquire(t):
                             pass
                 finally:
-                    stop.set()
-                    thread.join()
+                    timer.stop()
                 time.sleep(0.002)
                 _checkpoint()
             except KeyboardInterrupt:

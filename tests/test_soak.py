@@ -15,7 +15,6 @@ asyncio and uvloop and between the LRU and SCHEDULED strategies.
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import contextlib
 import random
@@ -30,6 +29,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
+from interrupts import CtrlCTimer
 from residency_checks import check_invariants, on_disk
 from stress.figures import record, scaled, soak_seconds
 
@@ -566,22 +566,16 @@ def interrupted_reads(pool: TensorResidencyPool, world: Ordered, seconds: float)
     interrupted = 0
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline and not world.stop.is_set():
-        stop, go = threading.Event(), threading.Event()
-        delay = rng.uniform(0, 0.002)
-        timer = threading.Thread(target=_interrupt_main, args=(go, stop, delay))
-        # Started before the round: an interrupt landing in Thread.start (in its wait on a
-        # threading.Condition, whose Python code it cuts) breaks that condition's lock.
-        timer.start()
+        timer = CtrlCTimer(rng.uniform(0, 0.002))
         try:  # an interrupt may land anywhere in the round, even once the leases ended
             try:
-                go.set()
+                timer.arm()
                 for index in rng.sample(range(ORDER_TENSORS), 3):
                     with pool.acquire(world.tensors[index]) as value:
                         first = value.flatten()[0]
                         assert value.dtype in DTYPES and bool((value == first).all())
             finally:
-                stop.set()
-                timer.join()
+                timer.stop()
             time.sleep(0.001)
             sum(range(10))  # a pending interrupt is raised here at the latest
         except KeyboardInterrupt:
@@ -589,12 +583,6 @@ def interrupted_reads(pool: TensorResidencyPool, world: Ordered, seconds: float)
             with contextlib.suppress(KeyboardInterrupt):
                 sum(range(10))
     return interrupted
-
-
-def _interrupt_main(go: threading.Event, stop: threading.Event, delay: float) -> None:
-    go.wait()
-    if not stop.wait(delay):
-        _thread.interrupt_main()
 
 
 def ordered_world(directory: Path) -> Ordered:
