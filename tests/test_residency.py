@@ -1745,7 +1745,7 @@ def test_jobs_that_ended_while_the_loop_was_busy_are_applied_by_a_loop(
     """Thousands of loads end while the loop thread is busy: the first application of their
     ends drains them all, and the drives it resumes leave the rest to it instead of each
     applying the next one (a recursion as deep as the queue)."""
-    count = 600  # a recursion of some 8 frames per job would pass the limit of 1,000
+    count = 1200  # the loop applies some ends as they come: enough must be left waiting
     ts = make_tensors(tmp_path, count, numel=4)
     released = threading.Event()
     queued: list[int] = []
@@ -1766,7 +1766,9 @@ def test_jobs_that_ended_while_the_loop_was_busy_are_applied_by_a_loop(
         handles = [pool.prefetch(t) for t in ts]
         runtime.post(busy)
         assert released.wait(40)
-        assert queued[0] > count // 2  # most ends waited for the loop
+        # Enough ends waited for the loop that applying them by recursion (some 8 frames
+        # each) would pass Python's limit of frames.
+        assert queued[0] * 8 > sys.getrecursionlimit(), f"only {queued[0]} ends waited"
         with caplog.at_level(logging.ERROR):
             values = [float(h.wait()[0]) for h in handles]
         assert values == [float(i) for i in range(count)]
