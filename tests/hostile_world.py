@@ -42,7 +42,6 @@ every pool and its recent history: the model's events and the library's warnings
 
 from __future__ import annotations
 
-import _thread
 import asyncio
 import collections
 import contextlib
@@ -66,6 +65,7 @@ from types import FrameType
 from typing import Any, NamedTuple, NoReturn
 
 import torch
+from interrupts import CtrlCTimer
 from residency_checks import check_invariants, on_disk
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
@@ -352,28 +352,15 @@ class CtrlC:
     def interrupting(self, rng: random.Random) -> Iterator[None]:
         """One Ctrl-C during the block, at a random delay (``_thread.interrupt_main`` from a
         timer thread, as a terminal's Ctrl-C runs the handler); none is pending after it."""
-        stop = threading.Event()
-        timer = threading.Thread(
-            target=_interrupt_main,
-            args=(stop, rng.choice(INTERRUPT_DELAYS)),
-            name="hostile-ctrl-c",
-            daemon=True,
-        )
-        timer.start()
+        timer = CtrlCTimer(rng.choice(INTERRUPT_DELAYS))
+        timer.arm()
         try:
             yield
         finally:
-            stop.set()
-            timer.join(JOIN_SECONDS)
-            assert not timer.is_alive(), "the Ctrl-C timer thread hangs"
+            timer.stop(JOIN_SECONDS)
             self.armed = False
             with contextlib.suppress(KeyboardInterrupt):
                 sum(range(10))  # a pending interrupt runs the handler here at the latest
-
-
-def _interrupt_main(stop: threading.Event, delay: float) -> None:
-    if not stop.wait(delay):
-        _thread.interrupt_main()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -300,7 +300,9 @@ class CtrlCTimer:
 
     def __init__(self, delay: float) -> None:
         self._go, self._stop = threading.Event(), threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(delay,), name="ctrl-c-timer")
+        self._thread = threading.Thread(
+            target=self._run, args=(delay,), name="ctrl-c-timer", daemon=True
+        )
         self._thread.start()
 
     def _run(self, delay: float) -> None:
@@ -311,8 +313,10 @@ class CtrlCTimer:
     def arm(self) -> None:
         self._go.set()
 
-    def stop(self) -> None:
-        """No Ctrl-C from now on (one that fired is pending or raised); the thread ended."""
+    def stop(self, timeout: float = 60.0) -> None:
+        """No Ctrl-C from now on (one that fired is pending or raised); the thread ended
+        (an ``AssertionError`` when it has not within ``timeout`` seconds: it hangs)."""
         self._stop.set()
         self._go.set()  # (one never armed ends too)
-        self._thread.join()
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), "the Ctrl-C timer thread hangs"
