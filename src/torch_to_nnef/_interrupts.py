@@ -40,10 +40,15 @@ a Ctrl-C may cut, in the threads that wait for the pool (a thread reading a payl
 holds Ctrl-C as it reads)."""
 
 
+def _on_main_thread() -> bool:
+    """Whether the calling thread is the one signal handlers run on."""
+    return _thread.get_ident() == _main[0]
+
+
 def hold_sigint(handler: Callable[[int, FrameType | None], Any]) -> tuple[bool, Any]:
     """Install ``handler`` for SIGINT, from the main thread only. Return whether it was
     installed, and the handler it replaced (for :func:`restore_sigint`)."""
-    if _thread.get_ident() != _main[0]:
+    if not _on_main_thread():
         return False, None
     try:
         previous = _signal.signal(signal.SIGINT, handler)
@@ -119,7 +124,7 @@ class InterruptHold:
         """Hold SIGINT from now to the end of the block (in the main thread, under a handler
         set from Python; a no-op elsewhere, inside a hold in force, and when already
         holding)."""
-        if _thread.get_ident() != _main[0]:  # first: most holds run on other threads
+        if not _on_main_thread():  # first: most holds run on other threads
             return
         if self._holding or _replaced or not callable(_signal.getsignal(signal.SIGINT)):
             return
