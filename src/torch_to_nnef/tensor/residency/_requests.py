@@ -76,8 +76,11 @@ def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> Ca
         # Read as a worker reads, whatever the caller's thread runs under: a value made in
         # its torch.inference_mode() would be an inference tensor, which tracks no version
         # counter (the pool reads it of every value) and refuses in-place changes and
-        # autograd outside that mode.
-        with torch.inference_mode(False):
+        # autograd outside that mode. (Entered only then: it costs a tenth of the read.)
+        if torch.is_inference_mode_enabled():
+            with torch.inference_mode(False):
+                value = source._reload_unmanaged(device, None, None)
+        else:
             value = source._reload_unmanaged(device, None, None)
     except Exception:
         return None

@@ -26,7 +26,7 @@ import anyio.lowlevel
 import torch
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
-from torch_to_nnef.tensor.storage._buffers import plan_read, tensor_pieces
+from torch_to_nnef.tensor.storage._buffers import plan_read, select_entries, tensor_pieces
 from torch_to_nnef.tensor.storage._format import PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
     AtomicFile,
@@ -142,7 +142,7 @@ async def aread_payload(
     file = aiofiles.threadpool.wrap(raw, loop=loop, executor=executor)
     try:
         check_unchanged(layout, stat)
-        plan = plan_read(layout, out, names)
+        plan = plan_read(layout, out, select_entries(layout, names))
         position = 0
         for offset, view in plan.jobs:
             if offset != position:

@@ -212,21 +212,21 @@ class ReadPlan(NamedTuple):
 
     result: dict[str, torch.Tensor]  # by entry name, in the requested order
     jobs: list[tuple[int, memoryview]]  # (absolute file offset, destination), by offset
+    nbytes: int  # read in all
 
 
 def plan_read(
     layout: PayloadLayout,
     out: Mapping[str, torch.Tensor] | None,
-    names: Iterable[str] | None,
+    specs: list[EntrySpec],
 ) -> ReadPlan:
-    """Pick (and check) or allocate a buffer per requested entry, before any I/O.
+    """Pick (and check) or allocate a buffer per requested entry (``specs``, from
+    :func:`select_entries`), before any I/O.
 
     Raises:
-        T2NErrorStorage: a requested name is not an entry of the payload.
         T2NErrorMisuse: ``out`` holds a name that is not requested, or a buffer that does not
             match its entry (dtype, shape, CPU, contiguity).
     """
-    specs = select_entries(layout, names)
     provided = dict(out) if out else {}  # (every load of a pool plans here: kept lean)
     if provided:
         wanted = {spec.name for spec in specs}
@@ -238,6 +238,7 @@ def plan_read(
             )
     result: dict[str, torch.Tensor] = {}
     jobs: list[tuple[int, memoryview]] = []
+    nbytes = 0
     for spec in specs:
         if spec.name in provided:
             buffer = provided[spec.name]
@@ -247,8 +248,9 @@ def plan_read(
         result[spec.name] = buffer
         if spec.nbytes:
             jobs.append((spec.start, byte_view(buffer)))
+            nbytes += spec.nbytes
     jobs.sort(key=itemgetter(0))
-    return ReadPlan(result, jobs)
+    return ReadPlan(result, jobs, nbytes)
 
 
 def _check_out_buffer(layout: PayloadLayout, spec: EntrySpec, buffer: object) -> None:

@@ -41,6 +41,7 @@ from torch_to_nnef.tensor.storage._buffers import (
 from torch_to_nnef.tensor.storage._device import Transfer, mark_pending, resolve_device
 from torch_to_nnef.tensor.storage._format import (
     PREFIX_BYTES,
+    EntrySpec,
     HeaderPlan,
     PayloadLayout,
     check_metadata,
@@ -73,6 +74,9 @@ _O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # so that opening a FIFO never block
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 READ_FLAGS = os.O_RDONLY | _O_CLOEXEC | _O_NONBLOCK
 _IOV_MAX = 1024  # buffers per vectored read: the POSIX minimum of IOV_MAX
+SEQUENTIAL_MIN_BYTES = 128 * 1024
+"""Reads of fewer bytes tell the kernel nothing of their pattern (``POSIX_FADV_SEQUENTIAL``):
+the readahead of the read itself covers them, and small loads save a system call."""
 _TEMP_ATTEMPTS = 8
 
 
@@ -245,11 +249,12 @@ def short_read(path: Path, offset: int, what: str) -> T2NErrorStorage:
     )
 
 
-def _preadv(fd: int, views: list[memoryview], offset: int) -> int:
-    if hasattr(os, "preadv"):
-        return os.preadv(fd, views, offset)
+def _seek_and_readv(fd: int, views: list[memoryview], offset: int) -> int:
     os.lseek(fd, offset, os.SEEK_SET)
     return os.readv(fd, views)
+
+
+_preadv: Callable[[int, list[memoryview], int], int] = getattr(os, "preadv", _seek_and_readv)
 
 
 def pread_exact(fd: int, path: Path, views: list[memoryview], offset: int, what: str) -> None:
@@ -355,10 +360,17 @@ def read_payload(
             unreadable, or lacks a requested entry.
         T2NErrorMisuse: a buffer of ``out`` does not match its entry or is not requested.
     """
+    return read_entries(layout, select_entries(layout, names), out)
+
+
+def read_entries(
+    layout: PayloadLayout, specs: list[EntrySpec], out: Mapping[str, torch.Tensor] | None = None
+) -> dict[str, torch.Tensor]:
+    """:func:`read_payload` of the entries ``specs`` (from ``select_entries``)."""
     with reading(layout.path) as (fd, stat):
         check_unchanged(layout, stat)
-        plan = plan_read(layout, out, names)
-        if hasattr(os, "posix_fadvise") and plan.jobs:
+        plan = plan_read(layout, out, specs)
+        if plan.nbytes >= SEQUENTIAL_MIN_BYTES and hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
         for offset, views in contiguous_runs(plan.jobs):
             pread_exact(fd, layout.path, views, offset, "tensor data")

@@ -61,7 +61,12 @@ from torch_to_nnef.tensor.storage._buffers import MAPPED_BUFFER_MIN_BYTES, selec
 from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, Kept
 from torch_to_nnef.tensor.storage._folios import SLOW_REGIONS, evict
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
-from torch_to_nnef.tensor.storage._io import os_error_message, read_payload, reading
+from torch_to_nnef.tensor.storage._io import (
+    os_error_message,
+    read_entries,
+    read_payload,
+    reading,
+)
 
 __all__ = [
     "advise_payload",
@@ -471,8 +476,7 @@ def load_payload(
     """
     if mapped is False or (mapped is None and not mapped_reads()):
         return read_payload(layout, out=out, names=names)
-    names = None if names is None else list(names)
     specs = select_entries(layout, names)
     if mapped is None and sum(spec.nbytes for spec in specs) < MAPPED_MIN_BYTES:
-        return read_payload(layout, out=out, names=names)
+        return read_entries(layout, specs, out)
     return _map_entries(layout, specs, "on_demand" if on_demand else "populate")
