@@ -519,11 +519,11 @@ def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path
         check_invariants(pool)
 
 
-def test_a_sync_acquire_miss_read_by_its_own_thread_is_leased_as_a_hit(tmp_path: Path) -> None:
-    # The pool keeps what the thread read as a resolve's load keeps it, and the lease is then
-    # taken on it as on a hit: one request (a miss) and one load each. The value leased
-    # outlasts the requests that push the pool over its budget, is cached once the lease
-    # ended, and a read_write lease's change is written back.
+def test_a_sync_acquire_miss_read_by_its_own_thread_is_leased_at_once(tmp_path: Path) -> None:
+    # The pool keeps what the thread read as a load's end keeps it, and the step that kept it
+    # leases it: one request (a miss) and one load each. The value leased outlasts the
+    # requests that push the pool over its budget, is cached once the lease ended, and a
+    # read_write lease's change is written back.
     ts = make_tensors(tmp_path, 5, numel=1024)
     with TensorResidencyPool(max_cached_bytes=2 * 4096) as pool:
         with pool.acquire(ts[0]) as value:
@@ -544,34 +544,6 @@ def test_a_sync_acquire_miss_read_by_its_own_thread_is_leased_as_a_hit(tmp_path:
         assert (stats.hits, stats.misses, stats.loads, stats.caller_reads) == (1, 5, 5, 5)
         check_invariants(pool)
     assert torch.equal(ts[4].reload(), torch.full((1024,), 7.0))
-
-
-def test_an_acquire_miss_whose_value_is_written_before_its_lease_is_taken_serves_the_write(
-    tmp_path: Path,
-) -> None:
-    # The tensor is written after the pool kept what the thread read, before the step that
-    # takes the lease on it: that value is no hit any more, and the acquire reads the write.
-    t = make_tensors(tmp_path, 1, numel=1024)[0]
-    got: list[torch.Tensor] = []
-
-    def reader() -> None:
-        with pool.acquire(t) as value:
-            got.append(value.clone())
-
-    lease_step = Actor.lease_read_value.__code__
-    with paused_in_new_threads(lease_step, on="call") as point, TensorResidencyPool() as pool:
-        point.armed.set()
-        thread = threading.Thread(target=reader, daemon=True)
-        thread.start()
-        assert point.paused.wait(30), "the lease was not taken as a hit"
-        t.update_values(torch.full((1024,), 9.0))
-        point.go()
-        thread.join(30)
-        assert not thread.is_alive(), "the acquire never ended"
-        assert torch.equal(got[0], torch.full((1024,), 9.0))
-        stats = pool.stats()
-        assert (stats.hits, stats.misses, stats.loads) == (0, 1, 2)
-        check_invariants(pool)
 
 
 @pytest.mark.parametrize("room_taken_by", ["a pin", "the schedule", "fixed admissions"])
@@ -634,9 +606,10 @@ def test_a_sync_miss_read_by_a_thread_in_inference_mode_is_a_plain_value(tmp_pat
     assert torch.equal(t.reload(), torch.ones(1024))
 
 
+@pytest.mark.parametrize("request_kind", ["resolve", "acquire"])
 @pytest.mark.parametrize("writer", ["direct", "this pool"])
 def test_a_read_of_its_own_thread_that_a_write_overtook_is_not_served(
-    tmp_path: Path, writer: str
+    tmp_path: Path, writer: str, request_kind: str
 ) -> None:
     # The thread that missed read the old value; before its request reached the pool, the
     # tensor was written: by update_values, or by a read_write lease of the same pool whose
@@ -644,10 +617,18 @@ def test_a_read_of_its_own_thread_that_a_write_overtook_is_not_served(
     # every later one, sees the write.
     t = make_tensors(tmp_path, 1, numel=1024)[0]
     got: list[torch.Tensor] = []
+
+    def read() -> None:
+        if request_kind == "resolve":
+            got.append(pool.resolve(t).clone())
+        else:
+            with pool.acquire(t) as value:
+                got.append(value.clone())
+
     with TensorResidencyPool() as pool:
         with paused_in_new_threads(read_by_caller.__code__, on="return") as point:
             point.armed.set()
-            reader = threading.Thread(target=lambda: got.append(pool.resolve(t).clone()))
+            reader = threading.Thread(target=read)
             reader.start()
             assert point.paused.wait(30)
             if writer == "direct":

@@ -699,19 +699,23 @@ class Actor:
         self.sync()
         self.check_open()
         entry = self._entry_for(source, device, read)
+        taken = read is not None and read.taken
         write = self._superseded_write(entry)
         entry.used = True
         if first:
-            if write is None and entry.value is not None:
+            if write is None and entry.value is not None and not taken:
                 self._hits += 1
             else:
                 self._misses += 1
             self.policy.access(entry.key)
         if write is not None:
             return write
-        if entry.value is not None:
+        value = entry.value
+        if value is not None:
             self.policy.touch(entry.key)
-            return entry.value
+            if taken:
+                self.enforce()  # what its arrival put over the budget, as a load's end does
+            return value
         assert entry.load is not None
         return entry.load
 
@@ -748,6 +752,7 @@ class Actor:
         if entry is None:
             read, ticket.read = ticket.read, None
             entry = ticket.entry = self._entry_for(ticket.source, ticket.device, read)
+        taken = read is not None and read.taken
         request = not ticket.holder.ahead  # a read-ahead's lease is no request
         if request:
             entry.used = True
@@ -759,7 +764,10 @@ class Actor:
             or not (ticket.holder.read_write or self._superseded_write(entry) is not None)
         ):
             if ticket.first:
-                self._hits += request
+                if taken:
+                    self._misses += request
+                else:
+                    self._hits += request
             slot = entry.slot
             assert slot is not None
             if slot.open:
@@ -777,39 +785,20 @@ class Actor:
                     self._grant(slot, ticket.holder, note=False)
                 self._hold(entry, waiters=-1 if ticket.waiting else 0, track=True)
             ticket.waiting = False
+            value = entry.value
+            if taken:
+                self.enforce()  # once leased: the value it just took is no victim
             # No touch: the lease's end touches the value.
-            return entry.value
+            return value
         if ticket.first:
             self._misses += request
             ticket.first = False
-        # A load that took what the caller read ends as this step returns, before the next
-        # step. When the value then stays (retained, other values evicted before it, and no
-        # pinned value that may take its room), that step takes the lease as a hit takes it
-        # (lease_read_value), and nothing is reserved meanwhile: the value is cached, as a
-        # resolve's.
-        ticket.as_hit = (
-            read is not None
-            and read.value is None
-            and not self.pins
-            and self.policy.stays(entry.key, entry.nbytes)
-        )
-        if not ticket.waiting and not ticket.as_hit:
+        if not ticket.waiting:
             ticket.waiting = True
             self._hold(entry, waiters=1)
         pending = write if entry.value is not None else entry.load
         assert pending is not None
         return pending
-
-    def lease_read_value(self, ticket: Ticket) -> torch.Tensor | Job:
-        """The step after one whose load took what its caller read, and that reserved nothing
-        (see :meth:`acquire_step`): the value its end made resident is leased as a hit takes
-        it, the request counted already. A value gone meanwhile (evicted as it arrived, or
-        written since) is no hit: the request goes on as any acquire, reserving the value."""
-        ticket.as_hit = False
-        slot = self.fresh_slot(ticket.source, ticket.device)
-        if slot is not None and self.try_lease(slot, ticket.holder, count=False):
-            return slot.value
-        return self.acquire_step(ticket)
 
     def abandon_acquire(self, ticket: Ticket) -> None:
         """Undo what an acquire whose value nobody will take holds (idempotent): its lease,
@@ -849,17 +838,12 @@ class Actor:
         args: tuple[Any, ...],
         transition: Callable[[Job], None],
         recover: Callable[[Job, BaseException], None],
-        ran: bool = False,
     ) -> Job:
         """Start a job; ``recover``: what ends it when its ``transition`` raises before it
-        did (see :meth:`Job.complete`); ``ran``: its function only hands over what was done
-        already (it runs here, and the job ends as a worker's does)."""
+        did (see :meth:`Job.complete`)."""
         if self.submit is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
         job = Job(kind, function, args, transition, recover)
-        if ran:
-            job.run()
-            job.ran = True
         self.submit(job)
         self.jobs.add(job)
         return job
@@ -867,35 +851,34 @@ class Actor:
     def _start_load(self, entry: Entry, read: CallerRead | None = None) -> None:
         source = entry.source
         version = source._hit_state.version_for(self)  # the load reads this version or a newer one
+        entry.version = version
         if read is not None and read.token is source._hit_state.last_write():
-            # The caller read it (no write since): a load that ran already.
-            entry.copied = False
-            entry.load = self._job(
-                "load",
-                read.take,
-                (),
-                partial(self._on_loaded, entry),
-                partial(self._load_aborted, entry),
-                ran=True,
-            )
-            self._caller_reads += 1
-        else:
-            # Mapped reads off: the value is read into host buffers (those of a value evicted
-            # before, if free), which may serve a later load in turn. Decided here, once: a
-            # value whose pages are the file's is never read into.
-            copied = entry.copied = entry.device.type == "cpu" and not storage.mapped_reads()
-            out = self.spares.take(source.storage_key) if copied else None
-            # The whole load (read into the host buffers, copy to the device, decode) is one
-            # job of the I/O workers; it runs to its end whatever happens to its waiters.
-            entry.load = self._job(
-                "load",
-                source._reload_unmanaged,
-                (entry.device, out, False if copied else None),
-                partial(self._on_loaded, entry),
-                partial(self._load_aborted, entry),
-            )
-            self._reused_buffers += out is not None
-        entry.load.version = entry.version = version
+            # The caller read it (no write since): the load's outcome, kept at once. (One
+            # the pool cannot serve is read again, by a load that reports why.)
+            value = read.value
+            if value is not None and (
+                type(value) is torch.Tensor or _unservable(source, value) is None
+            ):
+                entry.copied = False
+                self._caller_reads += 1
+                self._keep_read(entry, read.take())
+                return
+        # Mapped reads off: the value is read into host buffers (those of a value evicted
+        # before, if free), which may serve a later load in turn. Decided here, once: a
+        # value whose pages are the file's is never read into.
+        copied = entry.copied = entry.device.type == "cpu" and not storage.mapped_reads()
+        out = self.spares.take(source.storage_key) if copied else None
+        # The whole load (read into the host buffers, copy to the device, decode) is one
+        # job of the I/O workers; it runs to its end whatever happens to its waiters.
+        entry.load = self._job(
+            "load",
+            source._reload_unmanaged,
+            (entry.device, out, False if copied else None),
+            partial(self._on_loaded, entry),
+            partial(self._load_aborted, entry),
+        )
+        self._reused_buffers += out is not None
+        entry.load.version = version
         self.loading_bytes += entry.nbytes
         self._note_active()
 
@@ -909,6 +892,30 @@ class Actor:
         if error is not None:
             self._load_failed(entry, job, error)
             return
+        # (Counted once applied: a load whose end raised counts as failed.)
+        job.finish(self._keep_loaded(entry, value), None)
+        self.enforce()
+
+    def _keep_read(self, entry: Entry, value: torch.Tensor) -> None:
+        """Keep ``value``, what the caller read, as the end of the load of ``entry`` it stands
+        for (:meth:`_keep_loaded`). One the pool cannot apply fails as such a load's end
+        fails (:meth:`_load_aborted`), its error raised to the request that took the read."""
+        try:
+            self._keep_loaded(entry, value)
+        except BaseException as error:
+            if entry.value is value and self.entries.get(entry.key) is entry:
+                self._remove(entry, reuse=False, evicted=False)
+            failure = _not_applied(entry.source, "load", error)
+            self._drop_failed_load(entry, failure)
+            if isinstance(error, Exception):
+                raise failure from error
+            raise
+
+    def _keep_loaded(self, entry: Entry, value: torch.Tensor) -> torch.Tensor:
+        """Make ``value``, what a load of ``entry`` read, its resident value, unless the entry
+        left or has a value already, and count the load; the value its requests get. The
+        caller evicts what it puts over the budget (:meth:`enforce`) once its requests have
+        what they hold on to."""
         read = entry.nbytes
         if self.entries.get(entry.key) is entry and entry.value is None:
             nbytes = read
@@ -917,10 +924,9 @@ class Actor:
             self._make_resident(entry, value, nbytes)
         elif entry.value is not None:
             value = entry.value
-        self._loads += 1  # (counted once applied: a load whose end raised counts as failed)
+        self._loads += 1
         self._bytes_read += read
-        job.finish(value, None)
-        self.enforce()
+        return value
 
     def _end_load(self, entry: Entry, job: Job) -> None:
         """``entry``'s load ``job`` runs no more (once: a recovery may ask again)."""
@@ -931,13 +937,17 @@ class Actor:
                 entry.load = None
 
     def _load_failed(self, entry: Entry, job: Job, error: BaseException) -> None:
-        """``entry``'s load ``job`` brought no value: its waiters get ``error``, and an entry
-        left without a value goes (the next request loads again)."""
+        """``entry``'s load ``job`` brought no value: its waiters get ``error``."""
+        self._drop_failed_load(entry, error)
+        job.finish(None, error)
+
+    def _drop_failed_load(self, entry: Entry, error: BaseException) -> None:
+        """A load of ``entry`` brought no value (``error``): an entry left without a value
+        goes (the next request loads again)."""
         self._load_errors += 1
         if entry.value is None and self.entries.get(entry.key) is entry:
             self._forget(entry)
             self.policy.forget(entry.key, entry.nbytes, entry.retained)
-        job.finish(None, error)
         LOGGER.debug("load of %r failed: %r", entry.source.name, error)
 
     def _load_aborted(self, entry: Entry, job: Job, error: BaseException) -> None:
@@ -1484,8 +1494,14 @@ def _aborted(source: PoolSource, job: Job, error: BaseException) -> BaseExceptio
     told it), else a ``T2NErrorStorage`` saying what failed, chaining ``error``."""
     if job.failure is not None:
         return job.failure
+    return _not_applied(source, job.kind, error)
+
+
+def _not_applied(source: PoolSource, kind: str, error: BaseException) -> T2NErrorStorage:
+    """The error of a ``kind`` of ``source`` (a job) that ended, whose end the pool could not
+    apply (``error``, chained)."""
     aborted = T2NErrorStorage(
-        f"the {job.kind} of {source.name!r} ended, but the pool could not apply its end: "
+        f"the {kind} of {source.name!r} ended, but the pool could not apply its end: "
         f"{type(error).__name__}: {error}"
     )
     aborted.__cause__ = error

@@ -67,12 +67,6 @@ class RetentionPolicy:
         """
         return self._fits(nbytes)
 
-    def stays(self, key: int, nbytes: int) -> bool:
-        """Whether a value of ``nbytes`` becoming resident now, with nothing holding it, would
-        be retained and outlast the eviction its arrival causes, as long as enough others are
-        evictable (a question only: it notes nothing). Under LRU the newest value goes last."""
-        return self._fits(nbytes)
-
     def _fits(self, nbytes: int) -> bool:
         return self.budget is None or nbytes <= self.budget
 
@@ -146,16 +140,12 @@ class FixedPolicy(RetentionPolicy):
         self.admitted_bytes = 0
 
     def admit(self, key: int, nbytes: int) -> bool:
-        if not self.stays(key, nbytes):
-            return False
         if key not in self._admitted:
+            if not self._fits(self.admitted_bytes + nbytes):
+                return False
             self._admitted[key] = nbytes
             self.admitted_bytes += nbytes
         return True
-
-    def stays(self, key: int, nbytes: int) -> bool:
-        # A retained value is never evicted: it stays when it is, or would be, admitted.
-        return key in self._admitted or self._fits(self.admitted_bytes + nbytes)
 
     def release(self, key: int, nbytes: int, retained: bool) -> None:
         if not retained:
@@ -258,11 +248,6 @@ class ScheduledPolicy(RetentionPolicy):
             return
         self._learnt.add(key)
         self._learning.append(key)
-
-    def stays(self, key: int, nbytes: int) -> bool:
-        # Once the schedule is known, the value just asked for is the one used farthest in
-        # the future: the first scheduled value to go.
-        return not self._order and super().stays(key, nbytes)
 
     # -- evictable set ---------------------------------------------------------------------------
     def _insert(self, key: int, nbytes: int) -> None:

@@ -52,7 +52,15 @@ class Resolve(Operation):
             return loaded  # not retained values are only delivered by the load
         first, self.first = self.first, False
         read, self.read = self.read, None
-        return self.actor.resolve_step(self.source, self.device, first, read)
+        result = self.actor.resolve_step(self.source, self.device, first, read)
+        self.loading = self.loading or _read_taken(read)
+        return result
+
+
+def _read_taken(read: CallerRead | None) -> bool:
+    """Whether the step kept what its caller read as the value: the request waited for that
+    read as it would for a load (its stall)."""
+    return read is not None and read.taken
 
 
 def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> CallerRead | None:
@@ -138,9 +146,10 @@ class Acquire(Operation, Ticket):
         waited = self.waited
         if waited is not None and waited.kind == "load" and waited.error is not None:
             raise as_storage_error(waited.error)
-        if self.as_hit:
-            return self.actor.lease_read_value(self)
-        return self.actor.acquire_step(self)
+        read = self.read
+        result = self.actor.acquire_step(self)
+        self.loading = self.loading or _read_taken(read)
+        return result
 
     def abandon(self) -> None:
         super().abandon()

@@ -606,7 +606,6 @@ class Runtime:
         # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
         self._ended: collections.deque[Job] = collections.deque()
         self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
-        self._read_by_caller = False  # a caller's read was queued there (see _submit)
         # Notified as a job ends, while an inline wait for a close under way listens.
         self._end_lock = fork_safe_lock()  # a job's end against a close-join's look
         self._end_waiters = Waiters()
@@ -1014,13 +1013,7 @@ class Runtime:
     # Workers
     # ------------------------------------------------------------------------------------------
     def _submit(self, job: Job) -> None:
-        """Queue ``job`` for the I/O workers. One that ran already (a caller's read, started
-        by a step) is queued with the ended ones: the driver that ran the step applies its end
-        once the step returns (:meth:`_drive`), with no trip through the loop."""
-        if job.ran:
-            self._ended.append(job)
-            self._read_by_caller = True
-            return
+        """Queue ``job`` for the I/O workers."""
         workers = self._workers
         if workers is None:
             raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
@@ -1084,18 +1077,8 @@ class Runtime:
             try:
                 self._drive(operation, done, inline)
             finally:
-                if self._read_by_caller:  # (a step that failed after it took the read)
-                    self._apply_read_by_caller()
                 if self.actor.enforce_due:  # (see Actor.enforce_soon)
                     self._enforce()
-
-    def _apply_read_by_caller(self) -> None:
-        """Apply the end of the load that a step took from its caller's read (loop thread),
-        and those of the jobs ended before it (in order); inside :meth:`_apply_ended`, that
-        call applies it next."""
-        if not self._applying:
-            self._read_by_caller = False
-            self._apply_ended()
 
     def _enforce(self) -> None:
         """The eviction a step left due once its request was answered (loop thread): its
@@ -1125,8 +1108,6 @@ class Runtime:
                 return
             try:
                 result = operation.step()
-                if self._read_by_caller:
-                    self._apply_read_by_caller()
                 if isinstance(result, Job) and inline and not result.done:
                     self._wait_inline(operation, result)
             except BaseException as error:

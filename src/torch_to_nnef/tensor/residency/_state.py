@@ -413,6 +413,11 @@ class CallerRead:
         assert value is not None
         return value
 
+    @property
+    def taken(self) -> bool:
+        """Whether the value was handed over: it is the tensor's resident value now."""
+        return self.value is None
+
 
 class Ticket:
     """One acquire: its reservation while it waits for the value; the lease goes to
@@ -426,6 +431,3 @@ class Ticket:
         self.waiting = False  # counted in the entry's waiters
         self.first = True  # the first try (counts the hit or the miss)
         self.read: CallerRead | None = None  # what the caller read itself (its first try)
-        # The next step takes the lease as a hit: the caller read the value, and the step
-        # that made it the load's outcome reserved nothing (see Actor.acquire_step).
-        self.as_hit = False
