@@ -97,10 +97,11 @@ class InterruptHold:
     its main task at the first and raises at the second).
     """
 
-    def __init__(self) -> None:
-        self._holding = False
-        self._received = 0
-        self._previous: Any = None
+    # The state of a hold that never started, read from the class: most holds never start
+    # (off the main thread), and one made per step of the pool costs no ``__init__`` call.
+    _holding = False
+    _received = 0
+    _previous: Any = None
 
     def __enter__(self) -> InterruptHold:
         return self

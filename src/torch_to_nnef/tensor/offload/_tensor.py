@@ -363,7 +363,8 @@ def _materialize(
         if value.device != device:
             value = value.to(device)
         return value
-    return storage.to_device(host[binding.names[_PLAIN_ENTRY]], device)
+    value = host[binding.names[_PLAIN_ENTRY]]  # (read into CPU memory: there already)
+    return value if device.type == "cpu" else storage.to_device(value, device)
 
 
 def _read_to_device(binding: _Binding, device: torch.device) -> torch.Tensor:

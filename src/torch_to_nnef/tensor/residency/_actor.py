@@ -712,9 +712,10 @@ class Actor:
             return write
         value = entry.value
         if value is not None:
-            self.policy.touch(entry.key)
-            if taken:
+            if taken:  # (just released to the policy: the most recent already)
                 self.enforce()  # what its arrival put over the budget, as a load's end does
+            else:
+                self.policy.touch(entry.key)
             return value
         assert entry.load is not None
         return entry.load
