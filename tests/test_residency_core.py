@@ -405,15 +405,23 @@ def test_a_read_write_lease_taken_without_the_loop_is_written_back(tmp_path: Pat
 
 
 @faces
+@pytest.mark.parametrize("pushed_by", ["a large value", "a small value"])
 @pytest.mark.asyncio
-async def test_an_evicted_dirty_value_is_read_as_written(tmp_path: Path, face_name: str) -> None:
+async def test_an_evicted_dirty_value_is_read_as_written(
+    tmp_path: Path, face_name: str, pushed_by: str
+) -> None:
+    # A small value for the CPU that a thread misses is read by that thread, and the step
+    # that keeps it evicts what it pushed out before answering; a large one is a worker's.
+    numel = BIG if pushed_by == "a large value" else 1024
     a = OffloadedTensor.from_original_tensor(torch.zeros(BIG), "a", offload_dir=tmp_path)
-    b = OffloadedTensor.from_original_tensor(torch.ones(BIG), "b", offload_dir=tmp_path)
+    b = OffloadedTensor.from_original_tensor(torch.ones(numel), "b", offload_dir=tmp_path)
     async with open_pool(face_name, max_cached_bytes=BIG * 4) as face:
         async with face.acquire(a, mode="read_write") as value:
             value.fill_(3.0)
         await face.resolve(b)  # pushes the dirty value of a out: its write-back starts
         assert not face.pool.is_resident(a), "a value chosen for eviction is still resident"
+        if face_name == "sync" and pushed_by == "a small value":
+            assert face.pool.stats().caller_reads == 1  # (the path this case is for)
         expected = torch.full((BIG,), 3.0)
         assert torch.equal(a.reload(), expected)  # outside the pool: waits for the write
         assert torch.equal(a + 0, expected)  # an op outside any scope
