@@ -99,7 +99,6 @@ class _Settle(Operation):
     ``waited``: whether it found one."""
 
     def __init__(self, actor: Actor) -> None:
-        super().__init__()
         self.actor = actor
         self.waited = False
 

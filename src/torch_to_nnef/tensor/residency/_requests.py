@@ -38,7 +38,6 @@ class Resolve(Operation):
     consumer = True
 
     def __init__(self, actor: Actor, source: PoolSource, device: torch.device) -> None:
-        super().__init__()
         self.actor, self.source, self.device = actor, source, device
         self.first = True  # its first step counts it (abandoned or retried after)
         self.read: CallerRead | None = None
@@ -135,7 +134,6 @@ class Acquire(Operation, Ticket):
     def __init__(
         self, actor: Actor, source: PoolSource, device: torch.device, holder: Holder
     ) -> None:
-        Operation.__init__(self)
         Ticket.__init__(self, source, device, holder)
         self.actor = actor
 
@@ -160,7 +158,6 @@ class Transition(Operation):
     """A request that never waits (unpin, declare_schedule): one transition."""
 
     def __init__(self, transition: Callable[[], Any]) -> None:
-        super().__init__()
         self.transition = transition
 
     def step(self) -> Any:
@@ -174,7 +171,6 @@ class Evict(Operation):
     inline = "evict"
 
     def __init__(self, actor: Actor, source: PoolSource) -> None:
-        super().__init__()
         self.actor, self.source = actor, source
 
     def step(self) -> Job | None:
@@ -191,7 +187,6 @@ class Flush(Operation):
     inline = "flush"
 
     def __init__(self, actor: Actor, source: PoolSource | None) -> None:
-        super().__init__()
         self.actor, self.source = actor, source
         self.jobs: list[Job] | None = None
 
@@ -211,7 +206,6 @@ class Close(Operation):
     inline = "close"
 
     def __init__(self, actor: Actor, before: Callable[[], None]) -> None:
-        super().__init__()
         self.actor = actor
         self.before = before
         self.began = False

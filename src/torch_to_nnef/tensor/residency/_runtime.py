@@ -87,10 +87,11 @@ class Operation:
     inline: str = ""
     consumer: bool = False  # a request for a value: its waits for loads are stall time
 
-    def __init__(self) -> None:
-        self.abandoned = False
-        self.waited: Job | None = None  # the job the step returned last
-        self.loading = False  # it had to wait for a load
+    # Its state as it is made, read from the class until set (one is made per request, and
+    # costs no ``__init__`` call).
+    abandoned = False
+    waited: Job | None = None  # the job the step returned last
+    loading = False  # it had to wait for a load
 
     def step(self) -> Any:
         """Advance (loop thread): return the result, or a :class:`Job` to wait for."""
