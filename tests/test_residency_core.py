@@ -430,6 +430,52 @@ async def test_an_evicted_dirty_value_is_read_as_written(
         await face.flush()
 
 
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("request_kind", ["resolve", "acquire"])
+def test_a_read_of_the_state_after_an_answer_waits_for_the_eviction_left_due(
+    tmp_path: Path, request_kind: str
+) -> None:
+    # A worker's load answers its waiters before its end evicts what the value pushed over
+    # the budget. The thread its answer wakes asks at once whether the dirty value pushed out
+    # is resident, while that eviction has not run (held here as it starts): the read waits
+    # for it, and says no.
+    a = OffloadedTensor.from_original_tensor(torch.zeros(BIG), "a", offload_dir=tmp_path)
+    b = OffloadedTensor.from_original_tensor(torch.ones(BIG), "b", offload_dir=tmp_path)
+    answered = threading.Event()
+    resident: list[bool] = []
+
+    def reader() -> None:
+        if request_kind == "resolve":
+            pool.resolve(b)
+            answered.set()
+            resident.append(pool.is_resident(a))
+        else:
+            with pool.acquire(b):
+                answered.set()
+                resident.append(pool.is_resident(a))
+
+    enforce = Actor.enforce.__code__
+    with (
+        paused_in_new_threads(enforce, on="call") as point,
+        TensorResidencyPool(max_cached_bytes=BIG * 4) as pool,
+    ):
+        with pool.acquire(a, mode="read_write") as value:
+            value.fill_(3.0)
+        pool.stats()  # the lease's end applied: nothing is left to evict before the load
+        point.armed.set()
+        thread = threading.Thread(target=reader, daemon=True)
+        thread.start()
+        assert point.paused.wait(30), "no eviction started"
+        assert answered.wait(30), "the request was not answered before its eviction"
+        thread.join(0.5)  # its read of the state, meanwhile
+        point.go()
+        thread.join(30)
+        assert not thread.is_alive(), "the read of the state never ended"
+        assert resident == [False], "the value pushed out was still resident"
+        check_invariants(pool)
+    assert torch.equal(a.reload(), torch.full((BIG,), 3.0))
+
+
 @faces
 @pytest.mark.asyncio
 async def test_prefetch_of_a_resident_value_is_done_at_once(tmp_path: Path, face_name: str) -> None:

@@ -113,7 +113,9 @@ class Actor:
         # Bytes of values in use whose last lease other threads ended since the last sync:
         # back in the cache as far as those threads can tell.
         self._released_bytes = 0
-        # An eviction due once the request the driver runs is answered (see enforce_soon).
+        # An eviction due once the request the driver runs is answered (see enforce_soon), or
+        # once a load's waiters are (_on_loaded): reads of the state from other threads,
+        # which an answer may wake before it ran, wait for it (Runtime.catch_up).
         self.enforce_due = False
         # Leased slots of values a direct write superseded: their holders keep them; new
         # requests get the new payload (see _supersede). Dropped once their leases ended.
@@ -893,8 +895,11 @@ class Actor:
         if error is not None:
             self._load_failed(entry, job, error)
             return
-        # (Counted once applied: a load whose end raised counts as failed.)
-        job.finish(self._keep_loaded(entry, value), None)
+        value = self._keep_loaded(entry, value)  # (a load whose end raised counts as failed)
+        # Due as its waiters are answered: a thread that then reads the state waits for the
+        # eviction (Runtime.catch_up), which runs once they were.
+        self.enforce_due = True
+        job.finish(value, None)
         self.enforce()
 
     def _keep_read(self, entry: Entry, value: torch.Tensor) -> None:
@@ -1100,8 +1105,8 @@ class Actor:
                 self.published[entry.key] = slot
 
     def enforce(self) -> None:
-        """Evict what the policy names so that unheld values fit the budget."""
-        self.enforce_due = False
+        """Evict what the policy names so that unheld values fit the budget; no eviction is
+        due once it returned (``enforce_due``)."""
         budget = self.policy.budget
         cached = self.resident_bytes - self.evicting_bytes - self.in_use_bytes
         excess = 0 if budget is None else cached - budget
@@ -1109,6 +1114,7 @@ class Actor:
             entry = self.entries.get(key)
             if entry is not None and entry.value is not None and not entry.held:
                 self._evict(entry)
+        self.enforce_due = False
 
     def enforce_soon(self) -> None:
         """:meth:`enforce` once the driver answered the request whose step calls this, in the

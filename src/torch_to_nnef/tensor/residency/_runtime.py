@@ -992,14 +992,19 @@ class Runtime:
         return self._send(loop, callback, args)
 
     def catch_up(self) -> None:
-        """Wait until the notifications sent so far ran and a transition applying them ended
-        (reads of state from other threads). Reads never block: on a loop of the caller's
-        that is not running, they answer at once, with the state as that loop left it. What
-        finalizers left to the next transition (``Actor.later``) is applied first."""
+        """Wait until the notifications sent so far ran, a transition applying them ended,
+        and no eviction is due (``Actor.enforce_due``: one left for after an answer, which may
+        have woken this thread already) (reads of state from other threads). Reads never
+        block: on a loop of the caller's that is not running, they answer at once, with the
+        state as that loop left it. What finalizers left to the next transition
+        (``Actor.later``) is applied first."""
         actor = self.actor
-        if (self._sent == self._ran and not actor.syncing and not actor.deferred()) or (
-            not self.running
-        ):
+        if (
+            self._sent == self._ran
+            and not actor.syncing
+            and not actor.enforce_due
+            and not actor.deferred()
+        ) or not self.running:
             return
         if self.on_loop_thread():
             return  # they are queued behind the running callback; the state is consistent
