@@ -4,6 +4,7 @@ file, descriptor or SIGINT handler is left behind, and the value on disk is whol
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 import gc
 import inspect
@@ -54,6 +55,17 @@ def left_in(directory: Path) -> set[str]:
     it) point to."""
     left = {str(path) for path in directory.rglob("*")}
     return left | {f"descriptor of {target}" for target in open_descriptors(directory)}
+
+
+@contextlib.contextmanager
+def unswept() -> Iterator[None]:
+    """A block that a sweep running around it does not sweep: its set-up, say."""
+    profiler = sys.getprofile()
+    sys.setprofile(None)
+    try:
+        yield
+    finally:
+        sys.setprofile(profiler)
 
 
 def sweep(
@@ -505,12 +517,8 @@ class _CallersLoop:
     @classmethod
     def unswept(cls) -> _CallersLoop:
         """One serving a new pool, made outside a sweep's profile: its start is not swept."""
-        profiler = sys.getprofile()
-        sys.setprofile(None)
-        try:
+        with unswept():
             return cls(TensorResidencyPool())
-        finally:
-            sys.setprofile(profiler)
 
     def tidy(self) -> None:
         """Close the pool and the loop if a check did not (the Ctrl-C was at an exit's
@@ -652,17 +660,13 @@ def test_a_ctrl_c_anywhere_in_a_step_ending_a_collected_lease_leaves_no_lease(
         assert torch.equal(await servings[-1].pool.aresolve(t), torch.arange(64.0))
 
     def step() -> None:
-        profiler = sys.getprofile()
-        sys.setprofile(None)  # the set-up is not swept
-        try:
+        with unswept():
             servings.append(_CallersLoop(TensorResidencyPool()))
             servings[-1].run(resolve())  # resident from now on
             lease = servings[-1].pool.acquire(t)
             lease.__enter__()
             lease._drop()  # as its collection amid the pool's code ends it
             assert "leased: 1," in repr(servings[-1].pool)
-        finally:
-            sys.setprofile(profiler)
         servings[-1].run(resolve())  # its first step ends the lease
 
     def check(where: str) -> None:
@@ -955,16 +959,12 @@ def test_a_ctrl_c_anywhere_in_a_stream_s_close_is_finished_by_a_second_close(
     with TensorResidencyPool(max_cached_bytes=0) as pool:
 
         def interrupted_forward_then_close() -> None:
-            profiler = sys.getprofile()
-            sys.setprofile(None)  # the forward is not swept: the close is
-            try:
+            with unswept():  # the forward is not swept: the close is
                 streams.append(stream_modules(pool, list(model), depth=1))
                 with pytest.raises(KeyboardInterrupt):
                     model(x)
                 forwards[0] += 1
                 assert active_tensor_residency() is not None  # the scope the stream opened
-            finally:
-                sys.setprofile(profiler)
             streams[-1].close()
 
         def check(where: str) -> None:

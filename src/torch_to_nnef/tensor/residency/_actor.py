@@ -898,7 +898,7 @@ class Actor:
         value = self._keep_loaded(entry, value)  # (a load whose end raised counts as failed)
         # Due as its waiters are answered: a thread that then reads the state waits for the
         # eviction (Runtime.catch_up), which runs once they were.
-        self.enforce_due = True
+        self.enforce_soon()
         job.finish(value, None)
         self.enforce()
 
@@ -1117,10 +1117,11 @@ class Actor:
         self.enforce_due = False
 
     def enforce_soon(self) -> None:
-        """:meth:`enforce` once the driver answered the request whose step calls this, in the
-        same transition: the caller's wake-up, which takes a while to land, goes first, and
-        the eviction runs meanwhile instead of before it (a lease granted on a value just
-        loaded then costs no more than a ``resolve`` of it)."""
+        """:meth:`enforce` once the driver answered the request whose step calls this (or the
+        load's end answered its waiters), in the same transition: the caller's wake-up, which
+        takes a while to land, goes first, and the eviction runs meanwhile instead of before
+        it (a lease granted on a value just loaded then costs no more than a ``resolve`` of
+        it). Reads of the state from other threads wait for it (``Runtime.catch_up``)."""
         self.enforce_due = True
 
     def _note_active(self) -> None:
