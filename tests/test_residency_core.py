@@ -432,15 +432,16 @@ async def test_an_evicted_dirty_value_is_read_as_written(
 
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("request_kind", ["resolve", "acquire"])
+@pytest.mark.parametrize("numel", [BIG, 1024], ids=["loaded by a worker", "read by the caller"])
 def test_a_read_of_the_state_after_an_answer_waits_for_the_eviction_left_due(
-    tmp_path: Path, request_kind: str
+    tmp_path: Path, request_kind: str, numel: int
 ) -> None:
-    # A worker's load answers its waiters before its end evicts what the value pushed over
-    # the budget. The thread its answer wakes asks at once whether the dirty value pushed out
-    # is resident, while that eviction has not run (held here as it starts): the read waits
-    # for it, and says no.
-    a = OffloadedTensor.from_original_tensor(torch.zeros(BIG), "a", offload_dir=tmp_path)
-    b = OffloadedTensor.from_original_tensor(torch.ones(BIG), "b", offload_dir=tmp_path)
+    # A load's end (a worker's, or the step keeping what a thread read itself) answers its
+    # waiters before it evicts what the value pushed over the budget. The thread its answer
+    # wakes asks at once whether the dirty value pushed out is resident, while that eviction
+    # has not run (held here as it starts): the read waits for it, and says no.
+    a = OffloadedTensor.from_original_tensor(torch.zeros(numel), "a", offload_dir=tmp_path)
+    b = OffloadedTensor.from_original_tensor(torch.ones(numel), "b", offload_dir=tmp_path)
     answered = threading.Event()
     resident: list[bool] = []
 
@@ -457,11 +458,11 @@ def test_a_read_of_the_state_after_an_answer_waits_for_the_eviction_left_due(
     enforce = Actor.enforce.__code__
     with (
         paused_in_new_threads(enforce, on="call") as point,
-        TensorResidencyPool(max_cached_bytes=BIG * 4) as pool,
+        TensorResidencyPool(max_cached_bytes=numel * 4) as pool,
     ):
         with pool.acquire(a, mode="read_write") as value:
             value.fill_(3.0)
-        pool.stats()  # the lease's end applied: nothing is left to evict before the load
+        caller_reads = pool.stats().caller_reads  # (the lease's end applied: nothing to evict)
         point.armed.set()
         thread = threading.Thread(target=reader, daemon=True)
         thread.start()
@@ -473,7 +474,8 @@ def test_a_read_of_the_state_after_an_answer_waits_for_the_eviction_left_due(
         assert not thread.is_alive(), "the read of the state never ended"
         assert resident == [False], "the value pushed out was still resident"
         check_invariants(pool)
-    assert torch.equal(a.reload(), torch.full((BIG,), 3.0))
+        assert pool.stats().caller_reads == caller_reads + (numel != BIG)
+    assert torch.equal(a.reload(), torch.full((numel,), 3.0))
 
 
 @faces

@@ -715,7 +715,7 @@ class Actor:
         value = entry.value
         if value is not None:
             if taken:  # (just released to the policy: the most recent already)
-                self.enforce()  # what its arrival put over the budget, as a load's end does
+                self.enforce_soon()  # what its arrival put over the budget, as a load's end
             else:
                 self.policy.touch(entry.key)
             return value
@@ -790,7 +790,7 @@ class Actor:
             ticket.waiting = False
             value = entry.value
             if taken:
-                self.enforce()  # once leased: the value it just took is no victim
+                self.enforce_soon()  # once leased: the value it just took is no victim
             # No touch: the lease's end touches the value.
             return value
         if ticket.first:
