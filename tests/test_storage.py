@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import gc
 import json
 import mmap
@@ -23,6 +24,7 @@ from stress import children
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.opaque import OFFLOAD_STATE_KEY, OpaqueTensor, SupportsOffloadState
+from torch_to_nnef.tensor.storage import _kernel
 from torch_to_nnef.tensor.storage._buffers import (
     MAPPED_BUFFER_MIN_BYTES,
     STAGING_BYTES,
@@ -324,8 +326,35 @@ def test_huge_page_hint_applies_to_large_fresh_buffers_only() -> None:
     assert advise_huge_pages(torch.empty(1000)) is False
     large = torch.arange(4 << 20, dtype=torch.float32)
     hinted = advise_huge_pages(large)
-    assert hinted is (sys.platform.startswith("linux") and hasattr(mmap, "MADV_HUGEPAGE"))
+    assert hinted is (
+        sys.platform.startswith("linux")
+        and hasattr(mmap, "MADV_HUGEPAGE")
+        and Path("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size").exists()
+        and not _kernel.host_takes_back_free_memory()
+    )
     assert torch.equal(large, torch.arange(4 << 20, dtype=torch.float32))  # values untouched
+
+
+def _virtio_device(root: Path, name: str, kind: str, features: str) -> None:
+    device = root / name
+    device.mkdir(parents=True)
+    (device / "device").write_text(kind + "\n")
+    (device / "features").write_text(features + "\n")
+
+
+def test_a_host_taking_back_free_memory_is_told_by_its_balloon(tmp_path: Path) -> None:
+    """Free page reporting is bit 5 of a virtio balloon's (device 0x0005) features: only
+    that bit, of that device, says the host takes back freed memory."""
+    reporting = "0110010100000000000000000000000010000000"  # (a Firecracker guest's balloon)
+    silent = "0110000100000000000000000000000010000000"
+    root = tmp_path / "devices"
+    assert not _kernel.host_takes_back_free_memory(str(root))  # no virtio bus at all
+    _virtio_device(root, "virtio0", "0x0002", reporting)  # a block device: same bit, no balloon
+    _virtio_device(root, "virtio1", "0x0005", silent)
+    (root / "virtio2").mkdir()  # a device whose files cannot be read
+    assert not _kernel.host_takes_back_free_memory(str(root))
+    _virtio_device(root, "virtio3", "0x0005", reporting)
+    assert _kernel.host_takes_back_free_memory(str(root))
 
 
 def _mapped(address: int, nbytes: int) -> bool:
@@ -357,6 +386,31 @@ def test_large_read_buffers_are_unmapped_with_their_last_tensor(tmp_path: Path) 
     del view
     gc.collect()
     assert not _mapped(address, nbytes)
+
+
+def _resident_fraction(address: int, nbytes: int) -> float:
+    """The fraction of the pages of ``[address, address + nbytes)`` in memory (``mincore``)."""
+    page = mmap.PAGESIZE
+    start = address // page * page
+    pages = -(-(address + nbytes - start) // page)
+    vector = (ctypes.c_ubyte * pages)()
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    assert libc.mincore(start, pages * page, vector) == 0, ctypes.get_errno()
+    return sum(byte & 1 for byte in vector) / pages
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's mincore")
+def test_a_fresh_read_buffer_is_faulted_in_at_once() -> None:
+    """A mapped read buffer is about to be written whole: its pages are in before the read
+    (one call, not a fault per page as the read reaches it), on kernels that can (5.14+)."""
+    buffer = empty_buffer((4 << 20,), torch.uint8)
+    kernel = _kernel.KERNEL
+    if kernel is None or not kernel.populates_for_writing:
+        pytest.skip("the kernel cannot populate memory for writing (MADV_POPULATE_WRITE)")
+    assert _resident_fraction(buffer.data_ptr(), 4 << 20) == 1.0
+    buffer.fill_(7)
+    assert int(buffer[-1]) == 7
 
 
 def test_buffers_come_from_torch_when_no_mapping_is_given(monkeypatch: pytest.MonkeyPatch) -> None:
