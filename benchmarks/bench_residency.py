@@ -122,6 +122,8 @@ ASYNC_ACQUIRE_TARGET_US = 10.0
 ACQUIRE_VS_RESOLVE_TARGET = 1.1
 BULK_RATIO_TARGET = 0.9
 BULK_SPREAD_TARGET = 0.25
+BULK_SETTLE_SECONDS = 3.0
+"""Pause before each bulk measurement (see ``_settle``)."""
 HUGE_REFERENCE = "reference with huge pages (MADV_HUGEPAGE)"
 CHURN_TARGET_RATIO = 2.0
 FLAT_TARGET_RATIO = 1.5
@@ -794,9 +796,19 @@ def bulk_reference(tensors: list[OffloadedTensor], huge: bool = False) -> float:
     return seconds
 
 
+def _settle(seconds: float) -> None:
+    """Free what the last measurement left, then let the system take it back: on a virtual
+    machine whose host reclaims freed memory (free page reporting, after about 2 s), the next
+    measurement then starts from the memory a process finds after a pause, not from the
+    blocks the one before it freed a moment ago."""
+    gc.collect()
+    time.sleep(seconds)
+
+
 def bulk(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     count, nbytes = (16, 1 << 20) if arguments.quick else (16, 32 << 20)
     runs = arguments.repeat or 3
+    settle = 0.0 if arguments.quick else BULK_SETTLE_SECONDS
     tensors = bulk_payloads(directory, count, nbytes)
     total = count * nbytes
     modes = {"mapped (default)": True, "copying (mapped reads off)": False}
@@ -809,10 +821,10 @@ def bulk(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     seconds.update({mode: [] for mode in modes})
     for _ in range(runs):
         for name in references:
-            gc.collect()
+            _settle(settle)
             seconds[name].append(bulk_reference(tensors, huge=name == huge))
         for mode, mapped in modes.items():
-            gc.collect()
+            _settle(settle)
             seconds[mode].append(bulk_pool(tensors, mapped))
     gbps = {name: sorted(total / s / 1e9 for s in runs_) for name, runs_ in seconds.items()}
     medians = {name: statistics.median(values) for name, values in gbps.items()}
