@@ -132,7 +132,7 @@ class Kernel:
 
     def populate_for_writing(self, address: int, length: int) -> None:
         """Fault in the pages of ``length`` bytes of new memory at ``address``, all about to be
-        written, in one call (a read into a fresh buffer: 1.4x to 1.6x the throughput of
+        written, in one call (a read into a fresh buffer: 1.2x to 1.4x the throughput of
         letting each page fault in as the read reaches it). A kernel that refuses it (older
         than 5.14) leaves them to fault in as they are written."""
         if not self.populates_for_writing:
