@@ -34,7 +34,8 @@ operation over the reference's, and the cost per operation at 20,000 tensors ove
 2,000. Targets: the pool within 2x of the reference; cost per operation flat (within 1.5x)
 from 2,000 to 20,000 tensors; on the hot-set pattern, ``with pool.acquire(t)`` (sync face)
 not slower than ``pool.resolve(t)`` (within 1.1x of its cost per operation: at each size,
-the median of nine rounds running both, which goes first alternating, with the spread of
+the median of nine rounds, each running both faces on the same sequence in turns of 50
+operations on two pools, so that the machine's drift falls on both alike; with the spread of
 the rounds and the same ratio by the process's CPU time, which waiting for a busy core does
 not inflate).
 Every payload lives in one ``.safetensors`` checkpoint read in place, and the page cache is
@@ -562,40 +563,73 @@ async def churn_async(
 
 
 CHURN_RUNS = ("reference", "pool, sync face", "pool, sync acquire", "pool, async face")
-ACQUIRE_PAIRS = 9
-"""Rounds of sync resolve and sync acquire on the hot-set pattern, for their ratio: each round
-runs both, the first alternating from one round to the next, so that neither gains from its
-place (the machine's noise varies a round's cost by a third at 20,000 tensors)."""
+ACQUIRE_ROUNDS = 9
+ACQUIRE_BLOCK = 50
+"""Rounds of sync resolve and sync acquire on the hot-set pattern, for their ratio. In each
+round both faces run the same sequence on two pools, in turns of ``ACQUIRE_BLOCK`` operations
+(which goes first alternating from one turn to the next), so that the machine's drift, which
+varies the cost of a whole sequence by a third from one run to the next, falls on both alike."""
 
 
 def acquire_over_resolve(
-    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int, pairs: int
+    warmup: list[OffloadedTensor], timed: list[OffloadedTensor], budget: int, rounds: int
 ) -> dict[str, Any]:
-    """Cost per op of sync acquire over sync resolve: ``pairs`` rounds of both (fresh pools),
-    which goes first alternating, the ratio of each round; the median, the spread, and the
-    same by CPU time."""
-    wall, cpu = [], []
-    for round_index in range(pairs):
-        if round_index % 2:
-            acquire = churn_sync_acquire(warmup, timed, budget)
-            resolve = churn_sync(warmup, timed, budget)
-        else:
-            resolve = churn_sync(warmup, timed, budget)
-            acquire = churn_sync_acquire(warmup, timed, budget)
-        wall.append(acquire["us_per_op"] / resolve["us_per_op"])
-        cpu.append(acquire["cpu_us_per_op"] / resolve["cpu_us_per_op"])
+    """Cost per op of sync acquire over sync resolve: ``rounds`` rounds of both faces taking
+    turns on the same sequence (fresh pools each round); the median of the rounds' ratios,
+    their spread, and the same by CPU time (of the process: the pool's loop thread too)."""
+
+    wall, cpu, hits, costs = [], [], [], []
+    for round_index in range(rounds):
+        with (
+            TensorResidencyPool(max_cached_bytes=budget) as resolving,
+            TensorResidencyPool(max_cached_bytes=budget) as acquiring,
+        ):
+            resolve, acquire = resolving.resolve, acquiring.acquire
+
+            def by_resolve(block: list[OffloadedTensor], resolve: Any = resolve) -> None:
+                for tensor in block:
+                    resolve(tensor)
+
+            def by_acquire(block: list[OffloadedTensor], acquire: Any = acquire) -> None:
+                for tensor in block:
+                    with acquire(tensor):
+                        pass
+
+            faces = (by_resolve, by_acquire)
+            for face in faces:
+                face(warmup)
+            before = [resolving.stats(), acquiring.stats()]
+            seconds, cpu_seconds = [0.0, 0.0], [0.0, 0.0]
+            with gc_paused():
+                for turn, start in enumerate(range(0, len(timed), ACQUIRE_BLOCK)):
+                    block = timed[start : start + ACQUIRE_BLOCK]
+                    for face in (0, 1) if (turn + round_index) % 2 == 0 else (1, 0):
+                        began, began_cpu = time.perf_counter(), time.process_time()
+                        faces[face](block)
+                        seconds[face] += time.perf_counter() - began
+                        cpu_seconds[face] += time.process_time() - began_cpu
+            after = [resolving.stats(), acquiring.stats()]
+        wall.append(seconds[1] / seconds[0])
+        cpu.append(cpu_seconds[1] / cpu_seconds[0])
+        hits.append([(a.hits - b.hits) / len(timed) for a, b in zip(after, before, strict=True)])
+        costs.append([face_seconds / len(timed) * 1e6 for face_seconds in seconds])
     return {
         "ratio": statistics.median(wall),
         "per_round": sorted(wall),
         "cpu_ratio": statistics.median(cpu),
         "cpu_per_round": sorted(cpu),
+        "hit_ratios": hits,  # (resolve, acquire) per round: the same sequence, the same hits
+        "us_per_op": {  # the median of the rounds
+            "resolve": statistics.median(cost[0] for cost in costs),
+            "acquire": statistics.median(cost[1] for cost in costs),
+        },
     }
 
 
 def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
     sizes = (100, 1_000) if arguments.quick else (2_000, 20_000)
     operations, warmup_operations = (200, 100) if arguments.quick else (6_000, 2_000)
-    pairs = 2 if arguments.quick else ACQUIRE_PAIRS
+    rounds = 2 if arguments.quick else ACQUIRE_ROUNDS
     numel = 1024
     nbytes = numel * 4
     results = []
@@ -619,8 +653,8 @@ def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 "pattern": pattern,
                 "figures": figures,
             }
-            if pattern == "hot-set":  # (the target's pattern: paired rounds at each size)
-                result["acquire_over_resolve"] = acquire_over_resolve(warmup, timed, budget, pairs)
+            if pattern == "hot-set":  # (the target's pattern: rounds taking turns, each size)
+                result["acquire_over_resolve"] = acquire_over_resolve(warmup, timed, budget, rounds)
             results.append(result)
             print(f"  {count} tensors, {pattern}: done", flush=True)
         del tensors
@@ -665,19 +699,26 @@ def churn(arguments: argparse.Namespace, directory: Path) -> dict[str, Any]:
                 figures["pool, sync acquire"]["us_per_op"] / figures["pool, sync face"]["us_per_op"]
             )
             value = f"{ratio:.2f}x"
+            reference_value = f"resolve {figures['pool, sync face']['ops_per_s']:,.0f} ops/s"
             paired = found.get("acquire_over_resolve")
-            if paired is not None:  # the median of rounds run in alternation
+            if paired is not None:  # the median of rounds of both faces taking turns
                 ratio = paired["ratio"]
                 rounds = paired["per_round"]
                 value = (
-                    f"{ratio:.2f}x (median of {len(rounds)} rounds, {rounds[0]:.2f}x-"
-                    f"{rounds[-1]:.2f}x; per CPU second {paired['cpu_ratio']:.2f}x)"
+                    f"{ratio:.2f}x (median of {len(rounds)} rounds taking turns, "
+                    f"{rounds[0]:.2f}x-{rounds[-1]:.2f}x; per CPU second "
+                    f"{paired['cpu_ratio']:.2f}x)"
+                )
+                costs = paired["us_per_op"]
+                reference_value = (
+                    f"resolve {costs['resolve']:.1f} us per op, acquire "
+                    f"{costs['acquire']:.1f}, same turns"
                 )
             summary.append(
                 summary_row(
                     f"{pattern}, {count} tensors: sync acquire over sync resolve, cost per op",
                     value,
-                    f"resolve {figures['pool, sync face']['ops_per_s']:,.0f} ops/s",
+                    reference_value,
                     f"<= {ACQUIRE_VS_RESOLVE_TARGET:g}x" if pattern == "hot-set" else "",
                     ratio <= ACQUIRE_VS_RESOLVE_TARGET if pattern == "hot-set" else None,
                 )
