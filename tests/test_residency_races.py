@@ -1872,24 +1872,30 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
-@pytest.mark.parametrize("hit", [False, True], ids=["granted on a miss", "a hit"])
+@pytest.mark.parametrize(
+    ("hit", "mode"),
+    [(False, "read_write"), (False, "read"), (True, "read")],
+    ids=["granted on a miss", "a reader on a miss", "a hit"],
+)
 def test_a_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within_its_budget(
-    tmp_path: Path, hit: bool
+    tmp_path: Path, hit: bool, mode: str
 ) -> None:
     """A thread's lease on ``a`` ends just as the load of ``b``, the last step of all, counts
-    it as holding ``a``. One granted on a miss (it counts toward the budget) ends under the
-    lock the count holds: had the thread seen the value not counted as held (no wake-up) and
-    the step counted it after (held, by no lease), the idle pool would stay over its budget
-    for good. One taken on a hit is one of the slot's readers, which end without the lock:
-    the thread finds ``a`` not counted yet and tells no one, so the step must see, once it
-    counted it, that the lease is gone."""
+    it as holding ``a``. A ``read_write`` one granted on a miss (it counts toward the budget)
+    ends under the lock the count holds: had the thread seen the value not counted as held
+    (no wake-up) and the step counted it after (held, by no lease), the idle pool would stay
+    over its budget for good. A ``read`` one, on a hit or granted by the actor on a miss, is
+    one of the slot's readers, which end without the lock: the thread finds ``a`` not counted
+    yet and tells no one, so the step must see, once it counted it, that the lease is gone.
+    A reader granted on a miss counts as no hit."""
+    reader = mode == "read"
     a, b = _tensor(tmp_path, "a", 1.0), _tensor(tmp_path, "b", 2.0)
     loaded = Breakpoint(OffloadedTensor._reload_unmanaged.__code__, "return")
     counted = Breakpoint(Actor._hold.__code__, "call", caller=Actor._track.__code__)
     inside, leave, left = threading.Event(), threading.Event(), threading.Event()
 
     def hold() -> None:
-        with pool.acquire(a) as value:
+        with pool.acquire(a, mode=mode) as value:
             assert value[0].item() == 1.0
             inside.set()
             leave.wait(30)
@@ -1910,12 +1916,12 @@ def test_a_lease_ended_while_the_actor_counts_it_leaves_the_idle_pool_within_its
         holder = threading.Thread(target=hold)
         holder.start()
         assert inside.wait(30)  # (on a miss, a was loaded by the other worker, and leased)
-        assert bool(pool._actor.published[id(a)].readers) == hit
+        assert bool(pool._actor.published[id(a)].readers) == reader
         counted.armed.set()
         loaded.go()
         assert counted.paused.wait(30)  # b's load ended: its step counts a's lease
         leave.set()
-        if hit:
+        if reader:
             assert left.wait(30), "the lease's end waited for the actor"
         else:
             holder.join(0.5)  # the lease ends meanwhile, or waits for the count to end

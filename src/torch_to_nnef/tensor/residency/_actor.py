@@ -259,6 +259,18 @@ class Actor:
         self.end_reader(holder)
         return False
 
+    def _admit_reader(self, slot: Slot, holder: Holder) -> None:
+        """:meth:`take_reader` on the loop thread, for a lease the actor grants on an open
+        slot (no other thread closes one): its request was counted already, so the token
+        drawn, which counts as a hit, is taken off the hits."""
+        holder.reader = next(self._reader_tokens)
+        holder.slot = slot
+        slot.readers.append(holder.reader)
+        self._hits -= 1
+        if not slot.changed:
+            slot.changed = True
+            self._changed.append(slot)
+
     def end_reader(self, holder: Holder) -> bool:
         """End the lease of a reader (:meth:`take_reader`; any thread; idempotent, and a call
         again finishes an end an interrupt cut): as :meth:`release` returns, whether the
@@ -777,9 +789,14 @@ class Actor:
                 # Taken as a thread takes a lease on a hit: the next transition counts it
                 # as holding the value if it still does, and one ended before then costs
                 # the actor nothing more. Meanwhile the value counts toward the budget (an
-                # eviction skips it, and counts it as held then).
-                with self.lock:
-                    self._grant(slot, ticket.holder)
+                # eviction skips it, and counts it as held then). A plain read lease joins
+                # the readers, as a hit's does, so that its owner ends it without the lock.
+                holder = ticket.holder
+                if LOCK_FREE_READERS and not (holder.read_write or holder.ahead):
+                    self._admit_reader(slot, holder)
+                else:
+                    with self.lock:
+                        self._grant(slot, holder)
                 if ticket.waiting:  # its reservation ends with the grant
                     self._hold(entry, waiters=-1)
                     self.enforce_soon()
