@@ -401,14 +401,18 @@ def _resident_fraction(address: int, nbytes: int) -> float:
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="needs Linux's mincore")
-def test_a_fresh_read_buffer_is_faulted_in_at_once() -> None:
+@pytest.mark.parametrize(
+    "nbytes", [4 << 20, 5 * _kernel.POPULATE_CHUNK + 3 * 4096 + 100], ids=["4 MiB", "ragged"]
+)
+def test_a_fresh_read_buffer_is_faulted_in_at_once(nbytes: int) -> None:
     """A mapped read buffer is about to be written whole: its pages are in before the read
-    (one call, not a fault per page as the read reaches it), on kernels that can (5.14+)."""
-    buffer = empty_buffer((4 << 20,), torch.uint8)
+    (a call per chunk, not a fault per page as the read reaches it), to its last page, on
+    kernels that can (5.14+)."""
+    buffer = empty_buffer((nbytes,), torch.uint8)
     kernel = _kernel.KERNEL
     if kernel is None or not kernel.populates_for_writing:
         pytest.skip("the kernel cannot populate memory for writing (MADV_POPULATE_WRITE)")
-    assert _resident_fraction(buffer.data_ptr(), 4 << 20) == 1.0
+    assert _resident_fraction(buffer.data_ptr(), nbytes) == 1.0
     buffer.fill_(7)
     assert int(buffer[-1]) == 7
 

@@ -24,6 +24,9 @@ MADV_RANDOM = getattr(mmap, "MADV_RANDOM", 1)
 MAP_FIXED = 0x10  # Linux, every architecture
 MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Linux, x86 and arm64
 _MAP_FAILED = ctypes.c_void_p(-1).value
+POPULATE_CHUNK = 2 << 20
+"""Bytes populated per call: the process's memory map is held for a call's whole range (see
+``Kernel.populate_for_writing``)."""
 _PYBUF_WRITE = 0x200
 
 
@@ -132,14 +135,21 @@ class Kernel:
 
     def populate_for_writing(self, address: int, length: int) -> None:
         """Fault in the pages of ``length`` bytes of new memory at ``address``, all about to be
-        written, in one call (a read into a fresh buffer: 1.2x to 1.4x the throughput of
-        letting each page fault in as the read reaches it). A kernel that refuses it (older
-        than 5.14) leaves them to fault in as they are written."""
-        if not self.populates_for_writing:
-            return
-        refused = self.madvise(address, length, MADV_POPULATE_WRITE) != 0
-        if refused and ctypes.get_errno() == errno.EINVAL:
-            self.populates_for_writing = False
+        written, a call per ``POPULATE_CHUNK`` (a read into a fresh buffer: 1.2x to 1.4x the
+        throughput of letting each page fault in as the read reaches it). The kernel holds
+        the process's memory map for the whole range of a call, and another thread's
+        ``mmap`` or ``munmap`` waits for it: with two workers reading 32 MiB payloads into
+        fresh buffers, one call per buffer ran at 0.8x the throughput of calls of 2 MiB. A
+        kernel that refuses it (older than 5.14) leaves the pages to fault in as they are
+        written."""
+        end = address + length
+        while address < end and self.populates_for_writing:
+            chunk = min(POPULATE_CHUNK, end - address)
+            if self.madvise(address, chunk, MADV_POPULATE_WRITE) != 0:
+                if ctypes.get_errno() == errno.EINVAL:
+                    self.populates_for_writing = False
+                return  # (out of memory, say: the read faults the rest in)
+            address += chunk
 
 
 def _kernel() -> Kernel | None:
