@@ -128,8 +128,9 @@ ACQUIRE_VS_RESOLVE_TARGET = 1.1
 BULK_RATIO_TARGET = 0.9
 BULK_SPREAD_TARGET = 0.25
 BULK_SETTLE_SECONDS = 3.0
-BULK_MIN_RUN_SECONDS = 0.05
 """Pause before each bulk measurement (see ``_settle``)."""
+BULK_MIN_RUN_SECONDS = 0.05
+"""A bulk measurement shorter than this repeats back to back (see ``_timed_run``)."""
 HUGE_REFERENCE = "reference with huge pages (MADV_HUGEPAGE)"
 CHURN_TARGET_RATIO = 2.0
 FLAT_TARGET_RATIO = 1.5
@@ -582,7 +583,6 @@ def acquire_over_resolve(
     """Cost per op of sync acquire over sync resolve: ``rounds`` rounds of both faces taking
     turns on the same sequence (fresh pools each round); the median of the rounds' ratios,
     their spread, and the same by CPU time (of the process: the pool's loop thread too)."""
-
     wall, cpu, hits, costs = [], [], [], []
     for round_index in range(rounds):
         with (
