@@ -103,6 +103,8 @@ class Actor:
         self._free_hits = itertools.count()
         self._reader_tokens = itertools.count(1)
         self._readers_refused = itertools.count()
+        # Tokens of the readers the actor admits on a miss (_admit_reader): below zero, no hits.
+        self._admitted_tokens = itertools.count(-1, -1)
         # Recency of those hits, replayed by the next transition (bounded: only the most
         # recent matter).
         self._touches: deque[int] = deque(maxlen=8192)
@@ -262,12 +264,11 @@ class Actor:
 
     def _admit_reader(self, slot: Slot, holder: Holder) -> None:
         """:meth:`take_reader` on the loop thread, for a lease the actor grants on an open
-        slot (no other thread closes one): its request was counted already, so the token
-        drawn, which counts as a hit, is taken off the hits."""
-        holder.reader = next(self._reader_tokens)
+        slot (no other thread closes one). Its request was counted as the miss or hit it was:
+        its token, drawn below zero, counts as no hit."""
+        holder.reader = next(self._admitted_tokens)
         holder.slot = slot
         slot.readers.append(holder.reader)
-        self._hits -= 1
         if not slot.changed:
             slot.changed = True
             self._changed.append(slot)

@@ -383,7 +383,8 @@ class Holder:
     its owner, who may change it (the slot's ``changing`` counts it); ``ahead``: a lease the
     read-ahead holds for a forward to come, which is no request (no hit, no miss, no use: a
     value it read and nothing used counts as a wasted prefetch). ``reader``: the token of a
-    ``read`` lease taken without the lock, among its slot's ``readers`` (``0``: none). It is
+    ``read`` lease taken without the lock, among its slot's ``readers`` (``0``: none; below
+    zero: one the actor admitted on a miss, which counts as no hit). It is
     set before ``slot``, which is set before the token joins the readers and cleared after it
     left, so that an end an interrupt cut is finished by a call again (see
     ``Actor.take_reader``)."""
