@@ -229,8 +229,8 @@ class Slot:
 
     A ``read`` lease entered on a hit takes no lock: its holder joins ``readers`` (one
     atomic list operation under the GIL), then looks at ``open`` (one the actor grants on a
-    miss joins them too, on the loop thread, with its owner's request counted as the miss it
-    was, and ends as any reader does); the actor closes the slot,
+    miss joins them too, on the loop thread, its owner's request counted as the step found
+    it, and ends as any reader does); the actor closes the slot,
     then looks at ``readers``. One of the two sees the other, so that a value is never taken
     away from a reader: the reader leaves a closed slot (and asks the actor), or the actor
     counts it and opens the slot again. What a reader sets besides (``used``, ``changed``)
