@@ -555,6 +555,34 @@ async def test_tasks_awaiting_prefetches_on_the_serving_loop_cancelled_from_a_th
         check_invariants(pool)
 
 
+def test_a_burst_of_loads_runs_on_every_worker_after_loads_taken_one_at_a_time(
+    tmp_path: Path,
+) -> None:
+    """A pool that ran its loads one at a time has one worker, idle; a burst of prefetches
+    then starts the second: one of the burst's loads ends while the other is held in its
+    read. (The workers woken by a burst run after it was queued: counting them idle until
+    they took a job kept the pool on one worker.)"""
+    first, held, other = make_tensors(tmp_path, 3, numel=BIG)  # loaded by workers
+    with (
+        paused_in_new_threads(OffloadedTensor._reload_unmanaged.__code__, "call") as load,
+        TensorResidencyPool(max_workers=2) as pool,
+    ):
+        pool.prefetch(first).wait()  # the first worker starts, loads, and waits for a job
+        time.sleep(0.1)
+        load.armed.set()
+        burst = [pool.prefetch(held), pool.prefetch(other)]
+        assert load.paused.wait(30), "no load started"
+        deadline = time.monotonic() + 10
+        while not any(handle.done() for handle in burst) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        ended_beside = any(handle.done() for handle in burst)
+        load.go()
+        values = [handle.wait() for handle in burst]
+    assert ended_beside, "the burst's loads waited for each other: one worker ran both"
+    assert torch.equal(values[0], torch.full((BIG,), 1.0))
+    assert torch.equal(values[1], torch.full((BIG,), 2.0))
+
+
 def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:
     # A payload of up to 1 MiB for the CPU: the thread that missed reads it, with no hand-off
     # to an I/O worker; a larger one goes to the workers; a prefetch never reads on its

@@ -1,10 +1,10 @@
 """The I/O workers of a pool: at most ``max_workers`` threads running disk jobs in order.
 
 A job is put on a ``queue.SimpleQueue``; a worker thread (``t2n-residency-io``, started when
-a job finds no idle worker and fewer than ``max_workers`` run) takes it, runs its function,
-stores the outcome on the job (:meth:`Job.ran`) and hands the job to ``ended``, which posts its
-completion to the loop. Nothing else runs on a worker, and no future or condition variable is
-involved: a job costs one queue put, one queue get and one post.
+a job finds no idle worker to claim and fewer than ``max_workers`` run) takes it, runs its
+function, stores the outcome on the job (:meth:`Job.ran`) and hands the job to ``ended``,
+which posts its completion to the loop. Nothing else runs on a worker, and no future or
+condition variable is involved: a job costs one queue put, one queue get and one post.
 
 Stopping (:meth:`Workers.shutdown`) queues one stop mark per thread behind the jobs already
 queued, so every job sent runs to its end, then joins the threads. Worker threads are
@@ -121,6 +121,12 @@ class Workers:
         self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
         self._threads: list[threading.Thread] = []
         self._lock = threading.Lock()  # the idle count, and a job's end against its waiter
+        # Workers free for a job no queued job has claimed: a worker counts itself once it
+        # ended a job, and each job queued claims one. A burst of jobs finds the count
+        # right even before the woken workers run (one idle worker, two jobs: the second
+        # starts a thread). Below ``max_workers`` every queued job claimed a worker or
+        # started one, so the count is exact there; at the limit, where no thread starts,
+        # workers that take jobs queued behind busy ones leave it ahead, which is harmless.
         self._idle = 0
         self._stopped = False
         self._marks = 0  # stop marks queued
@@ -133,7 +139,9 @@ class Workers:
             if self._stopped or _exiting:
                 raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
             self._queue.put(job)
-            if not self._idle and len(self._threads) < self._max:
+            if self._idle:
+                self._idle -= 1
+            elif len(self._threads) < self._max:
                 thread = threading.Thread(
                     target=self._serve, name=f"t2n-residency-io_{len(self._threads)}", daemon=True
                 )
@@ -144,11 +152,7 @@ class Workers:
         _worker_thread.serving = True
         lock, get = self._lock, self._queue.get
         while True:
-            with lock:
-                self._idle += 1
             job = get()
-            with lock:
-                self._idle -= 1
             if job is _STOP:
                 return
             job.run()
@@ -156,6 +160,7 @@ class Workers:
                 job.ran = True
                 if job.waiters is not None:
                     job.waiters.release()
+                self._idle += 1
             self._ended(job)
             del job  # an idle worker keeps no value alive (its buffer may be reused)
 
