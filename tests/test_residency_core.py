@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from breakpoints import line_of, paused_in_new_threads
-from residency_checks import check_invariants
+from residency_checks import check_invariants, io_threads_since
 from test_residency import faces, make_tensors, open_pool
 
 from torch_to_nnef.exceptions import T2NErrorMisuse
@@ -581,6 +581,23 @@ def test_a_burst_of_loads_runs_on_every_worker_after_loads_taken_one_at_a_time(
     assert ended_beside, "the burst's loads waited for each other: one worker ran both"
     assert torch.equal(values[0], torch.full((BIG,), 1.0))
     assert torch.equal(values[1], torch.full((BIG,), 2.0))
+
+
+def test_bursts_of_loads_never_start_more_than_max_workers_threads(tmp_path: Path) -> None:
+    """Bursts of loads, each over the budget, through a pool of two workers: both start, no
+    third ever does, and every value is read right."""
+    numel = 1 << 19  # float32: 2 MiB, loaded by a worker
+    tensors = make_tensors(tmp_path, 12, numel=numel)
+    before = set(threading.enumerate())
+    counts = []
+    with TensorResidencyPool(max_cached_bytes=4 * numel * 4, max_workers=2) as pool:
+        for _ in range(5):
+            handles = [pool.prefetch(t) for t in tensors]
+            for i, handle in enumerate(handles):
+                assert torch.equal(handle.wait(), torch.full((numel,), float(i)))
+            del handles
+            counts.append(len(io_threads_since(before)))
+    assert counts == [2] * 5
 
 
 def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:
