@@ -50,8 +50,8 @@ it copies into fresh buffers, like the reference). Runs alternate, three of each
 shorter than 50 ms (the mapped mode's: about 5 ms, which one late wake-up of a thread can
 double) repeats back to back, a fresh pool each time, until it has lasted that long, and
 counts as their mean, as ``timeit`` times short statements. Targets, for each: the pool's
-median >= 0.9x the reference's GB/s; spread of the pool's runs ((max - min) / median) <= 25
-%. A second reference, for context, reads into fresh buffers advised to use transparent huge
+median >= 0.9x the reference's GB/s; spread of the pool's runs ((max - min) / median)
+<= 25 %. A second reference, for context, reads into fresh buffers advised to use transparent huge
 pages (``MADV_HUGEPAGE``), as the pool's copying mode does where the host does not take
 freed memory back: its spread shows what the kernel (or a virtual machine's host, backing
 the guest's memory lazily) adds to the pool's, with no code of this project in the loop.

@@ -10,9 +10,8 @@ Other threads never call a transition. They read :attr:`Actor.published` (reside
 one :class:`~torch_to_nnef.tensor.residency._state.Slot` each) and take or end leases on a
 slot under :attr:`Actor.lock`, the only state they share with the actor, or, for a ``read``
 lease (taken on a hit, or granted by the actor on a miss), as one of the slot's readers,
-without the lock (see ``Slot``); the actor
-closes a slot under the same lock before it evicts, replaces or drops its value, and never
-does while the slot has leases.
+without the lock (see ``Slot``); the actor closes a slot under the same lock before it
+evicts, replaces or drops its value, and never does while the slot has leases.
 """
 
 from __future__ import annotations

@@ -228,14 +228,14 @@ class Slot:
     ``writing`` (under the lock, seeing no writer) before the write-back starts copying.
 
     A ``read`` lease entered on a hit takes no lock: its holder joins ``readers`` (one
-    atomic list operation under the GIL), then looks at ``open`` (one the actor grants on a
-    miss joins them too, on the loop thread, its owner's request counted as the step found
-    it, and ends as any reader does); the actor closes the slot,
+    atomic list operation under the GIL), then looks at ``open``; the actor closes the slot,
     then looks at ``readers``. One of the two sees the other, so that a value is never taken
     away from a reader: the reader leaves a closed slot (and asks the actor), or the actor
     counts it and opens the slot again. What a reader sets besides (``used``, ``changed``)
     is set to the same value by whoever sets it, and read again by the actor after it
-    clears it (see ``Actor.take_reader``).
+    clears it (see ``Actor.take_reader``). A ``read`` lease the actor grants on a miss joins
+    the readers too, on the loop thread (its owner's request counted as the step found it),
+    and ends as any reader does.
     """
 
     __slots__ = (
@@ -384,10 +384,9 @@ class Holder:
     read-ahead holds for a forward to come, which is no request (no hit, no miss, no use: a
     value it read and nothing used counts as a wasted prefetch). ``reader``: the token of a
     ``read`` lease taken without the lock, among its slot's ``readers`` (``0``: none; below
-    zero: one the actor admitted on a miss, which counts as no hit). It is
-    set before ``slot``, which is set before the token joins the readers and cleared after it
-    left, so that an end an interrupt cut is finished by a call again (see
-    ``Actor.take_reader``)."""
+    zero: one the actor admitted on a miss, which counts as no hit). It is set before
+    ``slot``, which is set before the token joins the readers and cleared after it left, so
+    that an end an interrupt cut is finished by a call again (see ``Actor.take_reader``)."""
 
     __slots__ = ("ahead", "entered", "read_write", "reader", "slot")
 
