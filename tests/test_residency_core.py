@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from breakpoints import line_of, paused_in_new_threads
 from residency_checks import check_invariants, io_threads_since
 from test_residency import faces, make_tensors, open_pool
 
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorResource
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
     ResidencyStrategy,
@@ -598,6 +599,124 @@ def test_bursts_of_loads_never_start_more_than_max_workers_threads(tmp_path: Pat
             del handles
             counts.append(len(io_threads_since(before)))
     assert counts == [2] * 5
+
+
+class _ThreadsRefused:
+    """``threading.Thread.start`` refusing the pool's threads whose name starts with a
+    prefix while :attr:`refusing` (as the system does at its limit of threads), and the
+    errors raised in threads meanwhile (``threading.excepthook``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, prefix: str) -> None:
+        self.refusing = True
+        self.thread_errors: list[BaseException | None] = []
+        start = threading.Thread.start
+
+        def refusing_start(thread: threading.Thread) -> None:
+            if self.refusing and thread.name.startswith(prefix):
+                raise RuntimeError("can't start new thread")
+            start(thread)
+
+        monkeypatch.setattr(threading.Thread, "start", refusing_start)
+        monkeypatch.setattr(
+            threading, "excepthook", lambda args: self.thread_errors.append(args.exc_value)
+        )
+
+
+@faces
+@pytest.mark.asyncio
+@pytest.mark.parametrize("request_kind", ["resolve", "acquire", "prefetch"])
+async def test_a_request_whose_first_worker_the_system_refused_fails_and_the_pool_recovers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, face_name: str, request_kind: str
+) -> None:
+    """A load that needs the pool's first I/O worker, which the system refuses to start,
+    fails with ``T2NErrorResource`` and leaves nothing behind; once threads start again, the
+    same request is served and the pool closes cleanly. (The job was queued for a thread that
+    never ran: the request hung, the next one waited behind it, and the close raised in the
+    loop thread, joining a thread never started.)"""
+    (big,) = make_tensors(tmp_path, 1, numel=BIG)  # loaded by a worker
+    expected = torch.full((BIG,), 0.0)
+    refused = _ThreadsRefused(monkeypatch, "t2n-residency-io")
+
+    async def request(face: Any) -> torch.Tensor:
+        if request_kind == "resolve":
+            return await face.resolve(big)
+        if request_kind == "acquire":
+            async with face.acquire(big) as value:
+                return value.clone()
+        return await face.prefetch(big)
+
+    async with open_pool(face_name, max_cached_bytes=2 * BIG * 4) as face:
+        with pytest.raises(T2NErrorResource, match="could not start an I/O worker thread"):
+            await asyncio.wait_for(request(face), 30)
+        assert not face.pool.is_resident(big)
+        assert face.pool.resident_bytes == 0
+        check_invariants(face.pool)
+        refused.refusing = False
+        assert torch.equal(await asyncio.wait_for(request(face), 30), expected)
+        assert face.pool.is_resident(big)
+    assert refused.thread_errors == []
+
+
+def test_a_second_worker_refused_leaves_the_burst_to_the_first(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With one worker running, a refused second one costs nothing but parallelism: a burst
+    of loads runs on the first, and every value is read right."""
+    tensors = make_tensors(tmp_path, 4, numel=BIG)
+    before = set(threading.enumerate())
+    with TensorResidencyPool(max_workers=2) as pool:
+        assert torch.equal(pool.resolve(tensors[0]), torch.full((BIG,), 0.0))
+        refused = _ThreadsRefused(monkeypatch, "t2n-residency-io")
+        handles = [pool.prefetch(t) for t in tensors[1:]]
+        for i, handle in enumerate(handles, start=1):
+            assert torch.equal(handle.wait(), torch.full((BIG,), float(i)))
+        assert len(io_threads_since(before)) == 1
+    assert refused.thread_errors == []
+
+
+def test_a_write_back_refused_a_worker_keeps_the_change_until_it_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A change read by its own thread (no worker yet) whose write-back cannot start a
+    worker: the eviction and the close fail with ``T2NErrorResource``, every read still sees
+    the change, and once threads start again the close writes it to the file."""
+    (small,) = make_tensors(tmp_path, 1, numel=1024)  # read by the caller: no worker
+    pool = TensorResidencyPool(max_cached_bytes=1 << 20)
+    with pool.acquire(small, mode="read_write") as value:
+        value.fill_(7.0)
+    refused = _ThreadsRefused(monkeypatch, "t2n-residency-io")
+    with pytest.raises(T2NErrorResource, match="could not start an I/O worker thread"):
+        pool.evict(small)
+    assert not pool.is_resident(small)  # chosen for eviction: its write is due
+    assert torch.equal(small.reload(), torch.full((1024,), 7.0))
+    with pytest.raises(T2NErrorResource):
+        pool.flush()
+    with pytest.raises(T2NErrorResource):
+        pool.close()
+    assert not pool.closed
+    assert torch.equal(pool.resolve(small), torch.full((1024,), 7.0))
+    refused.refusing = False
+    pool.close()
+    assert pool.stats().write_backs == 1
+    assert torch.equal(small.reload(), torch.full((1024,), 7.0))
+    assert refused.thread_errors == []
+
+
+def test_a_pool_whose_loop_thread_the_system_refused_starts_it_at_the_next_request(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (small,) = make_tensors(tmp_path, 1, numel=1024)
+    refused = _ThreadsRefused(monkeypatch, "t2n-residency-loop")
+    pool = TensorResidencyPool()
+    with pytest.raises(T2NErrorResource, match="could not start its event loop thread"):
+        pool.resolve(small)
+    with pytest.raises(T2NErrorResource), pool:  # the entry starts it
+        pass
+    refused.refusing = False
+    with pool:
+        assert torch.equal(pool.resolve(small), torch.zeros(1024))
+    assert pool.closed
+    assert refused.thread_errors == []
 
 
 def test_a_sync_miss_on_a_small_payload_is_read_by_its_own_thread(tmp_path: Path) -> None:

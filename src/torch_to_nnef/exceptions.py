@@ -20,6 +20,8 @@ catching what it caught there::
     │                                     unwritable
     ├── T2NErrorCheckpoint                (ValueError) a checkpoint does not match the model it is
     │                                     bound to
+    ├── T2NErrorResource                  (RuntimeError) the system refused what the library
+    │                                     needs to run (a thread)
     └── T2NErrorTorchGraphExtraction      a traced graph cannot be related to the model
         └── T2NErrorTorchJitTraceFailed   (RuntimeError) a trace refers to an opaque tensor the
                                           model does not hold
@@ -34,6 +36,7 @@ __all__ = [
     "T2NErrorInconsistentTensor",
     "T2NErrorMisuse",
     "T2NErrorNotImplemented",
+    "T2NErrorResource",
     "T2NErrorStorage",
     "T2NErrorTorchGraphExtraction",
     "T2NErrorTorchJitTraceFailed",
@@ -83,6 +86,11 @@ class T2NErrorStorage(OSError, T2NError):
 
 class T2NErrorCheckpoint(ValueError, T2NError):
     """A checkpoint does not fit its model (missing, unexpected or mis-shaped keys)."""
+
+
+class T2NErrorResource(RuntimeError, T2NError):
+    """The system refused what the library needs to run: a thread for a pool's event loop or
+    for its first I/O worker (a limit on the process's threads, say)."""
 
 
 class T2NErrorTorchGraphExtraction(T2NError):

@@ -608,7 +608,11 @@ class Actor:
                 f"two devices at once: evict it first or request it on {entry.device}"
             )
         if entry.value is None and entry.load is None:
-            self._start_load(entry, read)
+            try:
+                self._start_load(entry, read)
+            except BaseException:  # (no worker to be had, say): the request fails, and
+                self._drop_valueless(entry)  # the next one loads again
+                raise
         return entry
 
     def _stale(self, entry: Entry) -> bool:
@@ -969,10 +973,14 @@ class Actor:
         """A load of ``entry`` brought no value (``error``): an entry left without a value
         goes (the next request loads again)."""
         self._load_errors += 1
+        self._drop_valueless(entry)
+        LOGGER.debug("load of %r failed: %r", entry.source.name, error)
+
+    def _drop_valueless(self, entry: Entry) -> None:
+        """Forget ``entry`` if it is the tensor's and holds no value."""
         if entry.value is None and self.entries.get(entry.key) is entry:
             self._forget(entry)
             self.policy.forget(entry.key, entry.nbytes, entry.retained)
-        LOGGER.debug("load of %r failed: %r", entry.source.name, error)
 
     def _load_aborted(self, entry: Entry, job: Job, error: BaseException) -> None:
         """The transition of ``entry``'s load ``job`` raised ``error`` before it ended the job:

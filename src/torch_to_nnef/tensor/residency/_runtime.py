@@ -65,6 +65,7 @@ from torch_to_nnef.tensor.residency._workers import (
     exit_interrupts,
     join_at_exit,
     on_worker_thread,
+    thread_refused,
 )
 
 __all__ = ["Operation", "Runtime", "reap_later", "reap_pending", "uvloop_wanted"]
@@ -846,7 +847,10 @@ class Runtime:
         thread = threading.Thread(target=run, name="t2n-residency-loop", daemon=True)
         with InterruptHold() as hold:
             hold.start()
-            thread.start()
+            try:
+                thread.start()
+            except RuntimeError as error:  # "can't start new thread": nothing started
+                raise thread_refused("its event loop thread", error) from error
             self._thread = thread
             ready.wait()
         if failed:

@@ -1,10 +1,12 @@
 """The I/O workers of a pool: at most ``max_workers`` threads running disk jobs in order.
 
-A job is put on a ``queue.SimpleQueue``; a worker thread (``t2n-residency-io``, started when
-a job finds no idle worker to claim and fewer than ``max_workers`` run) takes it, runs its
-function, stores the outcome on the job (:meth:`Job.ran`) and hands the job to ``ended``,
-which posts its completion to the loop. Nothing else runs on a worker, and no future or
-condition variable is involved: a job costs one queue put, one queue get and one post.
+A job is put on a ``queue.SimpleQueue``; a worker thread (``t2n-residency-io``, started
+before the job is queued when it finds no idle worker to claim and fewer than ``max_workers``
+run) takes it, runs its function, stores the outcome on the job (:meth:`Job.ran`) and hands
+the job to ``ended``, which posts its completion to the loop. Nothing else runs on a worker,
+and no future or condition variable is involved: a job costs one queue put, one queue get
+and one post. Where the system refuses a thread, the job waits for the workers that run; a
+job that no thread could ever take (the first worker refused) is refused, never queued.
 
 Stopping (:meth:`Workers.shutdown`) queues one stop mark per thread behind the jobs already
 queued, so every job sent runs to its end, then joins the threads. Worker threads are
@@ -28,10 +30,10 @@ from typing import Any
 
 from torch_to_nnef._interrupts import hold_sigint, restore_sigint
 from torch_to_nnef._waiting import Waiters
-from torch_to_nnef.exceptions import T2NErrorMisuse
+from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorResource
 from torch_to_nnef.tensor.residency._state import Job
 
-__all__ = ["Workers", "on_worker_thread"]
+__all__ = ["Workers", "on_worker_thread", "thread_refused"]
 
 LOGGER = logging.getLogger("torch_to_nnef.tensor.residency")
 
@@ -49,6 +51,15 @@ _worker_thread = threading.local()
 def on_worker_thread() -> bool:
     """Whether the calling thread is an I/O worker (of any pool)."""
     return getattr(_worker_thread, "serving", False)
+
+
+def thread_refused(which: str, error: RuntimeError) -> T2NErrorResource:
+    """The error of a pool whose thread ``which`` the system refused to start (``error``)."""
+    return T2NErrorResource(
+        f"a TensorResidencyPool could not start {which} ({error}): the process is at its "
+        "limit of threads; end threads or pools it no longer needs, or raise the limit, and "
+        "retry"
+    )
 
 
 def join_at_exit(thread: threading.Thread) -> None:
@@ -138,15 +149,26 @@ class Workers:
         with self._lock:  # against shutdown: no job is queued behind the stop marks
             if self._stopped or _exiting:
                 raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
-            self._queue.put(job)
             if self._idle:
                 self._idle -= 1
             elif len(self._threads) < self._max:
-                thread = threading.Thread(
-                    target=self._serve, name=f"t2n-residency-io_{len(self._threads)}", daemon=True
-                )
-                self._threads.append(thread)
-                thread.start()  # under the lock: a shutdown joins started threads only
+                self._start_thread()
+            self._queue.put(job)
+
+    def _start_thread(self) -> None:
+        """Start one more worker (under the lock: a shutdown joins started threads only).
+        Where the system refuses a thread, the job waits for the workers that run; with none,
+        it could never run: refused, and nothing is queued."""
+        thread = threading.Thread(
+            target=self._serve, name=f"t2n-residency-io_{len(self._threads)}", daemon=True
+        )
+        try:
+            thread.start()
+        except RuntimeError as error:  # "can't start new thread"
+            if self._threads:
+                return
+            raise thread_refused("an I/O worker thread", error) from error
+        self._threads.append(thread)
 
     def _serve(self) -> None:
         _worker_thread.serving = True
