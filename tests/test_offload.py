@@ -28,6 +28,7 @@ import safetensors
 import safetensors.torch
 import torch
 import torch.nn.functional as F
+from breakpoints import line_of, paused_in_new_threads
 from contract import OpaqueContract
 from forking import in_forked_child, in_forked_child_while_held, put_values
 from interrupts import in_finalizer, interrupted
@@ -1380,6 +1381,53 @@ def test_a_forked_childs_read_after_its_parent_wrote_says_so(
         writer.join()
     assert "'w' cannot be read: the process this one was forked from wrote it" in report
     assert torch.equal(tensor.reload(), weight + 1.0)
+
+
+_SWITCH = next(
+    const
+    for const in OffloadedTensor._write_encoded.__code__.co_consts
+    if getattr(const, "co_name", None) == "switch"
+)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("cut", ["before the switch", "amid the switch"])
+def test_a_child_forked_after_a_writes_rename_reads_the_value_written(
+    weight: torch.Tensor, tmp_path: Path, cut: str
+) -> None:
+    """The fork lands once a write renamed its new file into place, before or amid the
+    tensor's switch to it (of shape and dtype too): in the child, the tensor reads the new
+    file, the value written before the fork, and writes of its own go to a file of its own.
+    (The child read the replaced file: its reads failed, saying the parent wrote after the
+    fork.)"""
+    tensor = OffloadedTensor.from_original_tensor(weight, "w", tmp_path)
+    new = torch.arange(12, dtype=torch.float64).reshape(3, 4)
+    if cut == "before the switch":
+        point = paused_in_new_threads(_SWITCH, "call")
+    else:
+        line = line_of(OffloadedTensor._write_encoded, "self.offloaded_tensor_type = encoded")
+        point = paused_in_new_threads(_SWITCH, "line", line=line)
+
+    def child() -> str:
+        value = tensor.reload()
+        tensor.add_(1.0)
+        return f"{value.tolist()} {tuple(tensor.shape)} {tensor.dtype} {tensor.reload().sum()}"
+
+    with point as switch:
+        switch.armed.set()
+        writer = threading.Thread(
+            target=tensor.update_values,
+            args=(new,),
+            kwargs={"strict_shape": False, "strict_dtype": False},
+        )
+        writer.start()
+        assert switch.paused.wait(30), "the write never reached its switch"
+        report = in_forked_child(child)
+        switch.go()
+        writer.join(30)
+    assert report == f"{new.tolist()} (3, 4) torch.float64 {(new + 1.0).sum()}"
+    assert torch.equal(tensor.reload(), new)  # the child's write went elsewhere
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

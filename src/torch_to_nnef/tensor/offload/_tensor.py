@@ -88,6 +88,10 @@ def _remove_file(path: Path, creator: int) -> None:
     storage.forget_file(path)
 
 
+_Switch = Callable[[storage.PayloadLayout], None]
+_SwitchDue = tuple[Path, "_Binding", _Switch]
+
+
 def _renamed_over(path: Path, binding: _Binding) -> bool:
     """Whether a write's new file was renamed to ``path``, which held ``binding``'s file
     (or nothing, for a first write of a tensor's own file) before it."""
@@ -183,9 +187,14 @@ def _reset_writes_in_child() -> None:
     """After ``fork``, in the child: the writes the parent's threads had under way (a pool's
     write-back, say) do not happen here. Their locks, held by threads the child does not
     have, and their announcements, which reads would wait for forever, are reset; a value a
-    pool changed and had not written yet stays the latest value the child reads."""
+    pool changed and had not written yet stays the latest value the child reads. A write
+    whose new file was renamed into place before the fork, the tensor not switched to it
+    yet, is switched to it here: the file holds the tensor's latest value."""
     for tensor in list(_LIVE.values()):
+        switch_due = tensor._switch_due
         tensor._reset_writes()
+        if switch_due is not None:
+            tensor._switch_in_child(*switch_due)
 
 
 if hasattr(os, "register_at_fork"):
@@ -905,6 +914,22 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         # The latest write a direct read-modify-write (_rewrite) derived the value it is
         # writing from, while it writes it: a pool's change on that write is older than it.
         self._deriving = None
+        # While a write runs: its file's path, the binding before it, and the switch of the
+        # tensor to that file once it is renamed into place (which a child forked in between
+        # runs: _switch_in_child).
+        self._switch_due: _SwitchDue | None = None
+
+    def _switch_in_child(self, path: Path, before: _Binding, switch: _Switch) -> None:
+        """In a forked child, finish the switch of a write that the fork cut between the
+        rename of its file and the end of the switch to it (nothing when the rename had not
+        happened; the switch runs from the start again, as it may)."""
+        if not _renamed_over(path, before):
+            return
+        try:
+            layout = storage.read_layout(path)
+        except T2NErrorStorage:  # replaced again since: its reads say what happened
+            return
+        switch(layout)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -1606,6 +1631,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             self._reshell(encoded.shape, encoded.dtype, device or self.device)
             switched = True
 
+        self._switch_due = (path, binding, switch)
         try:
             with InterruptHold() as hold:
                 storage.write_payload(
@@ -1619,6 +1645,8 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             if not switched and _renamed_over(path, binding):
                 switch(storage.read_layout(path))  # (again from the start: it is idempotent)
             raise
+        finally:
+            self._switch_due = None
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
