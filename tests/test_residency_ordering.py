@@ -34,6 +34,7 @@ from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, _handles, stream_modules
 from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._runtime import Runtime
 from torch_to_nnef.tensor.storage import _io as storage_io
 
 pytestmark = [pytest.mark.timeout(120)]
@@ -1587,6 +1588,40 @@ def test_a_prefetch_handle_awaited_after_another_pools_change_returns_it(tmp_pat
 
     asyncio.run(main())
     assert torch.equal(on_disk(t), torch.full((NUMEL,), 6.0))
+
+
+@pytest.mark.parametrize("resident", [True, False], ids=["a hit", "a miss"])
+def test_a_prefetch_cut_by_another_pools_change_returns_that_change_when_waited(
+    tmp_path: Path, resident: bool
+) -> None:
+    """Another pool's change lands while the prefetch is being made: between the pick of the
+    resident value and the handle's making (a hit), or once the load it asked for ended and
+    before the handle's making (a miss). A wait begun once that change ended returns it. (The
+    handle took the change for one made before it, and served the value it had for good.)"""
+    t = _tensor(tmp_path)
+    with TensorResidencyPool() as pool, TensorResidencyPool() as other:
+        if resident:
+            pool.resolve(t)
+            point = paused_in_new_threads(
+                Actor.touch.__code__, "call", caller=TensorResidencyPool.prefetch.__code__
+            )
+        else:
+            point = paused_in_new_threads(Runtime.start.__code__, "return")
+        handles: list[Any] = []
+        with point as picked:
+            picked.armed.set()
+            prefetching = threading.Thread(target=lambda: handles.append(pool.prefetch(t)))
+            prefetching.start()
+            assert picked.paused.wait(30), "the prefetch never picked its value"
+            deadline = time.monotonic() + 10
+            while not pool.is_resident(t) and time.monotonic() < deadline:
+                time.sleep(0.001)  # (a miss: its load ends first)
+            with other.acquire(t, mode="read_write") as value:
+                value.fill_(6.0)
+            picked.go()
+            prefetching.join(30)
+        assert torch.equal(handles[0].wait(), torch.full((NUMEL,), 6.0))
+        check_invariants(pool)
 
 
 def test_a_prefetch_handle_waited_after_its_pool_changed_a_value_read_again_returns_it(

@@ -23,7 +23,14 @@ from torch_to_nnef.tensor.residency._state import Holder, Slot
 if TYPE_CHECKING:
     from torch_to_nnef.tensor.residency._pool import TensorResidencyPool
 
-__all__ = ["TensorPrefetch", "TensorResidencyLease", "Uncopyable", "end_lease", "hand_over"]
+__all__ = [
+    "TensorPrefetch",
+    "TensorResidencyLease",
+    "Uncopyable",
+    "end_lease",
+    "hand_over",
+    "latest_write",
+]
 
 
 class Uncopyable:
@@ -120,6 +127,13 @@ _ANYONE = object()
 write of all."""
 
 
+def latest_write(source: PoolSource) -> object:
+    """The latest write of ``source``, whoever made it (this pool included): what a
+    :class:`TensorPrefetch` is made as of, read before its value is picked (compare by
+    identity)."""
+    return source._hit_state.version_for(_ANYONE)
+
+
 class TensorPrefetch(Uncopyable):
     """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
 
@@ -146,15 +160,16 @@ class TensorPrefetch(Uncopyable):
         source: PoolSource,
         device: torch.device,
         future: Reply,
+        version: object,
     ) -> None:
         self._pool = pool
         self._source = source
         self._device = device
         self._future = future
-        # The latest write of anyone (this pool included), as of the prefetch: a later one
-        # may be missing from the value loaded (this pool's own change made on a value read
-        # again after this one was evicted).
-        self._version = source._hit_state.version_for(_ANYONE)
+        # The latest write as of the prefetch (``latest_write``, read before the value was
+        # picked): a later one may be missing from the value (another pool's change, or this
+        # pool's own made on a value read again after this one was evicted).
+        self._version = version
 
     @classmethod
     def _ready(
@@ -163,8 +178,9 @@ class TensorPrefetch(Uncopyable):
         source: PoolSource,
         device: torch.device,
         value: torch.Tensor,
+        version: object,
     ) -> TensorPrefetch:
-        return cls(pool, source, device, Reply.of(value))
+        return cls(pool, source, device, Reply.of(value), version)
 
     def done(self) -> bool:
         """Whether the load has ended (successfully or not)."""
@@ -175,7 +191,7 @@ class TensorPrefetch(Uncopyable):
         which may be ``value`` itself), or ``value`` holds a ``read_write`` lease's change
         that was dropped since (a later write stands)."""
         actor = self._pool._actor
-        written = self._source._hit_state.version_for(_ANYONE) is not self._version
+        written = latest_write(self._source) is not self._version
         return written or actor.holds_dropped_change(value)
 
     def wait(self) -> torch.Tensor:

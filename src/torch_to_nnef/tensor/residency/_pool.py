@@ -35,6 +35,7 @@ from torch_to_nnef.tensor.residency._handles import (
     TensorResidencyLease,
     Uncopyable,
     hand_over,
+    latest_write,
 )
 from torch_to_nnef.tensor.residency._policy import ResidencyStrategy, make_policy
 from torch_to_nnef.tensor.residency._requests import (
@@ -452,11 +453,12 @@ class TensorResidencyPool(Uncopyable):
                 value is resident on another device.
         """
         target = self._target(source, device)
+        version = latest_write(source)  # first: a write landing after it is one wait() serves
         slot = self._actor.fresh_slot(source, target)
         if slot is not None and slot.open:
             self._actor.touch(slot.entry.key)
-            return TensorPrefetch._ready(self, source, target, slot.value)
-        return self._start_prefetch(source, target, pin=False)
+            return TensorPrefetch._ready(self, source, target, slot.value, version)
+        return self._start_prefetch(source, target, False, version)
 
     def pin(self, source: OffloadedTensor, device: TDevice | None = None) -> TensorPrefetch:
         """Load ``source`` (or reuse its load) and keep it resident until :meth:`unpin` or close.
@@ -472,15 +474,16 @@ class TensorResidencyPool(Uncopyable):
             T2NErrorMisuse: the strategy is FIXED, or as :meth:`prefetch`.
         """
         self._check_pins("pin")
-        return self._start_prefetch(source, self._target(source, device), pin=True)
+        target = self._target(source, device)
+        return self._start_prefetch(source, target, True, latest_write(source))
 
     def _start_prefetch(
-        self, source: OffloadedTensor, target: torch.device, pin: bool
+        self, source: OffloadedTensor, target: torch.device, pin: bool, version: object
     ) -> TensorPrefetch:
         self._actor.check_open()
         self._runtime.ensure_running()
         prefetch = Prefetch(self._actor, source, target, pin)
-        return TensorPrefetch(self, source, target, self._runtime.start(prefetch))
+        return TensorPrefetch(self, source, target, self._runtime.start(prefetch), version)
 
     def unpin(self, source: OffloadedTensor) -> None:
         """Stop pinning ``source``; it becomes evictable. Unpinning a value not pinned does nothing.
