@@ -1392,22 +1392,20 @@ _SWITCH = next(
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("cut", ["before the switch", "amid the switch"])
+@pytest.mark.parametrize("cut", ["as the switch begins", "amid the switch"])
 def test_a_child_forked_after_a_writes_rename_reads_the_value_written(
     weight: torch.Tensor, tmp_path: Path, cut: str
 ) -> None:
-    """The fork lands once a write renamed its new file into place, before or amid the
-    tensor's switch to it (of shape and dtype too): in the child, the tensor reads the new
+    """The fork lands once a write renamed its new file into place, as the tensor's switch
+    to it (of shape and dtype too) begins or amid it: in the child, the tensor reads the new
     file, the value written before the fork, and writes of its own go to a file of its own.
     (The child read the replaced file: its reads failed, saying the parent wrote after the
     fork.)"""
     tensor = OffloadedTensor.from_original_tensor(weight, "w", tmp_path)
     new = torch.arange(12, dtype=torch.float64).reshape(3, 4)
-    if cut == "before the switch":
-        point = paused_in_new_threads(_SWITCH, "call")
-    else:
-        line = line_of(OffloadedTensor._write_encoded, "self.offloaded_tensor_type = encoded")
-        point = paused_in_new_threads(_SWITCH, "line", line=line)
+    text = "storage.forget_file(path)" if cut == "as the switch begins" else "self.offloaded_"
+    line = line_of(OffloadedTensor._write_encoded, text)
+    point = paused_in_new_threads(_SWITCH, "line", line=line)
 
     def child() -> str:
         value = tensor.reload()

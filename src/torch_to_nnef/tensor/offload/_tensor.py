@@ -89,7 +89,6 @@ def _remove_file(path: Path, creator: int) -> None:
 
 
 _Switch = Callable[[storage.PayloadLayout], None]
-_SwitchDue = tuple[Path, "_Binding", _Switch]
 
 
 def _renamed_over(path: Path, binding: _Binding) -> bool:
@@ -188,13 +187,13 @@ def _reset_writes_in_child() -> None:
     write-back, say) do not happen here. Their locks, held by threads the child does not
     have, and their announcements, which reads would wait for forever, are reset; a value a
     pool changed and had not written yet stays the latest value the child reads. A write
-    whose new file was renamed into place before the fork, the tensor not switched to it
-    yet, is switched to it here: the file holds the tensor's latest value."""
+    whose switch to its new file had begun at the fork (its file renamed into place) ends
+    here: the file holds the tensor's latest value."""
     for tensor in list(_LIVE.values()):
-        switch_due = tensor._switch_due
+        switching = tensor._switching
         tensor._reset_writes()
-        if switch_due is not None:
-            tensor._switch_in_child(*switch_due)
+        if switching is not None:
+            tensor._switch_in_child(*switching)
 
 
 if hasattr(os, "register_at_fork"):
@@ -914,22 +913,20 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         # The latest write a direct read-modify-write (_rewrite) derived the value it is
         # writing from, while it writes it: a pool's change on that write is older than it.
         self._deriving = None
-        # While a write runs: its file's path, the binding before it, and the switch of the
-        # tensor to that file once it is renamed into place (which a child forked in between
-        # runs: _switch_in_child).
-        self._switch_due: _SwitchDue | None = None
+        # From the start to the end of a write's switch to its new file: that file's layout
+        # and the switch, which a child forked meanwhile runs again (_switch_in_child).
+        self._switching: tuple[storage.PayloadLayout, _Switch] | None = None
 
-    def _switch_in_child(self, path: Path, before: _Binding, switch: _Switch) -> None:
-        """In a forked child, finish the switch of a write that the fork cut between the
-        rename of its file and the end of the switch to it (nothing when the rename had not
-        happened; the switch runs from the start again, as it may)."""
-        if not _renamed_over(path, before):
-            return
+    def _switch_in_child(self, layout: storage.PayloadLayout, switch: _Switch) -> None:
+        """In a forked child, run again the switch that the fork cut (it may run twice):
+        its file was renamed into place before the fork, and is the tensor's latest value
+        unless the parent's threads replaced it since, which its reads then report."""
         try:
-            layout = storage.read_layout(path)
-        except T2NErrorStorage:  # replaced again since: its reads say what happened
+            now = file_identity(os.stat(layout.path))
+        except OSError:
             return
-        switch(layout)
+        if layout.identity is not None and now == layout.identity:
+            switch(layout)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
@@ -1613,6 +1610,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         def switch(layout: storage.PayloadLayout) -> None:
             nonlocal switched
+            self._switching = (layout, switch)  # first: its file is in place (see fork)
             storage.forget_file(path)  # the descriptor of the file it replaced
             with self._pending_lock:
                 self._binding = (
@@ -1631,7 +1629,6 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             self._reshell(encoded.shape, encoded.dtype, device or self.device)
             switched = True
 
-        self._switch_due = (path, binding, switch)
         try:
             with InterruptHold() as hold:
                 storage.write_payload(
@@ -1646,7 +1643,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 switch(storage.read_layout(path))  # (again from the start: it is idempotent)
             raise
         finally:
-            self._switch_due = None
+            self._switching = None
         LOGGER.debug("updated the values of offloaded tensor %r in '%s'", self._name, path)
 
     def _copy_on_write_path(self) -> tuple[Path, _OwnedFile]:
