@@ -783,6 +783,41 @@ def test_a_lease_change_no_offload_state_holds_is_not_written_back(
     assert torch.equal(t.reload().decompress(), mended.decompress())
 
 
+def _mend(q: QTensorTractScaleOnly) -> None:
+    """Undo each change of ``CHANGES_NO_STATE_HOLDS`` as its error says."""
+    q.u8_blob.clamp_(0, 15)
+    q.qscheme.scale = torch.nan_to_num(q.qscheme.scale, posinf=1.0).half()
+
+
+@CHANGES_NO_STATE_HOLDS
+@pytest.mark.timeout(60)
+def test_a_lease_change_no_offload_state_holds_is_read_and_mended_as_its_error_says(
+    change: Any, message: str, tmp_path: Path
+) -> None:
+    """Such a change stays the latest value until it is mended: reads outside the pool get a
+    copy of it, and a new ``read_write`` lease (which shelters a copy first) mends it as the
+    flush's error says; the flush then writes it. (The copies went through the offload state,
+    which refused it: reads, and the lease that would mend it, raised.)"""
+    weight = torch.randn(64, 32, generator=torch.Generator().manual_seed(3))
+    t = OffloadedTensor.from_original_tensor(
+        fp_to_tract_q4_0_with_min_max_calibration(weight), "q", tmp_path
+    )
+    with TensorResidencyPool() as pool:
+        with pool.acquire(t, mode="read_write") as value:
+            change(value)
+            changed = value.decompress()
+        with pytest.raises(T2NErrorStorage, match=r"fix the cause .* and flush again"):
+            pool.flush()
+        read = t.reload()
+        assert read.qscheme.scale.data_ptr() != value.qscheme.scale.data_ptr()
+        torch.testing.assert_close(read.decompress(), changed, rtol=0, atol=0, equal_nan=True)
+        with pool.acquire(t, mode="read_write") as value:
+            _mend(value)
+            mended = value.decompress()
+        pool.flush()
+    assert torch.equal(t.reload().decompress(), mended)
+
+
 @CUDA
 def test_offload_state_round_trips_on_cuda() -> None:
     q = fp_to_tract_q4_0_with_min_max_calibration(torch.randn(16, 64, device="cuda"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import copy
 import dataclasses
 import gc
 import logging
@@ -104,12 +105,19 @@ def _renamed_over(path: Path, binding: _Binding) -> bool:
 
 def _copy_of(value: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A copy of a pool's unsaved ``value`` on ``device``, never an alias of it: an opaque
-    value (a ``QTensor``) is rebuilt from copies of its offload state. The kernels that
-    changed a CUDA value under a ``read_write`` lease are waited for first."""
+    value (a ``QTensor``) is rebuilt from copies of its offload state (deep-copied where its
+    state refuses a change, which a lease then mends). The kernels that changed a CUDA value
+    under a ``read_write`` lease are waited for first."""
     storage.wait_for_writes(value)
     if not isinstance(value, SupportsOffloadState):
         return storage.copy_to(value, device)
-    tensors, metadata = storage.encode_opaque(value)
+    try:
+        tensors, metadata = storage.encode_opaque(value)
+    except T2NErrorMisuse:
+        # A change its offload state refuses (its write-back fails until it is mended, under
+        # a read_write lease that shelters a copy first): copied as Python copies objects.
+        copied = copy.deepcopy(value)
+        return copied if copied.device == device else copied.to(device)
     copies = {name: storage.copy_to(tensor, device) for name, tensor in tensors.items()}
     return storage.decode_opaque(copies, metadata, device)
 

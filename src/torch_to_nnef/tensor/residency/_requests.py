@@ -195,7 +195,10 @@ class Flush(Operation):
             self.actor.check_open()
             self.jobs = self.actor.flush_step(self.source)
         return _pending_or_failed(
-            self.jobs, "", ", free space or fix the offload directory and flush again"
+            self.jobs,
+            "",
+            ": fix the cause (free space, the offload directory, or the value as the error says) "
+            "and flush again",
         )
 
 
