@@ -1653,6 +1653,27 @@ def test_assigning_a_plain_data_to_an_offloaded_qtensor_is_refused_not_decompres
     assert offloaded.dtype == torch.float32
 
 
+def test_a_conversion_assigning_data_refuses_before_converting_any_offloaded_tensor(
+    quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    """``model.half()`` on a model whose quantized weight comes after plain offloaded ones is
+    refused at the first offloaded tensor it reaches: none is converted. (The plain ones
+    before the quantized one were float16 already, the model half converted.)"""
+    model = nn.Sequential(nn.Linear(64, 8), nn.Linear(64, 8))
+    model[1].weight = nn.Parameter(quantized, requires_grad=False)
+    offload_module(model, tmp_path)
+    before = {name: p.reload() for name, p in model.named_parameters()}
+    with pytest.raises(T2NErrorNotImplemented, match=r"'1\.weight' would decompress it") as info:
+        model.half()
+    assert "No offloaded tensor was converted" in str(info.value)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32, name
+        assert torch.equal(p.reload(), before[name]), name
+    model[0].half()  # a module without quantized weights converts
+    assert model[0].weight.dtype == torch.float16
+    assert torch.equal(model[0].weight.reload(), before["0.weight"].half())
+
+
 # ---------------------------------------------------------------------------------------------
 # What the residency pool relies on
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ import contextlib
 import copy
 import dataclasses
 import gc
+import itertools
 import logging
 import multiprocessing.context
 import os
@@ -694,6 +695,14 @@ def _refuse_swapping_conversion() -> None:
             "(set_swap_module_params_on_conversion(False)): each offloaded parameter is "
             "converted in place and stays the same object"
         )
+
+
+def _opaque_offloaded(module: torch.nn.Module) -> OffloadedTensor | None:
+    """The first offloaded tensor of ``module`` holding an opaque value, if any."""
+    for tensor in itertools.chain(module.parameters(), module.buffers()):
+        if isinstance(tensor, OffloadedTensor) and tensor._binding.opaque:
+            return tensor
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1801,8 +1810,9 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         change (the new device becomes the target). It writes the new payload through
         :meth:`update_values`. An opaque payload (a ``QTensor``) takes an opaque value only:
         a plain tensor (what ``model.half()`` or ``model.cuda()`` assign) would decompress it
-        without a word, and is refused with ``T2NErrorNotImplemented``; ``model.to(dtype)``
-        and ``model.to(device)`` keep it opaque.
+        without a word, and is refused with ``T2NErrorNotImplemented`` (in such a conversion,
+        at the first offloaded tensor of the module it reaches: none is converted);
+        ``model.to(dtype)`` and ``model.to(device)`` keep it opaque.
         """
         return self
 
@@ -1816,17 +1826,27 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             opaque = new_data._binding.opaque
         else:
             opaque = isinstance(new_data, SupportsOffloadState)
-        if self._binding.opaque and not opaque:
-            raise T2NErrorNotImplemented(
-                f"assigning a plain tensor to .data of offloaded "
-                f"{self.offloaded_tensor_type.__name__} {self._name!r} would decompress it "
-                "(model.half(), model.cuda() and model.float() assign .data): use "
-                "model.to(dtype) or model.to(device), which keep it "
-                f"{self.offloaded_tensor_type.__name__}; to store a plain value, "
-                "update_values(value, strict_shape=False, strict_dtype=False)"
-            )
+        if not opaque:
+            # A module's conversion assigns every tensor alike: one of its opaque tensors,
+            # which refuses the assignment, refuses it before any tensor was converted.
+            module = None if self._binding.opaque else _module_converted()
+            refused = self if module is None else _opaque_offloaded(module)
+            if refused is not None and refused._binding.opaque:
+                raise refused._decompressing_assignment(converted=module is not None)
         device = _canonical_device(new_data.device)
         self._replace_value(new_data, strict_shape=False, strict_dtype=False, device=device)
+
+    def _decompressing_assignment(self, converted: bool) -> T2NErrorNotImplemented:
+        """The refusal of a plain value assigned to ``.data`` of this opaque tensor, in a
+        module's conversion (``converted``) or not."""
+        kind = self.offloaded_tensor_type.__name__
+        before = " No offloaded tensor was converted." if converted else ""
+        return T2NErrorNotImplemented(
+            f"assigning a plain tensor to .data of offloaded {kind} {self._name!r} would "
+            "decompress it (model.half(), model.cuda() and model.float() assign .data)."
+            f"{before} Use model.to(dtype) or model.to(device), which keep it {kind}; to "
+            "store a plain value, update_values(value, strict_shape=False, strict_dtype=False)"
+        )
 
     def set_(self, source: torch.Tensor, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
         """Replace the value by ``source``: its values, shape and dtype (a quantizer may give
