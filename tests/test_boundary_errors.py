@@ -77,6 +77,32 @@ def test_a_string_that_names_no_device_is_refused_by_name(tmp_path: Path) -> Non
         pool.resolve(weight)  # the pool goes on serving
 
 
+@pytest.mark.parametrize("kind", ["mps", "xpu"])
+def test_a_backend_this_torch_lacks_is_refused_where_it_is_named(tmp_path: Path, kind: str) -> None:
+    """``"mps"`` or ``"xpu"`` on a build without them is refused by every call that takes a
+    device, as a misuse naming it (the calls took it; the loads failed later, as a storage
+    error, or reads outside a pool with torch's own ``RuntimeError`` or ``AssertionError``)."""
+    usable = getattr(torch.backends, kind, None) or getattr(torch, kind, None)
+    if usable is not None and hasattr(usable, "is_available") and usable.is_available():
+        pytest.skip(f"{kind} is usable here")
+    model = offload_module(nn.Sequential(nn.Linear(4, 4)), tmp_path)
+    weight = model[0].weight
+    with TensorResidencyPool() as pool:
+        for call in (
+            lambda: pool.resolve(weight, device=kind),
+            lambda: pool.acquire(weight, device=kind),
+            lambda: pool.prefetch(weight, device=kind),
+            lambda: pool.scope(device=kind).__enter__(),
+            lambda: stream_modules(pool, list(model), device=kind),
+            lambda: weight.reload(kind),
+            lambda: weight.to(kind),
+        ):
+            with pytest.raises(T2NErrorMisuse, match=f"cannot place tensors on {kind}"):
+                call()
+        assert weight.device == torch.device("cpu")
+        pool.resolve(weight)  # the pool goes on serving
+
+
 def test_schedules_and_streams_given_something_else_say_what_they_take(tmp_path: Path) -> None:
     model = offload_module(nn.Sequential(nn.Linear(4, 4)), tmp_path)
     with TensorResidencyPool() as pool:

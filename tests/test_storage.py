@@ -760,6 +760,7 @@ def test_public_api_is_exactly_exported() -> None:
             "allocate",
             "copy_to",
             "open_regular_file",
+            "placement_refused",
             "resolve_device",
             "to_device",
             "read_to_device",

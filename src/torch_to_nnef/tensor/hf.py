@@ -126,18 +126,13 @@ def _checked(device: DeviceLike) -> DeviceLike:
             f"device {device!r}: CUDA is not available on this machine "
             "(torch.cuda.is_available() is False); place the tensors on 'cpu' or 'disk'"
         )
-    if target.type != "cpu":
-        # An offloaded tensor only moves on load: without this, a device torch cannot use
-        # would fail mid-binding, or only at the first forward, with torch's own error.
-        try:
-            torch.empty(0, device=target)
-        except Exception as exc:  # each backend fails its own way (RuntimeError, ...)
-            first = (str(exc).splitlines() or [""])[0].split(". ")[0][:160]
-            raise T2NErrorMisuse(
-                f"device {device!r}: torch cannot place tensors on {target} on this machine "
-                f"({type(exc).__name__}: {first}); place them on 'cpu', 'disk' or a device "
-                "this machine has"
-            ) from exc
+    # An offloaded tensor only moves on load: without this, a CUDA index beyond the devices
+    # present would fail mid-binding, or only at the first forward, with torch's own error.
+    if target.type == "cuda" and (why := storage.placement_refused(target)) is not None:
+        raise T2NErrorMisuse(
+            f"device {device!r}: torch cannot place tensors on {target} on this machine "
+            f"({why}); place them on 'cpu', 'disk' or a device this machine has"
+        )
     return device
 
 

@@ -42,6 +42,7 @@ from torch_to_nnef.tensor.storage._buffers import allocate as allocate
 from torch_to_nnef.tensor.storage._buffers import copy_to as copy_to
 from torch_to_nnef.tensor.storage._descriptors import forget as forget_file
 from torch_to_nnef.tensor.storage._device import handoff as handoff
+from torch_to_nnef.tensor.storage._device import placement_refused as placement_refused
 from torch_to_nnef.tensor.storage._device import record_writes as record_writes
 from torch_to_nnef.tensor.storage._device import resolve_device as resolve_device
 from torch_to_nnef.tensor.storage._device import to_device as to_device
@@ -97,6 +98,7 @@ __all__ = [
     "open_regular_file",
     # devices
     "resolve_device",
+    "placement_refused",
     "to_device",
     "read_to_device",
     "handoff",

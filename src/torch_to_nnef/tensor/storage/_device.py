@@ -44,6 +44,7 @@ __all__ = [
     "CudaRuntime",
     "handoff",
     "inner_tensors",
+    "placement_refused",
     "record_writes",
     "resolve_device",
     "to_device",
@@ -114,17 +115,42 @@ def resolve_device(device: torch.device | str | int) -> torch.device:
     method), and pass the resolved device to worker threads.
 
     Raises:
-        T2NErrorMisuse: ``device`` names no device.
+        T2NErrorMisuse: ``device`` names no device, or a backend that torch cannot place
+            tensors on here (one this build lacks, such as ``"mps"`` or ``"xpu"``; CUDA's
+            availability is checked where values are copied to it).
     """
     try:
         target = torch.device(device)
     except (TypeError, RuntimeError) as exc:
         raise T2NErrorMisuse(f"{device!r} is not a device: {exc}") from exc
-    if target.type == "cuda" and target.index is None and RUNTIME.is_available():
-        target = torch.device("cuda", RUNTIME.current_device())
-    elif target.type == "cpu" and target.index is not None:
+    if target.type == "cuda":
+        if target.index is None and RUNTIME.is_available():
+            target = torch.device("cuda", RUNTIME.current_device())
+    elif target.type == "cpu":
         target = _CPU
+    elif target.type != "meta" and (why := placement_refused(target)) is not None:
+        raise T2NErrorMisuse(
+            f"device {device!r}: torch cannot place tensors on {target} on this machine "
+            f"({why}); use 'cpu' or a device this machine has"
+        )
     return target
+
+
+_REFUSED: dict[torch.device, str | None] = {}
+
+
+def placement_refused(target: torch.device) -> str | None:
+    """Why torch cannot place a tensor on ``target`` on this machine (a backend this build
+    lacks, an index beyond the devices present), or ``None``; asked of torch once per device
+    (a CUDA device's first ask starts CUDA)."""
+    if target not in _REFUSED:
+        try:
+            torch.empty(0, device=target)
+            _REFUSED[target] = None
+        except Exception as exc:  # each backend fails its own way (RuntimeError, ...)
+            first = (str(exc).splitlines() or [""])[0].split(". ")[0][:160]
+            _REFUSED[target] = f"{type(exc).__name__}: {first}"
+    return _REFUSED[target]
 
 
 def pin_host_memory(requested: bool) -> bool:
