@@ -944,6 +944,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             return
         if layout.identity is not None and now == layout.identity:
             switch(layout)
+            self._switching = None  # (the switch marks itself begun; no thread ends it here)
 
     # -- constructors ------------------------------------------------------------------------
     @classmethod
