@@ -1872,6 +1872,54 @@ def test_a_load_ending_after_a_failed_async_with_exit_keeps_the_change_it_would_
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
 
 
+def test_a_flush_ending_after_a_failed_async_with_exit_keeps_the_value_quietly(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A flush's write-back of a mapped value runs as the exit of ``async with pool`` fails
+    (a thread holds a lease): its end, applied once no loop serves the pool, starts no job
+    (the remap of the file written): the value stays, and nothing is logged as failed. (It
+    started that job, which raised, logged as a failure of the pool, the budget's check after
+    it skipped.)"""
+    numel = 1 << 18  # 1 MiB: a mapped value
+    t = OffloadedTensor.from_original_tensor(torch.zeros(numel), "w", offload_dir=tmp_path)
+    other = _tensor(tmp_path, "other", 1.0)
+    pool = TensorResidencyPool()
+    leased, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(other):
+            leased.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, daemon=True)
+
+    async def serve() -> None:
+        async with pool:
+            async with pool.acquire(t, mode="read_write") as value:
+                value.fill_(3.0)
+            holder.start()
+            while not leased.is_set():
+                await asyncio.sleep(0.01)
+            point.armed.set()
+            asyncio.get_running_loop().create_task(pool.aflush(t))
+            while not point.paused.is_set():
+                await asyncio.sleep(0.01)
+            threading.Timer(0.2, point.go).start()  # the write ends after the exit began
+
+    with (
+        paused_in_new_threads(OffloadedTensor._write_back.__code__, "call") as point,
+        pytest.raises(T2NErrorMisuse, match="cannot close"),
+    ):
+        asyncio.run(serve())
+    assert torch.equal(pool.resolve(t), torch.full((numel,), 3.0))
+    check_invariants(pool)
+    release.set()
+    holder.join(10)
+    pool.close()
+    assert torch.equal(on_disk(t), torch.full((numel,), 3.0))
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 @pytest.mark.parametrize(
     ("hit", "mode"),
     [(False, "read_write"), (False, "read"), (True, "read")],

@@ -1340,8 +1340,8 @@ class Actor:
         """A value that stays after its write-back (a flush, or an eviction a lease took
         back), loaded as a mapping of the file the write replaced, keeps that file and its
         disk space alive: a job maps the file written, which :meth:`_remap` serves instead."""
-        if entry.copied or entry.device.type != "cpu" or self.closing:
-            return  # (not loaded as a mapping, or about to go)
+        if entry.copied or entry.device.type != "cpu" or self.closing or self.submit is None:
+            return  # (not loaded as a mapping, about to go, or no loop serves the pool)
         value = entry.value
         assert value is not None
         self._job(
