@@ -29,7 +29,7 @@ from typing import Any
 import anyio
 import pytest
 import torch
-from interrupts import CtrlCTimer
+from interrupts import CtrlCTimer, finalizer_interrupts_counted
 from residency_checks import check_invariants, on_disk
 from stress.figures import record, scaled, soak_seconds
 
@@ -644,7 +644,8 @@ def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
         for worker in workers:
             worker.start()
         try:
-            interrupted = interrupted_reads(pool, world, seconds)
+            with finalizer_interrupts_counted() as in_finalizers:
+                interrupted = interrupted_reads(pool, world, seconds)
         finally:
             world.stop.set()
             for worker in workers:
@@ -665,5 +666,6 @@ def test_soak_writes_land_in_program_order(tmp_path: Path) -> None:
         "soak_program_order",
         seconds=seconds,
         interrupted=interrupted,
+        interrupts_in_finalizers=in_finalizers[0],
         **{name: counts[name] for name in sorted(counts)},
     )
