@@ -976,8 +976,8 @@ def test_no_import_circle_in_the_package() -> None:
             visit(module)
 
 
-# Known defects of SCHEDULED retention through a pool, kept visible until they are fixed: the
-# policy's own tests drive it by hand (every hit an ``access``), which is not what a pool does.
+# SCHEDULED retention through a pool (the policy's own tests drive it by hand, every hit an
+# ``access``, which is not what a pool does): a known defect kept visible until it is fixed.
 @pytest.mark.xfail(
     strict=True,
     reason="a hit served without the actor queues a touch, which SCHEDULED ignores for "
@@ -998,14 +998,10 @@ def test_a_scheduled_pool_moves_its_position_on_hits_served_without_the_actor(
         assert [pool.is_resident(t) for t in ts] == [False, True, True, True, False]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="ScheduledPolicy.declare puts the keys scheduled before behind every key that "
-    "was not, whatever their recency (it keeps none for scheduled keys)",
-)
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:
     """Room for two: ``a`` (scheduled) then ``b`` (not) read; a new schedule leaves both out;
-    reading ``c`` must evict ``a``, the least recently used, not ``b``."""
+    reading ``c`` evicts ``a``, the least recently used. (The values scheduled before went
+    behind every other, whatever their use: ``b`` went.)"""
     a, b, c = make_tensors(tmp_path, 3, numel=64)
     with TensorResidencyPool(2 * 256, strategy=ResidencyStrategy.SCHEDULED) as pool:
         pool.declare_schedule([a])

@@ -10,6 +10,7 @@ values it returns.
 from __future__ import annotations
 
 import enum
+import itertools
 from collections import OrderedDict
 
 __all__ = [
@@ -200,7 +201,8 @@ class ScheduledPolicy(RetentionPolicy):
     With every key used once per pass, the evictable value used farthest in the future is the
     one whose position lies just behind the consumer's (cyclically): a predecessor search in a
     Fenwick tree over schedule positions, O(log n). Keys outside the schedule go first, in LRU
-    order.
+    order, which a new schedule keeps for the keys it leaves out: every evictable key, in the
+    schedule or not, carries the time of its last use.
     """
 
     strategy = ResidencyStrategy.SCHEDULED
@@ -214,6 +216,8 @@ class ScheduledPolicy(RetentionPolicy):
         self._cursor = -1
         self._learning: list[int] = []
         self._learnt: set[int] = set()
+        self._used: dict[int, int] = {}  # evictable key -> when last used (see declare)
+        self._clock = itertools.count()
 
     # -- the schedule ----------------------------------------------------------------------------
     @property
@@ -224,6 +228,9 @@ class ScheduledPolicy(RetentionPolicy):
         """Use ``keys`` (one pass, in order; repeats ignored) as the cyclic schedule."""
         order = list(dict.fromkeys(keys))
         evictable = {**self._evictable, **self._scheduled}
+        used = self._used
+        evictable = dict(sorted(evictable.items(), key=lambda item: used.get(item[0], -1)))
+        self._used = {}
         self._evictable = OrderedDict()
         self._scheduled = {}
         self._order = order
@@ -251,6 +258,7 @@ class ScheduledPolicy(RetentionPolicy):
 
     # -- evictable set ---------------------------------------------------------------------------
     def _insert(self, key: int, nbytes: int) -> None:
+        self._used[key] = next(self._clock)
         position = self._position.get(key)
         if position is None:
             self._evictable[key] = nbytes
@@ -264,16 +272,25 @@ class ScheduledPolicy(RetentionPolicy):
         else:
             self._doomed[key] = nbytes
 
+    def touch(self, key: int) -> None:
+        super().touch(key)
+        if key in self._used:
+            self._used[key] = next(self._clock)
+
     def hold(self, key: int) -> None:
         super().hold(key)
+        self._used.pop(key, None)
         if self._scheduled.pop(key, None) is not None:
             self._tree.add(self._position[key], -1)
 
     def _pop_victim(self) -> tuple[int, int] | None:
         picked = super()._pop_victim()  # keys outside the schedule go first
         if picked is not None or not self._scheduled:
+            if picked is not None:
+                self._used.pop(picked[0], None)
             return picked
         key = self._farthest()
+        self._used.pop(key, None)
         self._tree.add(self._position[key], -1)
         return key, self._scheduled.pop(key)
 
