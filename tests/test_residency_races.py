@@ -827,6 +827,21 @@ def test_reads_of_the_state_never_wait_for_a_stopped_loop(tmp_path: Path) -> Non
     assert pool.closed
 
 
+def _lease_holder(
+    pool: TensorResidencyPool, held: OffloadedTensor
+) -> tuple[threading.Thread, threading.Event, threading.Event]:
+    """A thread (not started) that holds a lease on ``held`` from when it sets the first
+    event until the second one is set (or 30 s)."""
+    leased, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with pool.acquire(held):
+            leased.set()
+            release.wait(30)
+
+    return threading.Thread(target=hold, daemon=True), leased, release
+
+
 def _load_ending_after_a_failed_async_with_exit(
     pool: TensorResidencyPool,
     held: OffloadedTensor,
@@ -837,14 +852,7 @@ def _load_ending_after_a_failed_async_with_exit(
     holds a lease on ``held``, which makes the exit fail; ``loaded`` is prefetched, its load
     ending after the exit began. Return its prefetch handle, and what ends the thread's
     lease."""
-    leased, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with pool.acquire(held):
-            leased.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold, daemon=True)
+    holder, leased, release = _lease_holder(pool, held)
     handles: list[TensorPrefetch] = []
 
     async def serve() -> None:
@@ -1884,14 +1892,7 @@ def test_a_flush_ending_after_a_failed_async_with_exit_keeps_the_value_quietly(
     t = OffloadedTensor.from_original_tensor(torch.zeros(numel), "w", offload_dir=tmp_path)
     other = _tensor(tmp_path, "other", 1.0)
     pool = TensorResidencyPool()
-    leased, release = threading.Event(), threading.Event()
-
-    def hold() -> None:
-        with pool.acquire(other):
-            leased.set()
-            release.wait(30)
-
-    holder = threading.Thread(target=hold, daemon=True)
+    holder, leased, release = _lease_holder(pool, other)
 
     async def serve() -> None:
         async with pool:

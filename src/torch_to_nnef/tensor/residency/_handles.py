@@ -29,7 +29,6 @@ __all__ = [
     "Uncopyable",
     "end_lease",
     "hand_over",
-    "latest_write",
 ]
 
 
@@ -122,18 +121,6 @@ def _undo_reshaping(slot: Slot) -> T2NErrorMisuse | None:
     )
 
 
-_ANYONE = object()
-"""An owner that never writes: ``source._hit_state.version_for(_ANYONE)`` is the latest
-write of all."""
-
-
-def latest_write(source: PoolSource) -> object:
-    """The latest write of ``source``, whoever made it (this pool included): what a
-    :class:`TensorPrefetch` is made as of, read before its value is picked (compare by
-    identity)."""
-    return source._hit_state.version_for(_ANYONE)
-
-
 class TensorPrefetch(Uncopyable):
     """Handle on a load started by :meth:`TensorResidencyPool.prefetch` or ``pin``.
 
@@ -166,9 +153,9 @@ class TensorPrefetch(Uncopyable):
         self._source = source
         self._device = device
         self._future = future
-        # The latest write as of the prefetch (``latest_write``, read before the value was
-        # picked): a later one may be missing from the value (another pool's change, or this
-        # pool's own made on a value read again after this one was evicted).
+        # The latest write as of the prefetch (``_hit_state.last_write()``, read before the
+        # value was picked): a later one may be missing from the value (another pool's
+        # change, or this pool's own made on a value read again after this one was evicted).
         self._version = version
 
     @classmethod
@@ -191,7 +178,7 @@ class TensorPrefetch(Uncopyable):
         which may be ``value`` itself), or ``value`` holds a ``read_write`` lease's change
         that was dropped since (a later write stands)."""
         actor = self._pool._actor
-        written = latest_write(self._source) is not self._version
+        written = self._source._hit_state.last_write() is not self._version
         return written or actor.holds_dropped_change(value)
 
     def wait(self) -> torch.Tensor:

@@ -285,14 +285,13 @@ class ScheduledPolicy(RetentionPolicy):
 
     def _pop_victim(self) -> tuple[int, int] | None:
         picked = super()._pop_victim()  # keys outside the schedule go first
-        if picked is not None or not self._scheduled:
-            if picked is not None:
-                self._used.pop(picked[0], None)
-            return picked
-        key = self._farthest()
-        self._used.pop(key, None)
-        self._tree.add(self._position[key], -1)
-        return key, self._scheduled.pop(key)
+        if picked is None and self._scheduled:
+            key = self._farthest()
+            self._tree.add(self._position[key], -1)
+            picked = key, self._scheduled.pop(key)
+        if picked is not None:
+            self._used.pop(picked[0], None)
+        return picked
 
     def _farthest(self) -> int:
         tree = self._tree

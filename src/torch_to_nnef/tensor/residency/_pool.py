@@ -35,7 +35,6 @@ from torch_to_nnef.tensor.residency._handles import (
     TensorResidencyLease,
     Uncopyable,
     hand_over,
-    latest_write,
 )
 from torch_to_nnef.tensor.residency._policy import ResidencyStrategy, make_policy
 from torch_to_nnef.tensor.residency._requests import (
@@ -453,7 +452,7 @@ class TensorResidencyPool(Uncopyable):
                 value is resident on another device.
         """
         target = self._target(source, device)
-        version = latest_write(source)  # first: a write landing after it is one wait() serves
+        version = source._hit_state.last_write()  # first: a write after it is one wait() serves
         slot = self._actor.fresh_slot(source, target)
         if slot is not None and slot.open:
             self._actor.touch(slot.entry.key)
@@ -475,7 +474,7 @@ class TensorResidencyPool(Uncopyable):
         """
         self._check_pins("pin")
         target = self._target(source, device)
-        return self._start_prefetch(source, target, True, latest_write(source))
+        return self._start_prefetch(source, target, True, source._hit_state.last_write())
 
     def _start_prefetch(
         self, source: OffloadedTensor, target: torch.device, pin: bool, version: object
