@@ -977,25 +977,53 @@ def test_no_import_circle_in_the_package() -> None:
 
 
 # SCHEDULED retention through a pool (the policy's own tests drive it by hand, every hit an
-# ``access``, which is not what a pool does): a known defect kept visible until it is fixed.
-@pytest.mark.xfail(
-    strict=True,
-    reason="a hit served without the actor queues a touch, which SCHEDULED ignores for "
-    "scheduled keys: the consumer's position stays where the last miss put it",
-)
+# ``access``): hits served without the actor must move the consumer's position too.
+def _hit(pool: TensorResidencyPool, t: OffloadedTensor, how: str) -> None:
+    if how == "resolve":
+        pool.resolve(t)
+    elif how == "scope":
+        with pool.scope():
+            torch.add(t, 0)
+    else:
+        with pool.acquire(t, mode=how):
+            pass
+
+
+@pytest.mark.parametrize("how", ["resolve", "scope", "read", "read_write"])
 def test_a_scheduled_pool_moves_its_position_on_hits_served_without_the_actor(
-    tmp_path: Path,
+    tmp_path: Path, how: str
 ) -> None:
-    """Schedule t0..t4, room for three: t0, t1, t2 read, then t0 again (a hit). A prefetch of
-    t3 must evict t0, whose next use is a whole pass away, not t2, used two steps later."""
+    """Schedule t0..t4, room for three: t0, t1, t2 read, then t0 again (a hit, served
+    without the actor). A prefetch of t3 must evict t0, whose next use is a whole pass away,
+    not t2, used two steps later (the hit once left the position at t2)."""
     ts = make_tensors(tmp_path, 5, numel=64)
     with TensorResidencyPool(3 * 256, strategy=ResidencyStrategy.SCHEDULED) as pool:
         pool.declare_schedule(ts)
         for t in ts[:3]:
             pool.resolve(t)
-        pool.resolve(ts[0])  # a hit, served without the actor
+        misses = pool.stats().misses
+        _hit(pool, ts[0], how)
+        assert pool.stats().misses == misses
         pool.prefetch(ts[3]).wait()
         assert [pool.is_resident(t) for t in ts] == [False, True, True, True, False]
+
+
+@pytest.mark.parametrize("how", ["resolve", "read"])
+def test_a_scheduled_pool_learns_its_pass_from_hits_as_well(tmp_path: Path, how: str) -> None:
+    """No schedule declared, room for three: t0 t1 t2 read (misses), then t0 again, a hit
+    served without the actor, ends the pass: t0 t1 t2 is the schedule, and t3, outside it,
+    is the first to go. A use again of the value just used (two ops on one weight) ends no
+    pass. (Learning from misses alone, the pool still knew no schedule and evicted t1 as LRU
+    does; a pass ended by a use again would be t0 alone.)"""
+    ts = make_tensors(tmp_path, 4, numel=64)
+    with TensorResidencyPool(3 * 256, strategy=ResidencyStrategy.SCHEDULED) as pool:
+        for t in ts[:3]:
+            pool.resolve(t)
+            _hit(pool, t, how)
+        assert pool.stats().misses == 3
+        _hit(pool, ts[0], how)
+        pool.resolve(ts[3])
+        assert [pool.is_resident(t) for t in ts] == [True, True, True, False]
 
 
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:

@@ -107,6 +107,9 @@ class Actor:
         # Recency of those hits, replayed by the next transition (bounded: only the most
         # recent matter).
         self._touches: deque[int] = deque(maxlen=8192)
+        # The keys of those hits that were a consumer's, for a policy that follows them
+        # (RetentionPolicy.follows_hits; None for the others, which the touches serve).
+        self._consumer_hits: deque[int] | None = deque(maxlen=8192) if policy.follows_hits else None
         # Slots whose leases went from none to some or back, by other threads.
         self._changed: deque[Slot] = deque()
         # A wake-up for leases ended over the budget is on its way to the loop: later ones
@@ -199,11 +202,15 @@ class Actor:
         if LOCK_FREE_READERS:
             next(self._free_hits)
             self._touches.append(slot.key)
+            if self._consumer_hits is not None:
+                self._consumer_hits.append(slot.key)
             slot.used = True
             return
         with self.lock:
             self._lock_hits += 1
             self._touches.append(slot.key)
+            if self._consumer_hits is not None:
+                self._consumer_hits.append(slot.key)
             slot.used = True
 
     def touch(self, key: int) -> None:
@@ -221,6 +228,8 @@ class Actor:
             self._grant(slot, holder)
             if not holder.ahead:
                 self._lock_hits += count
+                if count and self._consumer_hits is not None:
+                    self._consumer_hits.append(slot.key)
                 slot.used = True
         return True
 
@@ -253,6 +262,8 @@ class Actor:
         slot.readers.append(holder.reader)
         if slot.open:
             slot.used = True
+            if self._consumer_hits is not None:
+                self._consumer_hits.append(slot.key)
             if not slot.changed:
                 slot.changed = True
                 self._changed.append(slot)
@@ -501,10 +512,14 @@ class Actor:
         if not (self._touches or self._changed):
             return
         with self.lock:
-            # Readers append without the lock (see take_reader): a touch appended between
-            # the copy and the clear is lost (a hint of recency), a queued slot never.
+            # Readers append without the lock (see take_reader): a touch or hit appended
+            # between the copy and the clear is lost (a hint of recency), a queued slot never.
             keys = list(self._touches)
             self._touches.clear()
+            hits: list[int] = []
+            if self._consumer_hits is not None:
+                hits = list(self._consumer_hits)
+                self._consumer_hits.clear()
             changed = _take_all(self._changed)
             self.syncing = True  # before the flag a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
@@ -512,12 +527,15 @@ class Actor:
             for slot in changed:
                 slot.changed = False
         try:
-            self._apply(keys, changed)
+            self._apply(hits, keys, changed)
         finally:
             self.syncing = False
 
-    def _apply(self, keys: list[int], changed: list[Slot]) -> None:
+    def _apply(self, hits: list[int], keys: list[int], changed: list[Slot]) -> None:
         """The part of :meth:`sync` that applies what it took (loop thread)."""
+        access = self.policy.access
+        for key in hits:
+            access(key)
         touch = self.policy.touch
         for key in keys:
             touch(key)

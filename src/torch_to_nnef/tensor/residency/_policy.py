@@ -54,6 +54,9 @@ class RetentionPolicy:
 
     strategy: ResidencyStrategy
     allows_pins: bool = True
+    follows_hits: bool = False
+    """Whether :meth:`access` hears of every consumer's hit, those served without the actor
+    included (other threads queue them; the next transition replays them in order)."""
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
@@ -89,7 +92,8 @@ class RetentionPolicy:
             self._evictable.move_to_end(key)
 
     def access(self, key: int) -> None:
-        """A consumer asked for the value (resolve or acquire; not a prefetch)."""
+        """A consumer asked for the value (resolve or acquire; not a prefetch). Hits served
+        without the actor come here only where :attr:`follows_hits` is set."""
 
     def forget(self, key: int, nbytes: int, retained: bool) -> None:
         """The value left the pool."""
@@ -206,6 +210,7 @@ class ScheduledPolicy(RetentionPolicy):
     """
 
     strategy = ResidencyStrategy.SCHEDULED
+    follows_hits = True  # the consumer's position moves on every use
 
     def __init__(self, budget: int | None) -> None:
         super().__init__(budget)
@@ -249,7 +254,10 @@ class ScheduledPolicy(RetentionPolicy):
             return
         if self._order:
             return
-        if key in self._learnt:  # the first pass is over: it is the schedule
+        if key in self._learnt:
+            if key == self._learning[-1]:
+                return  # a use again of the value just used (two ops on one weight)
+            # The first pass is over: it is the schedule.
             self.declare(self._learning)
             self._cursor = self._position[key]
             return
