@@ -28,6 +28,7 @@ from torch_to_nnef.tensor.residency import (
     TensorResidencyPool,
 )
 from torch_to_nnef.tensor.residency._actor import Actor
+from torch_to_nnef.tensor.residency._policy import ScheduledPolicy
 from torch_to_nnef.tensor.residency._requests import read_by_caller
 
 pytestmark = [pytest.mark.timeout(90)]
@@ -1024,6 +1025,36 @@ def test_a_scheduled_pool_learns_its_pass_from_hits_as_well(tmp_path: Path, how:
         _hit(pool, ts[0], how)
         pool.resolve(ts[3])
         assert [pool.is_resident(t) for t in ts] == [True, True, True, False]
+
+
+def test_a_schedule_declared_before_the_pool_runs_holds_off_its_first_request(
+    tmp_path: Path,
+) -> None:
+    """A schedule declared before the pool runs is declared on its caller's thread; a first
+    request of another thread meanwhile waits for it (it once started the loop, whose steps
+    then changed the policy amid the declaration: a scheduled value its tree did not count
+    raised at the next eviction, and the pool stayed over its budget)."""
+    a, b, c = make_tensors(tmp_path, 3, numel=64)
+    pool = TensorResidencyPool(256, strategy=ResidencyStrategy.SCHEDULED)
+    try:
+        with paused_in_new_threads(ScheduledPolicy.declare.__code__, on="call") as point:
+            point.armed.set()
+            declaring = threading.Thread(target=pool.declare_schedule, args=([b, c, a],))
+            declaring.start()
+            assert point.paused.wait(10)
+            resolving = threading.Thread(target=pool.resolve, args=(a,))
+            resolving.start()
+            resolving.join(0.3)
+            assert resolving.is_alive(), "a first request ran amid the declaration"
+            point.go()
+            declaring.join(10)
+            resolving.join(10)
+        assert not declaring.is_alive() and not resolving.is_alive()
+        pool.pin(b).wait()  # counts toward the budget: a, the only value evictable, goes
+        assert [pool.is_resident(t) for t in (a, b, c)] == [False, True, False]
+        check_invariants(pool)
+    finally:
+        pool.close()
 
 
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:

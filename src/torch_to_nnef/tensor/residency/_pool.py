@@ -509,12 +509,14 @@ class TensorResidencyPool(Uncopyable):
         await self._runtime.acall(Transition(lambda: self._actor.unpin_step(source)))
 
     def _transition(self, operation: Transition) -> None:
-        """A request that never waits: before the pool runs, nothing contends; run it here."""
-        if not self._runtime.running:
-            self._actor.check_open()
-            operation.step()
-            return
-        self._runtime.call(operation)
+        """A request that never waits: before the pool runs, run it here (no loop starts
+        meanwhile), else on the loop."""
+        if not self._runtime.run_unstarted(partial(self._step_here, operation)):
+            self._runtime.call(operation)
+
+    def _step_here(self, operation: Transition) -> None:
+        self._actor.check_open()
+        operation.step()
 
     def declare_schedule(self, sources: Iterable[OffloadedTensor]) -> None:
         """Declare the cyclic order in which ``sources`` are used (one pass).

@@ -639,6 +639,17 @@ class Runtime:
     def running(self) -> bool:
         return self.loop is not None
 
+    def run_unstarted(self, step: Callable[[], object]) -> bool:
+        """Run ``step`` on the calling thread while no loop serves the pool, under the lock
+        that starting one takes: no loop thread runs a step meanwhile. Whether it ran."""
+        if self.loop is not None:
+            return False
+        with self._start_lock:
+            if self.loop is not None:
+                return False
+            step()
+        return True
+
     @property
     def private(self) -> bool:
         return self._thread is not None
