@@ -1057,6 +1057,28 @@ def test_a_schedule_declared_before_the_pool_runs_holds_off_its_first_request(
         pool.close()
 
 
+@pytest.mark.parametrize("strategy", [ResidencyStrategy.LRU, ResidencyStrategy.SCHEDULED])
+def test_values_whose_leases_end_between_two_steps_take_the_order_their_leases_ended(
+    tmp_path: Path, strategy: ResidencyStrategy
+) -> None:
+    """Room for three; a and b leased (counted by the actor as held), a's slot queued again
+    by a hit; b's lease ends, then a's: b is the less recent, and goes before a. (Released
+    in the order their slots were queued, a looked older.) Under SCHEDULED, outside the
+    schedule: LRU order."""
+    a, b, c, d, e, f = make_tensors(tmp_path, 6, numel=64)
+    with TensorResidencyPool(3 * 256, strategy=strategy) as pool:
+        if strategy is ResidencyStrategy.SCHEDULED:
+            pool.declare_schedule([f])
+        with pool.acquire(a), pool.acquire(b):
+            pool.resolve(c)  # a step: both leases counted as holding their values
+            with pool.acquire(a):  # a hit: a's slot queued again
+                pass
+        # b's lease ended, then a's
+        pool.resolve(d)  # evicts c, the least recent
+        pool.resolve(e)  # evicts b, whose lease ended first
+        assert [pool.is_resident(t) for t in (a, b, c, d, e)] == [True, False, False, True, True]
+
+
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:
     """Room for two: ``a`` (scheduled) then ``b`` (not) read; a new schedule leaves both out;
     reading ``c`` evicts ``a``, the least recently used. (The values scheduled before went

@@ -512,14 +512,13 @@ class Actor:
         if not (self._touches or self._changed):
             return
         with self.lock:
-            # Readers append without the lock (see take_reader): a touch or hit appended
-            # between the copy and the clear is lost (a hint of recency), a queued slot never.
+            # Readers append without the lock (see take_reader): a touch appended between
+            # the copy and the clear is lost (a hint of recency), a queued slot never.
             keys = list(self._touches)
             self._touches.clear()
-            hits: list[int] = []
-            if self._consumer_hits is not None:
-                hits = list(self._consumer_hits)
-                self._consumer_hits.clear()
+            # Taken one by one: a policy learning its pass needs every hit (bounded all the
+            # same: of more hits between two steps, it learns the latest).
+            hits = [] if self._consumer_hits is None else _take_all(self._consumer_hits)
             changed = _take_all(self._changed)
             self.syncing = True  # before the flag a reader looks at first
             self._wake_pending = False  # what a wake-up on its way would see is taken here
@@ -533,12 +532,6 @@ class Actor:
 
     def _apply(self, hits: list[int], keys: list[int], changed: list[Slot]) -> None:
         """The part of :meth:`sync` that applies what it took (loop thread)."""
-        access = self.policy.access
-        for key in hits:
-            access(key)
-        touch = self.policy.touch
-        for key in keys:
-            touch(key)
         released = False
         superseded = self.superseded
         remaps = []  # (a removed entry holds no remapped value)
@@ -566,6 +559,14 @@ class Actor:
                     released = released or not leased
         for entry in remaps:
             self._remap(entry)
+        # Uses last: a value the end of its leases released takes its place from their
+        # touches, in the order they ended (touches of held values are no-ops).
+        access = self.policy.access
+        for key in hits:
+            access(key)
+        touch = self.policy.touch
+        for key in keys:
+            touch(key)
         if released:
             self.enforce()
 
