@@ -1079,6 +1079,30 @@ def test_values_whose_leases_end_between_two_steps_take_the_order_their_leases_e
         assert [pool.is_resident(t) for t in (a, b, c, d, e)] == [True, False, False, True, True]
 
 
+def test_an_await_where_no_asyncio_loop_runs_is_refused_as_a_misuse(tmp_path: Path) -> None:
+    """Each await of the pool, its coroutine driven by something other than an asyncio
+    loop (another async library's, trio's say): a ``T2NErrorMisuse`` naming what runs the
+    pool, not a raw ``RuntimeError`` from asyncio; the pool then closes as usual."""
+    a, b = make_tensors(tmp_path, 2, numel=64)
+    pool = TensorResidencyPool()
+
+    def refused(awaitable: Any) -> None:
+        steps = awaitable.__await__()
+        with pytest.raises(T2NErrorMisuse, match=r"asyncio event loop.*trio"):
+            steps.send(None)
+
+    refused(pool.__aenter__())
+    refused(pool.acquire(a).__aenter__())
+    pool.resolve(a)  # the private loop runs: the async methods, from any asyncio loop
+    refused(pool.aresolve(b))
+    refused(pool.acquire(b).__aenter__())
+    refused(pool.prefetch(b))
+    refused(pool.aflush())
+    refused(pool.aclose())
+    pool.close()
+    check_invariants(pool)
+
+
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:
     """Room for two: ``a`` (scheduled) then ``b`` (not) read; a new schedule leaves both out;
     reading ``c`` evicts ``a``, the least recently used. (The values scheduled before went

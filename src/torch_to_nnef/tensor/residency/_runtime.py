@@ -457,7 +457,7 @@ class Reply:
         the callback that would have settled it. ``orphaned``: called (on the settling
         thread) when the reply settles after that loop closed: no task of it takes the
         result."""
-        loop = asyncio.get_running_loop()
+        loop = asyncio_loop()
         future = loop.create_future()
 
         def copy() -> None:
@@ -489,6 +489,20 @@ class Reply:
 _REPLY_CALLBACKS = fork_safe_lock()
 
 Completion = asyncio.Future[Any] | Reply
+
+
+def asyncio_loop() -> asyncio.AbstractEventLoop:
+    """The running asyncio event loop of the calling task, which every await of a pool
+    needs; refused as a misuse where none runs (a task of another async library)."""
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        raise T2NErrorMisuse(
+            "TensorResidencyPool's async methods need a running asyncio event loop (asyncio "
+            "or uvloop, anyio's asyncio backend included) and none runs here: other async "
+            "libraries (trio) are not supported; call the pool's synchronous methods from a "
+            "worker thread instead (`trio.to_thread.run_sync`)"
+        ) from None
 
 
 def _set_result(done: Completion, value: Any) -> bool:
@@ -760,7 +774,7 @@ class Runtime:
                     "this TensorResidencyPool already runs (on its own thread or another loop); "
                     "enter `async with pool` once, before any synchronous use"
                 )
-            self._attach(asyncio.get_running_loop())
+            self._attach(asyncio_loop())
 
     def call_stranded(self, operation: Operation) -> Any:
         """Run ``operation`` to its end on the calling thread, for a pool that only this
@@ -1277,6 +1291,11 @@ class Runtime:
         """The async face: run ``operation`` and await it (the pool's loop or another). A
         task of another loop on the thread of the pool's, which is stopped then, runs it
         inline, as a sync call there: no other thread can."""
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # a task of another async library: refused (a forked child's
+            self.check_process()  # told first that it was forked)
+            asyncio_loop()
         if self.on_loop_thread() and not self.in_serving_loop():
             return self.call(operation)
         if self.on_loop_thread():
