@@ -18,6 +18,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import anyio
 import psutil
 import pytest
 import torch
+from breakpoints import paused_in_new_threads
 from forking import in_forked_child
 from residency_checks import io_threads_since, on_disk
 from stress.figures import record, scaled
@@ -32,6 +34,7 @@ from stress.figures import record, scaled
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency._state import Job
 
 POOLS = scaled(1000, 5000)
 FIRST = 100
@@ -326,6 +329,55 @@ def test_stranded_pools_dropped_read_only_release_their_values(tmp_path: Path) -
         pass
     assert settled(lambda: not any(t.is_alive() for t in workers)), workers
     assert settled(lambda: all(value() is None for value in values))
+    assert settled(lambda: not pool_threads()), pool_threads()
+
+
+def strand_awaiting_a_load(
+    tensor: OffloadedTensor, load_ends: str
+) -> tuple[weakref.ref[TensorResidencyPool], list[threading.Thread]]:
+    """A task inside ``async with pool`` awaits a lease's load when its loop is closed, the
+    load ending after that or before (its end posted to the stopped loop, which never serves
+    it). Returns a weak reference to the pool, dropped with the task, and its workers."""
+    before = set(threading.enumerate())
+    pool = TensorResidencyPool()
+    loop = asyncio.new_event_loop()
+
+    async def serve(pool: TensorResidencyPool) -> None:
+        async with pool, pool.acquire(tensor):
+            await asyncio.Event().wait()
+
+    runtime = pool._runtime
+    with paused_in_new_threads(Job.run.__code__, on="call") as load:
+        load.armed.set()
+        task = loop.create_task(serve(pool))
+        while not load.paused.is_set():
+            loop.run_until_complete(asyncio.sleep(0.01))
+        if load_ends == "after its loop closed":
+            loop.close()
+        load.go()
+        assert settled(partial(bool, runtime._ended))  # the load ended
+        loop.close()
+    del task, runtime
+    return weakref.ref(pool), io_threads_since(before)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("load_ends", ["after its loop closed", "before its loop closed"])
+def test_a_stranded_pool_whose_task_awaited_a_load_is_still_closed_once_dropped(
+    tmp_path: Path, load_ends: str
+) -> None:
+    """The end of a load that no loop applies held its waiter (the closed loop's task), and
+    so the pool, from the pool's own workers: dropped, the pool was never collected, and its
+    workers and values stayed for the process's life. The next pool created hands that end
+    to the reaper; the pool is then collected, and the pool created after closes it."""
+    tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "w", tmp_path)
+    collected, workers = strand_awaiting_a_load(tensor, load_ends)
+    assert workers
+    gc.collect()
+    TensorResidencyPool().close()  # hands the load's end to the reaper
+    assert settled(lambda: collected() is None)
+    TensorResidencyPool().close()  # starts the reaper for the pool's close
+    assert settled(lambda: not any(t.is_alive() for t in workers)), workers
     assert settled(lambda: not pool_threads()), pool_threads()
 
 

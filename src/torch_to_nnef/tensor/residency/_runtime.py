@@ -269,9 +269,21 @@ def reap_later(close: Callable[[], None]) -> None:
     _reaper.add(close)
 
 
+_on_callers_loops: weakref.WeakSet[Runtime] = weakref.WeakSet()
+"""The runtimes ever served on a loop of the caller's (``async with pool``): one stranded on
+it once it closed may hold job ends that no loop will apply (see
+:meth:`Runtime.hand_ends_to_reaper`)."""
+_on_callers_loops_lock = fork_safe_lock()
+
+
 def reap_pending() -> None:
     """Start the reaper when closes wait for it (a pool's creation or entry: never a
-    finalizer, nor a caller holding a pool's lock)."""
+    finalizer, nor a caller holding a pool's lock), after handing it the job ends that
+    pools stranded on a closed loop hold."""
+    with _on_callers_loops_lock:
+        runtimes = list(_on_callers_loops)
+    for runtime in runtimes:
+        runtime.hand_ends_to_reaper()
     _reaper.start()
 
 
@@ -622,6 +634,7 @@ class Runtime:
         # Jobs the workers ended, whose transitions wait for the actor's thread (in order).
         self._ended: collections.deque[Job] = collections.deque()
         self._applying = False  # in _apply_ended: a loop, never a recursion, applies them
+        self._ends_handed = False  # to the reaper (see hand_ends_to_reaper)
         # Notified as a job ends, while an inline wait for a close under way listens.
         self._end_lock = fork_safe_lock()  # a job's end against a close-join's look
         self._end_waiters = Waiters()
@@ -775,6 +788,8 @@ class Runtime:
                     "enter `async with pool` once, before any synchronous use"
                 )
             self._attach(asyncio_loop())
+        with _on_callers_loops_lock:
+            _on_callers_loops.add(self)
 
     def call_stranded(self, operation: Operation) -> Any:
         """Run ``operation`` to its end on the calling thread, for a pool that only this
@@ -1062,8 +1077,33 @@ class Runtime:
         if self._listening:  # (read after the append: see _apply_ends_until)
             with self._end_lock:
                 self._end_waiters.release()
-        with contextlib.suppress(T2NErrorMisuse):
+        try:
             self.post(self._apply_ended)
+        except T2NErrorMisuse:
+            self.hand_ends_to_reaper()
+
+    def hand_ends_to_reaper(self) -> None:
+        """Stranded on a closed loop (any thread, taking no lock), have the reaper apply the
+        job ends no loop will: their waiters (that loop's tasks, whose frames hold the
+        pool) would keep the pool from its collection, and so from the reaper's close. Told
+        by a job ending after that loop closed, or by the next pool created or entered (a
+        loop closed with a serve of the pool pending)."""
+        if (
+            self._ended
+            and not self._ends_handed
+            and self._pid == os.getpid()
+            and self.stranded_on_closed_loop()
+        ):
+            self._ends_handed = True
+            reap_later(self._apply_stranded)
+
+    def _apply_stranded(self) -> None:
+        """The reaper's thread: apply the job ends of a pool stranded on a closed loop, as
+        a thread driving it would (one at a time)."""
+        self._ends_handed = False
+        with self._start_lock:
+            if self.stranded_on_closed_loop():
+                self._apply_ended()
 
     def _apply_ended(self) -> None:
         """Apply the transitions of the ended jobs, in order (the loop thread, or the thread
