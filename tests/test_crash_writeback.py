@@ -75,7 +75,9 @@ def test_killed_write_backs_leave_the_previous_or_the_new_value(tmp_path: Path) 
     kills_in_flush = interrupted = durable_total = 0
     seconds_per_generation = 0.2
     for kill in range(KILLS):
-        progress = forkserver.Array("q", 3)
+        # No lock: a kill landing while the child holds one would leave it held for good,
+        # and the reads below would wait for ever (each 8-byte slot is stored whole).
+        progress = forkserver.Array("q", 3, lock=False)
         ready = forkserver.Event()
         process = start_worker(
             "crash_writer",
