@@ -1403,6 +1403,26 @@ def test_a_pool_whose_serving_loop_closed_inside_its_block_closes(
 
 
 @pytest.mark.timeout(60)
+def test_a_request_from_another_thread_to_a_pool_whose_loop_closed_says_what_to_do(
+    tmp_path: Path,
+) -> None:
+    """Refused, it says that the loop is closed (not merely stopped) and what is left to do:
+    close the pool, which writes its changes back, and create another."""
+    pool, t, loop, task = _stranded(tmp_path)
+    loop.close()
+    other = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "other", offload_dir=tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(1) as executor:
+        for request in (lambda: pool.resolve(other), pool.acquire(other).__enter__):
+            with pytest.raises(T2NErrorMisuse, match=r"loop serving .* is closed.*pool\.close\(\)"):
+                executor.submit(request).result(30)
+    pool.close()
+    assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
+    task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+    del task
+    gc.collect()
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("request_", ["close", "resolve"])
 def test_a_request_from_another_thread_ends_at_once_when_the_loops_thread_closed_the_pool(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request_: str

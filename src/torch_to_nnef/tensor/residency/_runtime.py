@@ -925,7 +925,13 @@ class Runtime:
             if loop is None:
                 raise T2NErrorMisuse("the TensorResidencyPool is not running; it may be closed")
             if not self._send(loop, callback, args):
-                raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped")
+                if self.private:
+                    raise T2NErrorMisuse("the TensorResidencyPool's event loop has stopped")
+                raise T2NErrorMisuse(
+                    "the event loop serving this TensorResidencyPool is closed (its `async with "
+                    "pool` block was never left): `pool.close()` writes its changes back; create "
+                    "a new pool to go on"
+                )
 
     def _send(
         self, loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], args: tuple[Any, ...]
