@@ -1103,6 +1103,32 @@ def test_an_await_where_no_asyncio_loop_runs_is_refused_as_a_misuse(tmp_path: Pa
     check_invariants(pool)
 
 
+def test_a_hit_queued_after_a_step_took_its_touch_is_replayed_by_the_next_step(
+    tmp_path: Path,
+) -> None:
+    """Learning a pass: another thread's hit on a queues its touch, and a step (the miss of
+    c) takes it before the hit's key joins the queue of consumers' hits. The next step (the
+    miss of d) replays that hit, which ends the pass a b c (it once returned early, no touch
+    being queued, and learnt a b c d)."""
+    a, b, c, d = make_tensors(tmp_path, 4, numel=64)
+    line = line_of(Actor.count_hit, "self._consumer_hits.append(slot.key)")
+    with TensorResidencyPool(strategy=ResidencyStrategy.SCHEDULED) as pool:
+        pool.resolve(a)
+        pool.resolve(b)
+        with paused_in_new_threads(Actor.count_hit.__code__, on="line", line=line) as point:
+            point.armed.set()
+            hit = threading.Thread(target=pool.resolve, args=(a,))
+            hit.start()
+            assert point.paused.wait(10)
+            pool.resolve(c)  # its step takes the hit's touch
+            point.go()
+            hit.join(10)
+        pool.resolve(d)
+        policy = pool._actor.policy
+        assert isinstance(policy, ScheduledPolicy)
+        assert policy._order == [id(a), id(b), id(c)]
+
+
 def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Path) -> None:
     """Room for two: ``a`` (scheduled) then ``b`` (not) read; a new schedule leaves both out;
     reading ``c`` evicts ``a``, the least recently used. (The values scheduled before went

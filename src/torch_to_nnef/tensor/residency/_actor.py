@@ -509,7 +509,7 @@ class Actor:
                 raise
             finally:
                 self._later_running -= 1
-        if not (self._touches or self._changed):
+        if not (self._touches or self._changed or self._consumer_hits):
             return
         with self.lock:
             # Readers append without the lock (see take_reader): a touch appended between
