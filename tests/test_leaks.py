@@ -33,7 +33,7 @@ from stress.figures import record, scaled
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
-from torch_to_nnef.tensor.residency import TensorResidencyPool
+from torch_to_nnef.tensor.residency import TensorResidencyPool, _runtime
 from torch_to_nnef.tensor.residency._state import Job
 
 POOLS = scaled(1000, 5000)
@@ -379,6 +379,23 @@ def test_a_stranded_pool_whose_task_awaited_a_load_is_still_closed_once_dropped(
     TensorResidencyPool().close()  # starts the reaper for the pool's close
     assert settled(lambda: not any(t.is_alive() for t in workers)), workers
     assert settled(lambda: not pool_threads()), pool_threads()
+
+
+@pytest.mark.timeout(60)
+def test_pools_whose_async_with_block_was_left_are_no_longer_looked_at(tmp_path: Path) -> None:
+    """Each pool created or entered looks at the pools served by a loop of the caller's, for
+    job ends the reaper must apply: one whose block was left is served by none and drops out
+    (kept referenced, it once stayed, making each creation slower than the last)."""
+    tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "w", tmp_path)
+    kept = [TensorResidencyPool() for _ in range(3)]
+
+    async def serve(pool: TensorResidencyPool) -> None:
+        async with pool:
+            await pool.aresolve(tensor)
+
+    for pool in kept:
+        asyncio.run(serve(pool))
+    assert not any(pool._runtime in _runtime._on_callers_loops for pool in kept)
 
 
 @pytest.mark.timeout(60)

@@ -838,6 +838,8 @@ class Runtime:
                 if workers is not None:
                     workers.shutdown()  # jobs run to their end; nothing is left behind
                 self._apply_ended()
+        with _on_callers_loops_lock:
+            _on_callers_loops.discard(self)
 
     def ensure_running(self) -> None:
         """Start the private loop thread unless the actor is served already."""
