@@ -26,14 +26,15 @@ import anyio
 import psutil
 import pytest
 import torch
-from breakpoints import paused_in_new_threads
+from breakpoints import line_of, paused_in_new_threads
 from forking import in_forked_child
-from residency_checks import io_threads_since, on_disk
+from residency_checks import check_invariants, io_threads_since, on_disk
 from stress.figures import record, scaled
 
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import TensorResidencyPool, _runtime
+from torch_to_nnef.tensor.residency._actor import Actor
 from torch_to_nnef.tensor.residency._state import Job
 
 POOLS = scaled(1000, 5000)
@@ -379,6 +380,47 @@ def test_a_stranded_pool_whose_task_awaited_a_load_is_still_closed_once_dropped(
     TensorResidencyPool().close()  # starts the reaper for the pool's close
     assert settled(lambda: not any(t.is_alive() for t in workers)), workers
     assert settled(lambda: not pool_threads()), pool_threads()
+
+
+@pytest.mark.timeout(60)
+def test_the_reaper_applying_a_kept_stranded_pools_job_end_holds_off_its_loops_thread(
+    tmp_path: Path,
+) -> None:
+    """A pool stranded on a closed loop, still referenced: the end of a load that ended after
+    the loop closed goes to the reaper. The loop's thread, which may still drive the pool
+    itself, asks for the value while the reaper is amid that end's transition: it waits for
+    it, and the value is loaded once (the two once drove the pool at once: two loads)."""
+    tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "w", tmp_path)
+    pool = TensorResidencyPool()
+    loop = asyncio.new_event_loop()
+
+    async def serve() -> None:
+        async with pool, pool.acquire(tensor):
+            await asyncio.Event().wait()
+
+    with paused_in_new_threads(Job.run.__code__, on="call") as load:
+        load.armed.set()
+        task = loop.create_task(serve())
+        while not load.paused.is_set():
+            loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        load.go()
+        assert settled(partial(bool, pool._runtime._ended))
+    line = line_of(Actor._on_loaded, "value = self._keep_loaded(entry, value)")
+    with paused_in_new_threads(Actor._on_loaded.__code__, on="line", line=line) as transition:
+        transition.armed.set()
+        TensorResidencyPool().close()  # starts the reaper
+        assert transition.paused.wait(10)
+        threading.Timer(0.3, transition.go).start()
+        assert torch.equal(pool.resolve(tensor), torch.ones(NUMEL))
+    reaping = [t for t in threading.enumerate() if t.name == "t2n-residency-reaper"]
+    assert settled(lambda: not any(t.is_alive() for t in reaping))
+    assert pool.stats().loads == 1
+    check_invariants(pool)
+    pool.close()
+    task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+    del task
+    gc.collect()
 
 
 @pytest.mark.timeout(60)

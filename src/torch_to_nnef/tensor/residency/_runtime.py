@@ -1267,7 +1267,7 @@ class Runtime:
                 )
             done = Reply()
             started = time.perf_counter()
-            self._drive_here(operation, done, inline=True)
+            self._drive_on_loop_thread(operation, done, inline=True)
             self.count_stall(operation, started)
             return done.result()
         self.ensure_running()
@@ -1330,10 +1330,20 @@ class Runtime:
         else would apply the end of its job."""
         done = Reply()
         if self.on_loop_thread():
-            self._drive_here(operation, done, inline=not self._loop_runs())
+            self._drive_on_loop_thread(operation, done, inline=not self._loop_runs())
         else:
             self._post_request(self.drive, operation, done)
         return done
+
+    def _drive_on_loop_thread(self, operation: Operation, done: Reply, inline: bool) -> None:
+        """:meth:`_drive_here` on the loop's thread: on a stranded pool, under the lock of
+        the other threads that drive one (:meth:`call_stranded`, the reaper applying the
+        job ends of one stranded on a closed loop): one at a time."""
+        if not self.stranded():
+            self._drive_here(operation, done, inline)
+            return
+        with self._start_lock:
+            self._drive_here(operation, done, inline)
 
     async def acall(self, operation: Operation) -> Any:
         """The async face: run ``operation`` and await it (the pool's loop or another). A
