@@ -383,6 +383,46 @@ def test_a_stranded_pool_whose_task_awaited_a_load_is_still_closed_once_dropped(
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+def test_a_stranded_pool_whose_close_was_writing_as_its_loop_closed_stops_its_workers(
+    tmp_path: Path,
+) -> None:
+    """A task awaits ``pool.aclose()`` inside ``async with pool``, its write-back running,
+    when the loop closes; everything is dropped. The reaper applies the write's end, which
+    ends the close: the change is on disk, and the pool stops serving the closed loop, its
+    workers too (they once ran for the process's life, the pool closed but attached)."""
+    tensor = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "w", tmp_path)
+    before = set(threading.enumerate())
+    pool = TensorResidencyPool()
+    loop = asyncio.new_event_loop()
+
+    async def serve(pool: TensorResidencyPool) -> None:
+        async with pool:
+            async with pool.acquire(tensor, mode="read_write") as value:
+                value.add_(1)
+            await pool.aclose()
+            await asyncio.Event().wait()
+
+    runtime = pool._runtime
+    with paused_in_new_threads(OffloadedTensor._write_back.__code__, on="call") as write:
+        write.armed.set()
+        task = loop.create_task(serve(pool))
+        while not write.paused.is_set():
+            loop.run_until_complete(asyncio.sleep(0.01))
+        loop.close()
+        write.go()
+        assert settled(partial(bool, runtime._ended))  # the write ended, unapplied
+    workers = io_threads_since(before)
+    assert workers
+    del pool, task, runtime
+    gc.collect()
+    TensorResidencyPool().close()  # hands the write's end to the reaper
+    assert settled(lambda: not any(t.is_alive() for t in workers)), workers
+    assert torch.equal(on_disk(tensor), torch.ones(NUMEL))
+    assert settled(lambda: not pool_threads()), pool_threads()
+
+
+@pytest.mark.timeout(60)
 def test_the_reaper_applying_a_kept_stranded_pools_job_end_holds_off_its_loops_thread(
     tmp_path: Path,
 ) -> None:

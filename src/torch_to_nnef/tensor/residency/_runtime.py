@@ -1107,11 +1107,17 @@ class Runtime:
 
     def _apply_stranded(self) -> None:
         """The reaper's thread: apply the job ends of a pool stranded on a closed loop, as
-        a thread driving it would (one at a time)."""
+        a thread driving it would (one at a time), and what the closed loop's tasks left to
+        the next step (``Actor.later``: what they gave up on, which holds the pool)."""
         self._ends_handed = False
         with self._start_lock:
-            if self.stranded_on_closed_loop():
-                self._apply_ended()
+            if not self.stranded_on_closed_loop():
+                return
+            self._apply_ended()
+            if self.actor.closed:  # a close under way as the loop closed, ended by them
+                self.detach_current()  # (its workers stop, as a stranded close's do)
+            else:
+                self.actor.sync()  # what the closed loop's tasks gave up on goes back
 
     def _apply_ended(self) -> None:
         """Apply the transitions of the ended jobs, in order (the loop thread, or the thread
