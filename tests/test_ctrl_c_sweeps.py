@@ -16,6 +16,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from torch_to_nnef.tensor import load_offloaded_checkpoint, storage
 from torch_to_nnef.tensor.hf import t2n_load_checkpoint_and_dispatch
 from torch_to_nnef.tensor.offload import OffloadedTensor
 from torch_to_nnef.tensor.residency import (
+    ResidencyStrategy,
     TensorResidencyPool,
     _handles,
     _runtime,
@@ -40,6 +42,7 @@ from torch_to_nnef.tensor.residency import (
     active_tensor_residency,
     stream_modules,
 )
+from torch_to_nnef.tensor.residency._policy import ScheduledPolicy
 from torch_to_nnef.tensor.residency._state import Job
 
 SOURCE = str(Path(storage.__file__).parents[1])  # the package's tensor code
@@ -1279,3 +1282,31 @@ def test_a_ctrl_c_anywhere_in_dispatching_a_skeleton_leaves_it_as_it_was_or_whol
         points = sweep(bind, nothing, checks, within=BINDING, tidy=tidy)
     assert points > 300, "the binding made fewer points than expected: the test proves little"
     assert checks.outcomes["bound"] > 0 and checks.outcomes["as before"] > 300
+
+
+@pytest.mark.timeout(120)
+def test_a_ctrl_c_anywhere_in_a_schedule_declared_before_the_pool_runs_declares_it_whole(
+    tmp_path: Path,
+) -> None:
+    """Declared before the pool runs, on the caller's thread: a Ctrl-C landing amid the
+    policy's declaration is raised once it ended, the schedule whole (it once left it half
+    made: the order set, no positions, learning off)."""
+    tensors = [
+        OffloadedTensor.from_original_tensor(torch.full((8,), float(i)), f"s{i}", tmp_path)
+        for i in range(4)
+    ]
+    policy_code = str(Path(_runtime.__file__).with_name("_policy.py"))
+    fired = 0
+    for n in itertools.count(1):
+        pool = TensorResidencyPool(strategy=ResidencyStrategy.SCHEDULED)
+        signal_at, _ = signalled(n, policy_code, partial(pool.declare_schedule, tensors))
+        policy = pool._actor.policy
+        assert isinstance(policy, ScheduledPolicy)
+        assert policy._order == [id(t) for t in tensors], signal_at.where
+        assert sorted(policy._position.values()) == list(range(len(tensors))), signal_at.where
+        check_invariants(pool)
+        pool.close()
+        if not signal_at.fired:
+            break
+        fired += 1
+    assert fired > 3

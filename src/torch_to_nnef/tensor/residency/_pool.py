@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Literal, NoReturn
 import anyio
 import torch
 
+from torch_to_nnef._interrupts import InterruptHold
 from torch_to_nnef.exceptions import T2NError, T2NErrorMisuse
 from torch_to_nnef.tensor import storage
 from torch_to_nnef.tensor.offload._protocol import (
@@ -516,7 +517,9 @@ class TensorResidencyPool(Uncopyable):
 
     def _step_here(self, operation: Transition) -> None:
         self._actor.check_open()
-        operation.step()
+        with InterruptHold() as hold:  # (a Ctrl-C is raised once the step ended)
+            hold.start()
+            operation.step()
 
     def declare_schedule(self, sources: Iterable[OffloadedTensor]) -> None:
         """Declare the cyclic order in which ``sources`` are used (one pass).
