@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from breakpoints import paused_in_new_threads
+from forking import in_forked_child
 from interrupts import signalled
 from residency_checks import check_invariants
 
@@ -1415,6 +1416,33 @@ def test_a_request_from_another_thread_to_a_pool_whose_loop_closed_says_what_to_
         for request in (lambda: pool.resolve(other), pool.acquire(other).__enter__):
             with pytest.raises(T2NErrorMisuse, match=r"loop serving .* is closed.*pool\.close\(\)"):
                 executor.submit(request).result(30)
+    pool.close()
+    assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
+    task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+    del task
+    gc.collect()
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_forked_child_closing_its_parents_pool_stranded_on_a_closed_loop_is_refused(
+    tmp_path: Path,
+) -> None:
+    """The child's close of a pool with a change to write, stranded on a closed loop of its
+    parent's, is refused as a forked child's request (it once drove the close there and
+    waited for its parent's workers for ever); the parent then closes it, the change
+    written."""
+    pool, t, loop, task = _stranded(tmp_path)
+    loop.close()
+
+    def child() -> str:
+        try:
+            pool.close()
+        except T2NErrorMisuse as error:
+            return "refused" if "forked" in str(error) else str(error)
+        return "closed"
+
+    assert in_forked_child(child, seconds=20) == "refused"
     pool.close()
     assert torch.equal(_file_value(t), torch.full((NUMEL,), 5.0))
     task.get_coro().close()  # as the closed loop's collection would: the block ends quietly

@@ -797,7 +797,8 @@ class Runtime:
         serving the pool and nothing to write): as the loop thread would, its jobs on the
         workers. The actor's transitions run here, where no Ctrl-C may cut one in half: it
         is raised once the operation ended (a close, a flush: the pool then stands as they
-        left it)."""
+        left it). Refused in a forked child, as any request (the workers are its parent's)."""
+        self.check_process()
         self._refuse_a_wait_for_itself()
         done = Reply()
         with InterruptHold() as hold:
