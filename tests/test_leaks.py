@@ -17,7 +17,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import anyio
 import psutil
 import pytest
 import torch
-from breakpoints import line_of, paused_in_new_threads
+from breakpoints import Breakpoint, line_of, paused_in_new_threads
 from forking import in_forked_child
 from residency_checks import check_invariants, io_threads_since, on_disk
 from stress.figures import record, scaled
@@ -333,6 +333,17 @@ def test_stranded_pools_dropped_read_only_release_their_values(tmp_path: Path) -
     assert settled(lambda: not pool_threads()), pool_threads()
 
 
+def task_until_paused(
+    loop: asyncio.AbstractEventLoop, coroutine: Coroutine[Any, Any, None], point: Breakpoint
+) -> asyncio.Task[None]:
+    """``coroutine`` as a task of ``loop``, run until a new thread pauses at ``point``."""
+    point.armed.set()
+    task = loop.create_task(coroutine)
+    while not point.paused.is_set():
+        loop.run_until_complete(asyncio.sleep(0.01))
+    return task
+
+
 def strand_awaiting_a_load(
     tensor: OffloadedTensor, load_ends: str
 ) -> tuple[weakref.ref[TensorResidencyPool], list[threading.Thread]]:
@@ -349,10 +360,7 @@ def strand_awaiting_a_load(
 
     runtime = pool._runtime
     with paused_in_new_threads(Job.run.__code__, on="call") as load:
-        load.armed.set()
-        task = loop.create_task(serve(pool))
-        while not load.paused.is_set():
-            loop.run_until_complete(asyncio.sleep(0.01))
+        task = task_until_paused(loop, serve(pool), load)
         if load_ends == "after its loop closed":
             loop.close()
         load.go()
@@ -405,10 +413,7 @@ def test_a_stranded_pool_whose_close_was_writing_as_its_loop_closed_stops_its_wo
 
     runtime = pool._runtime
     with paused_in_new_threads(OffloadedTensor._write_back.__code__, on="call") as write:
-        write.armed.set()
-        task = loop.create_task(serve(pool))
-        while not write.paused.is_set():
-            loop.run_until_complete(asyncio.sleep(0.01))
+        task = task_until_paused(loop, serve(pool), write)
         loop.close()
         write.go()
         assert settled(partial(bool, runtime._ended))  # the write ended, unapplied
@@ -439,10 +444,7 @@ def test_the_reaper_applying_a_kept_stranded_pools_job_end_holds_off_its_loops_t
             await asyncio.Event().wait()
 
     with paused_in_new_threads(Job.run.__code__, on="call") as load:
-        load.armed.set()
-        task = loop.create_task(serve())
-        while not load.paused.is_set():
-            loop.run_until_complete(asyncio.sleep(0.01))
+        task = task_until_paused(loop, serve(), load)
         loop.close()
         load.go()
         assert settled(partial(bool, pool._runtime._ended))
