@@ -503,12 +503,15 @@ _REPLY_CALLBACKS = fork_safe_lock()
 Completion = asyncio.Future[Any] | Reply
 
 
-def asyncio_loop() -> asyncio.AbstractEventLoop:
+def asyncio_loop(runtime: Runtime | None = None) -> asyncio.AbstractEventLoop:
     """The running asyncio event loop of the calling task, which every await of a pool
-    needs; refused as a misuse where none runs (a task of another async library)."""
+    needs; refused as a misuse where none runs (a task of another async library), in a
+    forked child as such first when ``runtime`` is given."""
     try:
         return asyncio.get_running_loop()
     except RuntimeError:
+        if runtime is not None:
+            runtime.check_process()
         raise T2NErrorMisuse(
             "TensorResidencyPool's async methods need a running asyncio event loop (asyncio "
             "or uvloop, anyio's asyncio backend included) and none runs here: other async "
@@ -1356,11 +1359,7 @@ class Runtime:
         """The async face: run ``operation`` and await it (the pool's loop or another). A
         task of another loop on the thread of the pool's, which is stopped then, runs it
         inline, as a sync call there: no other thread can."""
-        try:
-            asyncio.get_running_loop()
-        except RuntimeError:  # a task of another async library: refused (a forked child's
-            self.check_process()  # told first that it was forked)
-            asyncio_loop()
+        asyncio_loop(self)  # (a task of another async library is refused)
         if self.on_loop_thread() and not self.in_serving_loop():
             return self.call(operation)
         if self.on_loop_thread():
