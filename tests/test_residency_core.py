@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -1141,3 +1142,67 @@ def test_a_new_schedule_keeps_the_values_it_leaves_out_in_lru_order(tmp_path: Pa
         pool.declare_schedule([c])
         pool.resolve(c)
         assert [pool.is_resident(t) for t in (a, b, c)] == [False, True, True]
+
+
+@pytest.mark.parametrize("learnt", [False, True])
+def test_a_scheduled_pool_forgets_a_collected_tensor(tmp_path: Path, learnt: bool) -> None:
+    """Schedule a0 a1 d a3 (declared, or learnt from a pass); d leaves the pool and is
+    collected: the next step leaves its key out of the schedule, and the pass goes on over
+    the others (a new tensor may be given d's id, and inherited its place in the schedule:
+    see test_residency_policy for what the policy then does with it)."""
+    a0, a1, d, a3 = make_tensors(tmp_path, 4, numel=64)
+    with TensorResidencyPool(2 * 256, strategy=ResidencyStrategy.SCHEDULED) as pool:
+        if learnt:
+            for t in (a0, a1, d, a3, a0):
+                pool.resolve(t)
+        else:
+            pool.declare_schedule([a0, a1, d, a3])
+            pool.resolve(d)
+        pool.evict(d)  # out of the pool: nothing holds d but this test
+        policy = pool._actor.policy
+        assert isinstance(policy, ScheduledPolicy)
+        assert policy._order == [id(a0), id(a1), id(d), id(a3)]
+        del d
+        pool.stats()  # a step
+        assert policy._order == [id(a0), id(a1), id(a3)]
+        for t in (a1, a3, a0):  # room for two: a0, used again a pass later, goes
+            pool.resolve(t)
+        assert [pool.is_resident(t) for t in (a0, a1, a3)] == [False, True, True]
+        check_invariants(pool)
+
+
+def test_a_hit_on_a_tensor_collected_before_the_next_step_is_not_learnt(
+    tmp_path: Path,
+) -> None:
+    """No schedule yet: a0 a1 d read. A hit on d lands while a step evicts it; d is then
+    collected. The next step forgets d, then replays the hit, which must not put d's key
+    back into the pass being learnt (a new tensor may be given that id)."""
+    a0, a1, d = make_tensors(tmp_path, 3, numel=64)
+    with (
+        paused_in_new_threads(Actor._close_slot.__code__, on="call") as point,
+        TensorResidencyPool(None, strategy=ResidencyStrategy.SCHEDULED) as pool,
+    ):
+        pool.resolve(a0)
+        pool.resolve(a1)
+        pool.resolve(d)
+        policy = pool._actor.policy
+        assert isinstance(policy, ScheduledPolicy)
+        point.armed.set()
+        evicting = threading.Thread(target=pool.evict, args=(d,))
+        evicting.start()
+        assert point.paused.wait(10)
+        hits = pool.stats().hits
+        pool.resolve(d)  # a hit: d is still served
+        assert pool.stats().hits == hits + 1
+        point.go()
+        evicting.join(10)
+        assert not evicting.is_alive()
+        collected = weakref.ref(d)
+        del evicting, d
+        assert collected() is None
+        pool.stats()  # a step
+        assert policy._learning == [id(a0), id(a1)]
+        pool.resolve(a0)  # a hit: the pass is over at the next step
+        pool.flush()
+        assert policy._order == [id(a0), id(a1)]
+        check_invariants(pool)

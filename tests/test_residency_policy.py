@@ -175,6 +175,40 @@ def test_scheduled_evicts_the_value_used_farthest_in_the_future() -> None:
     assert policy.victims(1) == [99]
 
 
+def test_scheduled_forgets_collected_keys_and_keeps_its_place() -> None:
+    """Keys of collected tensors leave the schedule; the consumer stays after the last key
+    kept at or before it; a new tensor given a forgotten key is outside the schedule (it
+    goes first); a schedule left empty is learnt again."""
+    policy = ScheduledPolicy(budget=3)
+    policy.declare([10, 11, 12, 13, 14])
+    policy.access(12)
+    for key in (10, 13):
+        policy.release(key, 1, True)
+    policy.forget_keys({11, 12})  # the consumer is after 10 now: 13 is used next
+    assert policy.victims(1) == [10]
+    policy.release(10, 1, True)
+    policy.release(12, 1, True)  # a new tensor given 12
+    assert policy.victims(1) == [12]
+    policy.forget(10, 1, True)  # (the keys forgotten are of values gone)
+    policy.forget(13, 1, True)
+    policy.forget_keys({10, 13, 14})
+    assert not policy.schedule_known
+    for key in (1, 2, 1):  # learnt again
+        policy.access(key)
+    assert policy.schedule_known
+
+
+def test_scheduled_forgets_collected_keys_of_the_pass_it_learns() -> None:
+    policy = ScheduledPolicy(budget=3)
+    for key in (1, 2, 3):
+        policy.access(key)
+    policy.forget_keys({2})
+    policy.access(1)  # the pass is 1 3
+    policy.release(2, 1, True)  # a new tensor given 2: outside it
+    policy.release(3, 1, True)
+    assert policy.victims(1) == [2]
+
+
 def test_scheduled_declaration_keeps_evictable_values() -> None:
     policy = ScheduledPolicy(budget=2)
     for key in (1, 2, 3):

@@ -21,7 +21,7 @@ import logging
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from functools import partial
 from typing import Any
 
@@ -129,6 +129,11 @@ class Actor:
         # holders were collected, and abandons of requests whose coroutines were.
         self._later: deque[Callable[[], object]] = deque()
         self._later_running = 0  # of those, taken out and running (nested: an abandon's sync)
+        # Tensors whose keys the policy remembers beyond their values (a schedule), weakly:
+        # one collected is forgotten by the next transition (see watch).
+        self._watched: dict[int, weakref.ref[PoolSource]] | None = (
+            {} if policy.remembers_keys else None
+        )
         self._warned_outside_leases = False  # a change outside leases was logged once
 
     # ------------------------------------------------------------------------------------------
@@ -485,6 +490,22 @@ class Actor:
         no lock): what a finalizer must not wait for, wherever a collection runs it."""
         self._later.append(call)
 
+    def watch(self, source: PoolSource) -> None:
+        """Have the policy forget ``source``'s key once the tensor is collected, before a new
+        tensor given its id is asked for: the next transition does (from :meth:`later`; the
+        collection may run on any thread, amid a transition). Only where the policy
+        remembers keys beyond their values (:attr:`RetentionPolicy.remembers_keys`)."""
+        watched = self._watched
+        key = id(source)
+        if watched is None or key in watched:
+            return
+        later, forget = self._later, self.policy.forget_keys  # (no reference to the actor)
+
+        def collected(ref: weakref.ref[PoolSource]) -> None:
+            later.append(partial(_forget_collected, watched, key, ref, forget))
+
+        watched[key] = weakref.ref(source, collected)
+
     def deferred(self) -> bool:
         """Whether calls wait for the next transition (:meth:`later`) or run now (any
         thread: the queue is read first, then the count of those taken out of it)."""
@@ -561,9 +582,10 @@ class Actor:
             self._remap(entry)
         # Uses last: a value the end of its leases released takes its place from their
         # touches, in the order they ended (touches of held values are no-ops).
-        access = self.policy.access
+        access, watched = self.policy.access, self._watched
         for key in hits:
-            access(key)
+            if watched is None or key in watched:  # (not that of a tensor collected since)
+                access(key)
         touch = self.policy.touch
         for key in keys:
             touch(key)
@@ -619,6 +641,7 @@ class Actor:
         if entry is None:
             entry = Entry(key, source, device, source.payload_nbytes)
             self.entries[key] = entry
+            self.watch(source)
             if pinned:  # a pin is on the tensor: it holds the new value
                 self._hold(entry, pinned=True)
         elif entry.device != device:
@@ -866,11 +889,13 @@ class Actor:
         self._hold(entry, pinned=False)
         self.enforce()
 
-    def declare_schedule(self, keys: list[int]) -> None:
+    def declare_schedule(self, sources: Sequence[PoolSource]) -> None:
         self.sync()
         self.check_open()
         if isinstance(self.policy, ScheduledPolicy):
-            self.policy.declare(keys)
+            for source in sources:
+                self.watch(source)
+            self.policy.declare([id(source) for source in sources])
 
     # ------------------------------------------------------------------------------------------
     # Loads
@@ -1585,6 +1610,19 @@ def _nothing(*args: Any) -> None:
 def _counted(counter: itertools.count[int]) -> int:
     """The next number ``counter`` gives (read without drawing it)."""
     return int(repr(counter)[6:-1])
+
+
+def _forget_collected(
+    watched: dict[int, weakref.ref[PoolSource]],
+    key: int,
+    ref: weakref.ref[PoolSource],
+    forget: Callable[[Collection[int]], None],
+) -> None:
+    """What :meth:`Actor.watch` leaves for the next transition once a tensor is collected
+    (idempotent: an interrupt may run it again)."""
+    if watched.get(key) is ref:
+        del watched[key]
+        forget((key,))
 
 
 def _take_all(queue: deque[Any]) -> list[Any]:

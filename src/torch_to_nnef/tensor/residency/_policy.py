@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 import itertools
 from collections import OrderedDict
+from collections.abc import Collection
 
 __all__ = [
     "FixedPolicy",
@@ -57,6 +58,9 @@ class RetentionPolicy:
     follows_hits: bool = False
     """Whether :meth:`access` hears of every consumer's hit, those served without the actor
     included (other threads queue them; the next transition replays them in order)."""
+    remembers_keys: bool = False
+    """Whether keys outlive their values here (a schedule): the actor then tells
+    :meth:`forget_keys` of the tensors collected, whose ids new tensors may be given."""
 
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
@@ -98,6 +102,10 @@ class RetentionPolicy:
     def forget(self, key: int, nbytes: int, retained: bool) -> None:
         """The value left the pool."""
         self.hold(key)
+
+    def forget_keys(self, keys: Collection[int]) -> None:
+        """The tensors of ``keys`` (none resident) were collected: forget what is remembered
+        of them (:attr:`remembers_keys`)."""
 
     # -- decisions -----------------------------------------------------------------------------
     def victims(self, excess: int) -> list[int]:
@@ -211,6 +219,7 @@ class ScheduledPolicy(RetentionPolicy):
 
     strategy = ResidencyStrategy.SCHEDULED
     follows_hits = True  # the consumer's position moves on every use
+    remembers_keys = True  # the schedule names values that left
 
     def __init__(self, budget: int | None) -> None:
         super().__init__(budget)
@@ -246,6 +255,23 @@ class ScheduledPolicy(RetentionPolicy):
         self._learnt = set()
         for key, nbytes in evictable.items():
             self._insert(key, nbytes)
+
+    def forget_keys(self, keys: Collection[int]) -> None:
+        """Leave ``keys`` out of the schedule (and of the pass being learnt); the consumer
+        stays after the last key kept at or before its position. A schedule left empty is
+        learnt again."""
+        if self._learning:
+            self._learning = [key for key in self._learning if key not in keys]
+            self._learnt.difference_update(keys)
+        if not any(key in self._position for key in keys):
+            return
+        passed = self._order[: self._cursor + 1]
+        self._cursor = sum(key not in keys for key in passed) - 1
+        self._order = [key for key in self._order if key not in keys]
+        self._position = {key: i for i, key in enumerate(self._order)}
+        self._tree = _Fenwick(len(self._order))
+        for key in self._scheduled:  # (resident: not among the keys collected)
+            self._tree.add(self._position[key], 1)
 
     def access(self, key: int) -> None:
         position = self._position.get(key)

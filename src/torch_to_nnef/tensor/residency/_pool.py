@@ -540,11 +540,11 @@ class TensorResidencyPool(Uncopyable):
                 "declare_schedule takes the offloaded tensors in the order one pass uses them "
                 f"(a list, say); got {type(sources).__name__}"
             )
-        keys = []
+        order = []
         for source in sources:
             self._check_source(source)
-            keys.append(id(source))
-        self._transition(Transition(lambda: self._actor.declare_schedule(keys)))
+            order.append(source)
+        self._transition(Transition(lambda: self._actor.declare_schedule(order)))
 
     # ------------------------------------------------------------------------------------------
     # evict / flush / close
