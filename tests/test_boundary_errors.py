@@ -29,8 +29,10 @@ def test_stream_modules_given_one_module_asks_for_its_layers(tmp_path: Path) -> 
             assert words in message, message
         with pytest.raises(T2NErrorMisuse, match=r"got a list holding \['OffloadedTensor'\]"):
             stream_modules(pool, [model[0].weight])  # type: ignore[list-item]
-        with stream_modules(pool, model), stream_modules(pool, [model[0]]):
+        with stream_modules(pool, model):
             pass  # a Sequential and a list of one module are layers
+        with stream_modules(pool, [model[0]]):
+            pass
 
 
 def test_stream_modules_given_a_module_twice_asks_for_each_once(tmp_path: Path) -> None:
@@ -52,13 +54,31 @@ def test_stream_modules_given_a_module_twice_asks_for_each_once(tmp_path: Path) 
 
 
 def test_prefetch_of_a_module_names_its_tensors(tmp_path: Path) -> None:
-    layer = nn.Linear(4, 4)
-    with TensorResidencyPool() as pool, pytest.raises(T2NErrorMisuse) as raised:
-        pool.prefetch(layer)  # type: ignore[arg-type]
-    message = str(raised.value)
-    assert "already resident" not in message
-    for words in ("a module (Linear)", "parameters()", "stream_modules"):
-        assert words in message, message
+    """The advice works as written on a layer whose bias stayed in memory (``min_bytes``)."""
+    layer = offload_module(nn.Linear(16, 16), tmp_path, min_bytes=256)
+    assert not isinstance(layer.bias, OffloadedTensor)
+    with TensorResidencyPool() as pool:
+        with pytest.raises(T2NErrorMisuse) as raised:
+            pool.prefetch(layer)  # type: ignore[arg-type]
+        message = str(raised.value)
+        assert "already resident" not in message
+        advice = "for t in module.parameters(): if isinstance(t, OffloadedTensor): pool.prefetch(t)"
+        for words in ("a module (Linear)", advice, "stream_modules"):
+            assert words in message, message
+        module = layer
+        for t in module.parameters():
+            if isinstance(t, OffloadedTensor):
+                pool.prefetch(t).wait()
+        assert pool.is_resident(layer.weight)
+
+
+def test_a_pools_budget_workers_and_strategy_are_fixed_at_creation() -> None:
+    """Assigned, the budget was taken (the pool's repr showed it) but never enforced."""
+    with TensorResidencyPool(1024, max_workers=2) as pool:
+        for name, value in (("max_cached_bytes", 0), ("max_workers", 4), ("strategy", None)):
+            with pytest.raises(T2NErrorMisuse, match=f"{name} is fixed when it is created"):
+                setattr(pool, name, value)
+        assert (pool.max_cached_bytes, pool.max_workers) == (1024, 2)
 
 
 def test_a_string_that_names_no_device_is_refused_by_name(tmp_path: Path) -> None:

@@ -113,6 +113,8 @@ class TensorResidencyPool(Uncopyable):
         max_cached_bytes: the soft budget given at creation, in bytes.
         max_workers: the bound on concurrent disk jobs given at creation.
         strategy: the retention strategy given at creation.
+            These three are fixed for the pool's life: setting one raises
+            :class:`T2NErrorMisuse`.
         read_ahead: the trace-driven read-ahead (its ``stats()`` count the accesses read
             ahead and those loaded on demand, and the tensors its learned order holds), or
             ``None``.
@@ -161,6 +163,14 @@ class TensorResidencyPool(Uncopyable):
         self._streams: weakref.WeakSet[ModuleStream] = weakref.WeakSet()
         self.read_ahead = _read_ahead(self, read_ahead)
         reap_pending()  # pools collected since, which only a thread of their own can close
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in _FIXED_AT_CREATION and name in self.__dict__:
+            raise T2NErrorMisuse(
+                f"a TensorResidencyPool's {name} is fixed when it is created: create a new "
+                f"pool with the {name} wanted (and close this one)"
+            )
+        super().__setattr__(name, value)
 
     # ------------------------------------------------------------------------------------------
     # Introspection (non-blocking, any thread)
@@ -790,8 +800,8 @@ def _reject_source(source: Any) -> NoReturn:
         raise T2NErrorMisuse(
             "TensorResidencyPool manages OffloadedTensor values; got a module "
             f"({type(source).__name__}): pass its offloaded tensors (for t in "
-            "module.parameters(): pool.prefetch(t)), or stream whole layers with "
-            "stream_modules(pool, [module])"
+            "module.parameters(): if isinstance(t, OffloadedTensor): pool.prefetch(t)), or "
+            "stream whole layers with stream_modules(pool, [module])"
         )
     raise T2NErrorMisuse(
         "TensorResidencyPool only manages OffloadedTensor values; "
@@ -1007,6 +1017,9 @@ def _has_changes(actor: Actor) -> bool:
 _ORPHANS: set[_Unclosed] = set()
 """Pools collected with changes while no loop served them, or stranded with values leased,
 closed at interpreter exit."""
+
+_FIXED_AT_CREATION = frozenset({"max_cached_bytes", "max_workers", "strategy"})
+"""Attributes of a pool that its actor and runtime were built with: read-only."""
 
 _EXIT_WRITE_TIMEOUT = 300.0
 """Seconds interpreter exit waits for the write-backs of a collected pool."""
