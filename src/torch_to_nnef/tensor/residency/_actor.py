@@ -1437,10 +1437,10 @@ class Actor:
         if entry is None:
             return None
         leased = entry.slot is not None and entry.slot.leases > 0
-        if leased or entry.pinned:
-            what = "leased" if leased else "pinned"
-            hint = "release its lease" if leased else "unpin it"
-            raise T2NErrorMisuse(f"cannot evict {source.name!r} while it is {what}: {hint} first")
+        if leased:
+            raise _leased_eviction(source)
+        if entry.pinned:
+            raise T2NErrorMisuse(f"cannot evict {source.name!r} while it is pinned: unpin it first")
         if entry.load is not None:
             return entry.load
         if entry.write is not None:
@@ -1448,9 +1448,7 @@ class Actor:
         if entry.waiters:
             return None  # a waiter is about to take it; nothing to evict
         if not self._close_slot(entry):
-            raise T2NErrorMisuse(
-                f"cannot evict {source.name!r} while it is leased: release its lease first"
-            )
+            raise _leased_eviction(source)
         if entry.dirty:
             self._set_evicting(entry, True)
             return self._start_write(entry)
@@ -1610,6 +1608,13 @@ def _nothing(*args: Any) -> None:
 def _counted(counter: itertools.count[int]) -> int:
     """The next number ``counter`` gives (read without drawing it)."""
     return int(repr(counter)[6:-1])
+
+
+def _leased_eviction(source: PoolSource) -> T2NErrorMisuse:
+    return T2NErrorMisuse(
+        f"cannot evict {source.name!r} while it is leased: release its lease first (a "
+        "stream_modules stream holds the first layers of its next forward until it is closed)"
+    )
 
 
 def _forget_collected(
