@@ -29,10 +29,8 @@ def test_stream_modules_given_one_module_asks_for_its_layers(tmp_path: Path) -> 
             assert words in message, message
         with pytest.raises(T2NErrorMisuse, match=r"got a list holding \['OffloadedTensor'\]"):
             stream_modules(pool, [model[0].weight])  # type: ignore[list-item]
-        with stream_modules(pool, model):
+        with stream_modules(pool, model), stream_modules(pool, [model[0]]):
             pass  # a Sequential and a list of one module are layers
-        with stream_modules(pool, [model[0]]):
-            pass
 
 
 def test_stream_modules_given_a_module_twice_asks_for_each_once(tmp_path: Path) -> None:

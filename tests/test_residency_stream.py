@@ -23,7 +23,7 @@ import pytest
 import torch
 from breakpoints import Breakpoint, breakpoints_in_new_threads, line_of, paused_in_new_threads
 from forking import in_forked_child
-from residency_checks import settle
+from residency_checks import check_invariants, settle
 
 from torch_to_nnef.exceptions import T2NErrorMisuse, T2NErrorStorage
 from torch_to_nnef.tensor import storage
@@ -2270,3 +2270,66 @@ def test_a_forward_the_stream_closed_under_leaves_the_scope_it_opened(tmp_path: 
     assert outcome[1] is None
     assert torch.allclose(outcome[2], expected, atol=1e-6)  # type: ignore[arg-type]
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.blocks)
+
+
+def test_an_eviction_refused_for_a_streams_next_forward_names_the_stream(tmp_path: Path) -> None:
+    """After a forward, the stream holds the first layer for the next one: its eviction is
+    refused with advice that names the stream (the caller holds no lease), and works once
+    the stream is closed."""
+    model = offload_module(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))))
+    weight = model[0].weight
+    assert isinstance(weight, OffloadedTensor)
+    with TensorResidencyPool() as pool, torch.no_grad():
+        with stream_modules(pool, list(model), depth=1):
+            model(torch.ones(1, 8))
+            with pytest.raises(T2NErrorMisuse, match="stream_modules stream holds the first"):
+                pool.evict(weight)
+        pool.evict(weight)
+        assert not pool.is_resident(weight)
+
+
+def test_one_stream_per_request_over_the_same_modules_of_a_pool(tmp_path: Path) -> None:
+    """Two requests, each inside the `with` block of a stream of its own over the same
+    modules of one pool. The second's forward is amid a pre-hook as the first closes its
+    stream: it goes on (each stream's hooks took every forward for its own: the first
+    stream's hook, which the second forward ran first, failed it with 'the stream was closed
+    while this forward ran in another thread')."""
+    model = offload_module(torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3))))
+    x = torch.ones(1, 8)
+    with torch.no_grad():
+        expected = model(x)
+    results: dict[str, torch.Tensor | BaseException] = {}
+    ran, close = threading.Event(), threading.Event()
+
+    def request(name: str) -> None:
+        try:
+            with torch.no_grad(), stream_modules(pool, list(model)), pool.scope():
+                results[name] = model(x)
+                ran.set()
+                if name == "first":
+                    assert close.wait(10)
+        except BaseException as error:
+            results[name] = error
+
+    line = line_of(ModuleStream._before, "with self._lock:  # a close from now on finds")
+    with (
+        TensorResidencyPool() as pool,
+        paused_in_new_threads(ModuleStream._before.__code__, on="line", line=line) as point,
+    ):
+        first = threading.Thread(target=request, args=("first",))
+        first.start()
+        assert ran.wait(10)
+        point.armed.set()
+        second = threading.Thread(target=request, args=("second",))
+        second.start()
+        assert point.paused.wait(10)
+        close.set()
+        first.join(10)  # its stream closed
+        point.go()
+        second.join(10)
+        assert not first.is_alive() and not second.is_alive()
+        for name in ("first", "second"):
+            result = results[name]
+            assert isinstance(result, torch.Tensor), result
+            assert torch.equal(result, expected)
+        check_invariants(pool)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import contextvars
 import logging
 import os
 import sys
@@ -339,6 +340,14 @@ def _take_hooks_off(handles: list[Any]) -> None:
         handle.remove()
 
 
+_IN_BLOCK: contextvars.ContextVar[weakref.ref[ModuleStream] | None] = contextvars.ContextVar(
+    "t2n_stream_block", default=None
+)
+"""The stream whose ``with`` block the context runs in (the innermost): a forward there, over
+its modules, is that stream's alone, whatever other streams of its pool hook them. Weakly: a
+block a Ctrl-C left without its exit keeps no stream alive."""
+
+
 class ModuleStream(Uncopyable):
     """Hooks that stream ``modules`` through ``pool`` (see :func:`stream_modules`).
 
@@ -412,6 +421,8 @@ class ModuleStream(Uncopyable):
         self._calls: dict[int | None, FrameType] = {}
         # What forwards of threads that ended inside a module held (see _forget_thread).
         self._orphans: collections.deque[tuple[int, _Held]] = collections.deque()
+        self._modules: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet(modules)
+        self._blocks: list[contextvars.Token[weakref.ref[ModuleStream] | None]] = []
         pool.declare_schedule(t for group in self.groups for t in group)
         pool._streams.add(self)
         # Every hook registered, to take off when the stream goes (see ``_Hook``).
@@ -542,6 +553,16 @@ class ModuleStream(Uncopyable):
             scope = ACTIVE_RESIDENCY.get()
             if scope is not None and scope[0] is not pool:
                 return
+        in_block = _IN_BLOCK.get()
+        block = None if in_block is None else in_block()
+        if (
+            block is not None
+            and block is not self
+            and block.pool is pool
+            and block._handles
+            and module in block._modules
+        ):
+            return  # inside another open stream's `with` block, over its module: its forward
         if pool.closed:
             raise T2NErrorMisuse(
                 "this module is streamed (stream_modules) through a TensorResidencyPool "
@@ -638,7 +659,9 @@ class ModuleStream(Uncopyable):
     def _closed_under_forward(self) -> T2NErrorMisuse:
         return T2NErrorMisuse(
             "the stream (stream_modules) was closed while this forward ran in another thread: "
-            "close a stream once the forwards through it have ended"
+            "close a stream once the forwards through it have ended (each stream of a pool "
+            "over the same modules serves a forward that runs outside all their `with` "
+            "blocks: run it inside its own stream's block, or share one stream)"
         )
 
     def _after(self, index: int, module: torch.nn.Module, args: Any, output: Any) -> None:
@@ -986,6 +1009,15 @@ class ModuleStream(Uncopyable):
             hook.held = None
 
     def __enter__(self) -> ModuleStream:
+        # Whole, or left: a block a Ctrl-C kept from being entered is never left either,
+        # and its stream would stay open.
+        try:
+            with InterruptHold() as hold:
+                hold.start()
+                self._blocks.append(_IN_BLOCK.set(weakref.ref(self)))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
         return self
 
     def __exit__(
@@ -994,7 +1026,12 @@ class ModuleStream(Uncopyable):
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
-        self.close()
+        try:
+            self.close()
+        finally:
+            if self._blocks:
+                with contextlib.suppress(ValueError):  # (left in another context)
+                    _IN_BLOCK.reset(self._blocks.pop())
 
 
 def stream_modules(
@@ -1043,7 +1080,11 @@ def stream_modules(
     concurrent forwards. Close the stream once the forwards through it have ended: one
     running in another thread as it closes either fails with ``T2NErrorMisuse`` or ends
     reading through its tensors; either way it holds nothing once it ended, and its thread
-    leaves the scope the stream opened for it.
+    leaves the scope the stream opened for it. A forward inside a stream's ``with`` block
+    (in its context: its thread or task, and the ``anyio.to_thread`` workers they start) is
+    that stream's alone over its modules, so that one stream per request over the same
+    modules of one pool works; a forward outside every such block is served by each open
+    stream of its pool over its modules, and the close of any of them fails it.
     A stream its caller does not keep (``stream_modules(pool, layers)`` inside ``with pool:``)
     is held by the model while the pool is open, and goes with its hooks once the pool
     closed; a stream kept past its pool's close makes forwards fail with ``T2NErrorMisuse``
