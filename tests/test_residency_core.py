@@ -1206,3 +1206,24 @@ def test_a_hit_on_a_tensor_collected_before_the_next_step_is_not_learnt(
         pool.flush()
         assert policy._order == [id(a0), id(a1)]
         check_invariants(pool)
+
+
+def test_a_handle_waited_on_the_loop_thread_after_a_write_says_to_await_it(
+    tmp_path: Path,
+) -> None:
+    """A prefetch's handle whose load ended, then a write of the tensor: the value is read
+    again, which ``wait()`` on the pool's own loop thread cannot block for; ``await`` can,
+    and gives the written value."""
+    (t,) = make_tensors(tmp_path, 1, numel=64)
+
+    async def main() -> None:
+        async with TensorResidencyPool() as pool:
+            handle = pool.prefetch(t)
+            assert (await handle)[0].item() == 0.0
+            t.update_values(torch.full((64,), 7.0))
+            assert handle.done()
+            with pytest.raises(T2NErrorMisuse, match="use `await handle`"):
+                handle.wait()
+            assert (await handle)[0].item() == 7.0
+
+    asyncio.run(main())

@@ -186,7 +186,8 @@ class TensorPrefetch(Uncopyable):
 
         Raises:
             T2NErrorStorage: the load failed (the cause is chained).
-            T2NErrorMisuse: called on the pool's own loop thread before the load ended
+            T2NErrorMisuse: called on the pool's own loop thread before the load ended,
+                or after a write came since the prefetch and the value must be read again
                 (use ``await handle`` there).
         """
         if not self._future.done() and self._pool._runtime.on_loop_thread():

@@ -54,8 +54,9 @@ class PoolStats(NamedTuple):
     left of its read."""
     wasted_prefetches: int = 0
     """Values loaded without a request (``prefetch``, ``pin``, the trace-driven read-ahead)
-    that left the pool before any request used them: reads for nothing (a budget too small for
-    the read-ahead window, or a forward that left the learned order). The read-ahead's own
+    that left the pool (evicted, or at its close) before any request used them: reads for
+    nothing (a budget too small for the read-ahead window, or a forward that left the learned
+    order). A handle's ``wait()`` or ``await`` is no request. The read-ahead's own
     leases are no requests: they count in neither ``hits`` nor ``misses``."""
     pinned_bytes: int = 0
     """Pinned host memory held to stage copies to CUDA devices (process-wide, shared by every
