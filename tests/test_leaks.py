@@ -17,7 +17,8 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -344,6 +345,41 @@ def task_until_paused(
     return task
 
 
+def strand_with_a_load_end(
+    pool: TensorResidencyPool,
+    tensor: OffloadedTensor,
+    while_loading: Callable[[], None] = lambda: None,
+) -> asyncio.Task[None]:
+    """A task inside ``async with pool, pool.acquire(tensor)`` whose loop is closed as the
+    lease's load runs (``while_loading`` runs then), the load's end then left for a thread
+    to apply (the reaper, once a pool is made): the task, pending for good."""
+    loop = asyncio.new_event_loop()
+
+    async def serve() -> None:
+        async with pool, pool.acquire(tensor):
+            await asyncio.Event().wait()
+
+    with paused_in_new_threads(Job.run.__code__, on="call") as load:
+        task = task_until_paused(loop, serve(), load)
+        loop.close()
+        while_loading()
+        load.go()
+        assert settled(partial(bool, pool._runtime._ended))
+    return task
+
+
+@contextmanager
+def reaper_paused_amid_a_load_end() -> Iterator[Breakpoint]:
+    """The reaper, started by a pool's creation, paused amid its transition of a stranded
+    pool's load end (see :func:`strand_with_a_load_end`) until the breakpoint's ``go``."""
+    line = line_of(Actor._on_loaded, "value = self._keep_loaded(entry, value)")
+    with paused_in_new_threads(Actor._on_loaded.__code__, on="line", line=line) as transition:
+        transition.armed.set()
+        TensorResidencyPool().close()  # starts the reaper
+        assert transition.paused.wait(10)
+        yield transition
+
+
 def strand_awaiting_a_load(
     tensor: OffloadedTensor, load_ends: str
 ) -> tuple[weakref.ref[TensorResidencyPool], list[threading.Thread]]:
@@ -437,22 +473,8 @@ def test_the_reaper_applying_a_kept_stranded_pools_job_end_holds_off_its_loops_t
     it, and the value is loaded once (the two once drove the pool at once: two loads)."""
     tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "w", tmp_path)
     pool = TensorResidencyPool()
-    loop = asyncio.new_event_loop()
-
-    async def serve() -> None:
-        async with pool, pool.acquire(tensor):
-            await asyncio.Event().wait()
-
-    with paused_in_new_threads(Job.run.__code__, on="call") as load:
-        task = task_until_paused(loop, serve(), load)
-        loop.close()
-        load.go()
-        assert settled(partial(bool, pool._runtime._ended))
-    line = line_of(Actor._on_loaded, "value = self._keep_loaded(entry, value)")
-    with paused_in_new_threads(Actor._on_loaded.__code__, on="line", line=line) as transition:
-        transition.armed.set()
-        TensorResidencyPool().close()  # starts the reaper
-        assert transition.paused.wait(10)
+    task = strand_with_a_load_end(pool, tensor)
+    with reaper_paused_amid_a_load_end() as transition:
         threading.Timer(0.3, transition.go).start()
         assert torch.equal(pool.resolve(tensor), torch.ones(NUMEL))
     reaping = [t for t in threading.enumerate() if t.name == "t2n-residency-reaper"]
@@ -525,3 +547,42 @@ def test_a_stranded_pool_dropped_whose_write_back_fails_says_so_and_stops(
         os.rename(moved, directory)
     assert "could not write its changes back" in caplog.text
     assert torch.equal(on_disk(tensor), torch.zeros(NUMEL))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("ender", ["another thread", "the closed loop's thread"])
+def test_a_lease_ended_amid_the_reapers_transition_of_a_stranded_pool_waits_for_it(
+    tmp_path: Path, ender: str
+) -> None:
+    """A pool stranded on a closed loop, still referenced: the reaper applies the end of a
+    load that ended after the loop closed. A lease ended meanwhile, whose value must leave
+    (budget 0), tells the actor once that transition ended, not amid it (the two threads
+    once ran the actor at once), on any thread, the closed loop's own included."""
+    tensor = OffloadedTensor.from_original_tensor(torch.ones(NUMEL), "w", tmp_path)
+    other = OffloadedTensor.from_original_tensor(torch.zeros(NUMEL), "o", tmp_path)
+    pool = TensorResidencyPool(0, max_workers=2)
+    lease = pool.acquire(other)
+
+    def lease_other() -> None:  # a miss: this thread drives the pool, counts the lease
+        assert torch.equal(lease.__enter__(), torch.zeros(NUMEL))
+
+    task = strand_with_a_load_end(pool, tensor, lease_other)
+    with reaper_paused_amid_a_load_end() as transition:
+        if ender == "another thread":
+            ending = threading.Thread(target=lease.__exit__, args=(None, None, None))
+            ending.start()
+            ending.join(0.3)
+            assert ending.is_alive(), "the lease's end ran a transition amid the reaper's"
+            transition.go()
+            ending.join(10)
+            assert not ending.is_alive()
+        else:
+            threading.Timer(0.3, transition.go).start()
+            lease.__exit__(None, None, None)
+            assert transition._go.is_set(), "the lease's end ran a transition amid the reaper's"
+    assert not pool.is_resident(other)  # not retained: it left as its lease ended
+    check_invariants(pool)
+    pool.close()
+    task.get_coro().close()  # as the closed loop's collection would: the block ends quietly
+    del task
+    gc.collect()

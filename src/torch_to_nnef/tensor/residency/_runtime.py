@@ -1013,20 +1013,44 @@ class Runtime:
             self.ensure_running()
 
     def notify(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Tell the actor something without waiting (any thread); reads of the pool's state
-        from other threads see it (:meth:`catch_up`)."""
-        if self.on_loop_thread() or not self.running or os.getpid() != self._pid:
+        """Tell the actor something without waiting for the loop (any thread); reads of the
+        pool's state from other threads see it (:meth:`catch_up`). Where no loop will run it
+        (none started, or it closed), the calling thread runs it, as the threads that drive
+        such a pool do (:meth:`_unserved_transition`)."""
+        if self.on_loop_thread() and not self.stranded_on_closed_loop():
             _transition(callback, args)
             return
-        with self._lock:
-            loop = self.loop
-            if loop is not None:
-                self._sent += 1
-                if not self._send(loop, self._counted, (callback, args)):
+        if self.running and os.getpid() == self._pid:
+            with self._lock:
+                loop = self.loop
+                if loop is not None:
+                    self._sent += 1
+                    if self._send(loop, self._counted, (callback, args)):
+                        return
                     self._sent -= 1
-                    loop = None
-        if loop is None:
-            _transition(callback, args)  # the loop is gone: nothing runs concurrently any more
+        self._unserved_transition(callback, args)
+
+    def _unserved_transition(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        """Run ``callback(*args)``, a transition no loop will run, on the calling thread under
+        the lock of the threads that drive such a pool (a loop's start, a stranded pool's
+        drivers, the reaper): never amid one of theirs. Where this thread must not wait for
+        another (a finalizer, a thread holding a lock of the pool's, an I/O worker), and one
+        holds that lock, the transition is left to the next (``Actor.later``). A loop started
+        meanwhile is told instead."""
+        lock = self._start_lock
+        if not lock.acquire(blocking=not self.may_wait_for_itself()):
+            self.actor.later(partial(callback, *args))
+            return
+        try:
+            if self._loop_runs() and not self.forked() and not self.on_loop_thread():
+                started = True
+            else:
+                started = False
+                _transition(callback, args)
+        finally:
+            lock.release()
+        if started:
+            self.notify(callback, *args)
 
     def _counted(self, callback: Callable[..., Any], args: tuple[Any, ...]) -> None:
         try:
