@@ -50,6 +50,22 @@ def _check(pool: TensorResidencyPool) -> None:
         )
         if entry.slot is not None and entry.slot.leases and entry.slot.tracked:
             assert entry.held
+        # An entry holds its tensor weakly only while its value is clean and idle, and the
+        # step after a tensor's collection removes its entry (this check runs after one).
+        slot = entry.slot
+        busy = (
+            entry.value is None
+            or entry.load is not None
+            or entry.write is not None
+            or entry.evicting
+            or entry.dirty
+            or entry.held
+            or (slot is not None and (slot.dirty or slot.changing or slot.writing))
+        )
+        if busy:
+            assert entry.strong is not None, "a busy entry holds its tensor weakly"
+        assert entry.alive is not None, "the entry of a collected tensor stayed"
+        assert entry.strong is None or entry.strong is entry.alive
     # A value on its way out is held by nothing, and no victim again: evicting it frees nothing.
     assert not any(e.held for e in resident if e.evicting), "an evicting value is held"
     budget = pool.max_cached_bytes

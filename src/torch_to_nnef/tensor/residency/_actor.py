@@ -135,6 +135,9 @@ class Actor:
             {} if policy.remembers_keys else None
         )
         self._warned_outside_leases = False  # a change outside leases was logged once
+        # What the callbacks of the entries' weak references to their tensors reach the actor
+        # by (see _let_go): a reference to it would keep it alive through its entries.
+        self._weak = weakref.ref(self)
 
     # ------------------------------------------------------------------------------------------
     # Introspection and hits without the actor (any thread)
@@ -173,7 +176,9 @@ class Actor:
     def fresh_slot(self, source: PoolSource, device: torch.device | None) -> Slot | None:
         """The published slot of ``source`` when it holds the current value on ``device``
         (``None``: the tensor's target device). Reads the slot and the tensor's hit state,
-        never the tensor itself (a published slot's entry holds it: its id is its own)."""
+        never the tensor itself (a published slot's tensor is alive: its id is its own, as
+        the collection of a tensor unpublishes its slot before a new tensor can be given
+        that id: see :meth:`_let_go`)."""
         slot = self.published.get(id(source))
         if slot is None:
             return None
@@ -325,6 +330,9 @@ class Actor:
                 holder.entered = True
                 slot.changing += 1
                 slot.enters += 1
+                entry = slot.entry
+                if entry.strong is None:  # a change to write back: the entry holds the tensor
+                    entry.strong = entry.alive  # (the lease's owner holds it)
 
     def changed_under_read_lease(self, slot: Slot, version: int | None) -> bool:
         """Whether the holder of a read lease on ``slot`` (a streamed forward, which got the
@@ -424,7 +432,7 @@ class Actor:
                 self.dropped_values[id(slot.value)] = slot.value
                 slot.open = False
                 if self.published.get(slot.key) is slot:
-                    del self.published[slot.key]
+                    self.published.pop(slot.key, None)
             if holder.slot is None:  # released meanwhile by another thread
                 return False
             return self._ended(slot, holder, changed)
@@ -580,6 +588,9 @@ class Actor:
                     released = released or not leased
         for entry in remaps:
             self._remap(entry)
+        for slot in changed:  # (an entered read_write lease held the tensor, say)
+            if slot.entry.strong is not None:
+                self._let_go(slot.entry)
         # Uses last: a value the end of its leases released takes its place from their
         # touches, in the order they ended (touches of held values are no-ops).
         access, watched = self.policy.access, self._watched
@@ -614,11 +625,21 @@ class Actor:
 
     def is_pinned(self, source: PoolSource) -> bool:
         entry = self.entries.get(id(source))
-        return entry is not None and entry.pinned
+        return entry is not None and entry.pinned and entry.owned_by(source)
 
     def is_resident(self, source: PoolSource) -> bool:
         entry = self.entries.get(id(source))
-        return entry is not None and entry.resident
+        return entry is not None and entry.resident and entry.owned_by(source)
+
+    def entry_of(self, source: PoolSource) -> Entry | None:
+        """``source``'s entry, if any: never that of a collected tensor whose ``id`` it
+        reuses (removed now, if the transition that removes it has not run yet; loop
+        thread)."""
+        entry = self.entries.get(id(source))
+        if entry is not None and entry.strong is None and not entry.owned_by(source):
+            self._forget_collected(entry.key, entry.ref)
+            return None
+        return entry
 
     def dirty_entries(self) -> bool:
         return any(e.dirty or (e.slot is not None and e.slot.dirty) for e in self.entries.values())
@@ -632,7 +653,7 @@ class Actor:
         """The entry of ``source`` on ``device``, created (and its load started) when absent;
         ``read``: what the caller read itself, the load's outcome unless a write came since."""
         key = id(source)
-        entry = self.entries.get(key)
+        entry = self.entry_of(source)
         pinned = entry is not None and entry.pinned
         if entry is not None and self._stale(entry):
             entry = None
@@ -650,6 +671,7 @@ class Actor:
                 f"two devices at once: evict it first or request it on {entry.device}"
             )
         if entry.value is None and entry.load is None:
+            entry.strong = source  # (a new entry's is already)
             try:
                 self._start_load(entry, read)
             except BaseException:  # (no worker to be had, say): the request fails, and
@@ -687,7 +709,7 @@ class Actor:
         if entry.dirty:
             LOGGER.debug(
                 "%r was written after the pool's unsaved change: that later write stands",
-                entry.source.name,
+                entry.name,
             )
             entry.dirty = False
         if entry.pinned:
@@ -724,7 +746,7 @@ class Actor:
                         "is no write of the tensor, and the pool loads it again; write "
                         "through the tensor itself (`t[3:] = v`, `t.mul_(2)`) or a "
                         "read_write lease",
-                        entry.source.name,
+                        entry.name,
                     )
                 return True
             slot.seen = slot.value._version
@@ -746,7 +768,7 @@ class Actor:
         """Whether ``entry``'s value is no longer the tensor's latest write: someone else
         wrote the tensor since it was read, or it holds a ``read_write`` lease's change that
         was dropped (see :meth:`release`), whatever its version says."""
-        if entry.version is not entry.source._hit_state.version_for(self):
+        if entry.version is not entry.hit_state.version_for(self):
             return True
         slot = entry.slot
         return slot is not None and slot.dropped
@@ -883,7 +905,7 @@ class Actor:
     def unpin_step(self, source: PoolSource) -> None:
         self.sync()
         self.check_open()
-        entry = self.entries.get(id(source))
+        entry = self.entry_of(source)
         if entry is None or not entry.pinned:
             return
         self._hold(entry, pinned=False)
@@ -1044,17 +1066,18 @@ class Actor:
         if in_use:
             self.in_use_bytes += nbytes
         self._note_active()
-        self.published[entry.key] = slot
+        with self.lock:
+            self._publish(entry, slot)
         entry.retained = self.policy.admit(entry.key, nbytes)
-        if not held:
-            self._to_eviction_order(entry)
         if not entry.retained:
             LOGGER.debug(
                 "%r (%d bytes) is delivered without cache retention under %s",
-                entry.source.name,
+                entry.name,
                 nbytes,
                 self.policy.strategy.name,
             )
+        if not held:
+            self._to_eviction_order(entry)
 
     # ------------------------------------------------------------------------------------------
     # Holds and byte accounting
@@ -1090,6 +1113,8 @@ class Actor:
                 slot.tracked = track
                 self._take_dirty(entry)
         held, in_use = entry.holds()
+        if held and entry.strong is None:  # busy again: the entry holds the tensor
+            entry.strong = entry.alive  # (None: collected, its removal queued)
         if in_use != was_in_use:
             self.in_use_bytes += entry.nbytes if in_use else -entry.nbytes
             if in_use:  # less in use changes neither the peak nor the spares' room
@@ -1120,9 +1145,75 @@ class Actor:
     def _to_eviction_order(self, entry: Entry) -> None:
         """A resident value no longer held goes (back) into the policy's eviction order,
         unless it is on its way out already: a victim is a value whose eviction frees its
-        bytes."""
+        bytes. Its entry lets go of the tensor if the value is clean and idle (the tensor
+        may be collected at once: the caller reads it no more)."""
         if not entry.evicting:
             self.policy.release(entry.key, entry.nbytes, entry.retained)
+            self._let_go(entry)
+
+    def _let_go(self, entry: Entry) -> None:
+        """Hold ``entry``'s tensor weakly if its value is resident, clean and idle: nothing
+        holds it (waiters, a pin, counted leases), no load, write-back or eviction of it
+        runs, no change of it waits to be written (``dirty``, the slot's ``dirty``), and no
+        ``read_write`` lease is entered on it (which holds the tensor again from its entry
+        on: :meth:`enter`). Whoever makes the entry busy again holds the tensor again first
+        (:meth:`_hold`, :meth:`_entry_for`), as one who holds it (a request, a lease) does.
+
+        Once the tensor's user dropped it, the tensor is collected: the callback of the
+        weak reference runs during its deallocation, before a new tensor can be given its
+        ``id``, on whatever thread the collection runs (amid a transition perhaps, whatever
+        locks are held: it takes none). It unpublishes the value, so that no hit serves it
+        to a new tensor with that ``id``, and leaves the removal of the entry to the next
+        transition (:meth:`_forget_collected`). Lock-free readers of :attr:`entries` check
+        that an entry is their tensor's (:meth:`Entry.owned_by`)."""
+        slot = entry.slot
+        if (
+            entry.strong is None
+            or slot is None
+            or entry.value is None
+            or entry.load is not None
+            or entry.write is not None
+            or entry.evicting
+            or entry.dirty
+            or entry.held
+            or self.entries.get(entry.key) is not entry
+        ):
+            return
+        source = entry.strong
+        spare = None
+        if entry.copied:  # what its buffers offer a later load once the tensor is gone
+            buffers = source._host_buffers(entry.value)
+            spare = None if buffers is None else (source.storage_key, buffers)
+        with self.lock:  # (a read_write lease enters, and marks the slot dirty, under it)
+            if slot.dirty or slot.changing or slot.writing:
+                return
+            if entry.ref is None:
+                entry.ref = weakref.ref(source, partial(_collected, self._weak, entry.key))
+            entry.spare = spare
+            entry.strong = None
+        # (``source`` goes as this returns: the tensor is collected then if nothing else
+        # holds it.)
+
+    def _forget_collected(self, key: int, ref: weakref.ref[PoolSource] | None) -> None:
+        """The tensor of the entry under ``key`` holding it by ``ref`` was collected: the
+        entry and its value leave the pool, counted as an eviction (idempotent: the callback
+        of ``ref`` queued it, and an interrupt may run it again). Its value was clean and
+        idle as the entry let go of the tensor; a lease left over is one whose holder was
+        collected too, ended by a call queued beside this one."""
+        entry = self.entries.get(key)
+        if entry is None or entry.ref is not ref or entry.alive is not None:
+            return
+        slot = entry.slot
+        leased = False
+        if slot is not None:
+            with self.lock:
+                slot.open = False
+                if self.published.get(key) is slot:
+                    self.published.pop(key, None)
+                leased = bool(slot.granted or slot.readers)
+            if entry.tracked:
+                self._hold(entry, track=False)
+        self._remove(entry, reuse=not leased)
 
     @staticmethod
     def _take_dirty(entry: Entry) -> None:
@@ -1171,8 +1262,18 @@ class Actor:
         slot = entry.slot
         if slot is not None and entry.value is not None and not self.closing and not slot.dropped:
             with self.lock:
-                slot.open = True
-                self.published[entry.key] = slot
+                self._publish(entry, slot)
+
+    def _publish(self, entry: Entry, slot: Slot) -> None:
+        """Open ``slot`` and publish it (under the lock), unless ``entry``'s tensor was
+        collected: it is held here until it is published, so that the callback of a
+        collection after it finds the slot to unpublish (see :meth:`_let_go`)."""
+        source = entry.alive
+        if source is None:
+            slot.open = False  # (its removal is queued)
+            return
+        slot.open = True
+        self.published[entry.key] = slot
 
     def enforce(self) -> None:
         """Evict what the policy names so that unheld values fit the budget; no eviction is
@@ -1264,12 +1365,14 @@ class Actor:
             if evicted:
                 self._evictions += 1
                 self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
+            spare, entry.spare = entry.spare, None
             if reuse and entry.copied:
-                buffers = entry.source._host_buffers(value)
-                if buffers is not None:
-                    self.spares.offer(
-                        entry.source.storage_key, entry.nbytes, value, buffers, self.spare_room()
-                    )
+                source = entry.alive
+                if source is not None:  # (else what it offered as it let go of the tensor)
+                    buffers = source._host_buffers(value)
+                    spare = None if buffers is None else (source.storage_key, buffers)
+                if spare is not None:
+                    self.spares.offer(spare[0], entry.nbytes, value, spare[1], self.spare_room())
 
     def _start_write(self, entry: Entry) -> Job | None:
         """Start writing ``entry``'s value back; ``None`` while a ``read_write`` lease holds
@@ -1336,9 +1439,9 @@ class Actor:
             else:
                 self._remove(entry)
         elif current:
-            self._maybe_release(entry)  # back in the eviction order (after a failed write-back)
             if version is not None and entry.value is written:
                 self._start_remap(entry, version)
+            self._maybe_release(entry)  # back in the eviction order (after a failed write-back)
         self.enforce()
 
     def _end_write(self, entry: Entry, job: Job) -> None:
@@ -1433,7 +1536,7 @@ class Actor:
         """Evict ``source`` now; return the job to wait for (a load or a write-back) first."""
         self.sync()
         self.check_open()
-        entry = self.entries.get(id(source))
+        entry = self.entry_of(source)
         if entry is None:
             return None
         leased = entry.slot is not None and entry.slot.leases > 0
@@ -1465,7 +1568,7 @@ class Actor:
         if source is None:
             entries = list(self.entries.values())
         else:
-            found = self.entries.get(id(source))
+            found = self.entry_of(source)
             entries = [] if found is None else [found]
         jobs: list[Job] = []
         for entry in entries:
@@ -1524,10 +1627,10 @@ class Actor:
     def _leased_names(self) -> list[str]:
         """The tensors whose values are leased or awaited by an acquire (under the lock)."""
         return [
-            e.source.name
+            e.name
             for e in self.entries.values()
             if (e.slot is not None and e.slot.leases) or e.waiters
-        ] + [slot.entry.source.name for slot in self.superseded if slot.leases]
+        ] + [slot.entry.name for slot in self.superseded if slot.leases]
 
     def abort_close(self) -> None:
         self.closing = False
@@ -1635,3 +1738,24 @@ def _take_all(queue: deque[Any]) -> list[Any]:
     time: a copy and a ``clear`` would lose an append made in between)."""
     take = queue.popleft
     return [take() for _ in range(len(queue))]
+
+
+def _collected(actor_ref: weakref.ref[Actor], key: int, ref: weakref.ref[PoolSource]) -> None:
+    """The callback of an entry's weak reference to its tensor (see ``Actor._let_go``): the
+    tensor is being collected (any thread, amid any code, whatever locks it holds: it takes
+    none), before a new tensor can be given its ``id``. Its value is unpublished and its
+    slot closed now; the entry leaves at the next transition."""
+    actor = actor_ref()
+    if actor is None:
+        return
+    # Any slot published under ``key`` is a collected tensor's: no live one has that id.
+    slot = actor.published.pop(key, None)
+    if slot is not None:
+        slot.open = False
+    entry = actor.entries.get(key)
+    if entry is None or entry.ref is not ref:
+        return  # (the entry left already: a new one would have a reference of its own)
+    slot = entry.slot
+    if slot is not None:
+        slot.open = False
+    actor.later(partial(actor._forget_collected, key, ref))

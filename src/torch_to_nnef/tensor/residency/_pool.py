@@ -380,7 +380,9 @@ class TensorResidencyPool(Uncopyable):
         loaded (what tensors call)."""
         slot = self._actor.fresh_slot(source, device)
         if slot is None or not slot.open:
-            entry = self._actor.entries.get(id(source))  # read without the actor: a hint
+            # Read without the actor, a hint (the entry of a collected tensor whose id
+            # ``source`` reuses, not removed yet, has a value, never a load).
+            entry = self._actor.entries.get(id(source))
             if entry is None or entry.load is None:
                 return None
         return self._scope_resolve(source, device)
@@ -928,9 +930,10 @@ class _Unclosed:
         actor = self._runtime.actor
         try:
             call(Flush(actor, None))
-            sources = call(Transition(lambda: [e.source for e in actor.entries.values()]))
+            sources = call(Transition(lambda: [e.alive for e in actor.entries.values()]))
             for source in sources:
-                source._write_unsaved(actor)
+                if source is not None:  # (else collected: its value was clean)
+                    source._write_unsaved(actor)
         except T2NError as error:
             _log_unwritten("open at interpreter exit", error)
             return

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import torch
 
 from torch_to_nnef._waiting import Waiters
 from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
-from torch_to_nnef.tensor.offload._protocol import PoolSource
+from torch_to_nnef.tensor.offload._protocol import HitState, PoolSource
+from torch_to_nnef.tensor.residency._spares import StorageKey
 
 __all__ = [
     "CLOSE_UNDER_WAY",
@@ -39,7 +41,8 @@ class PoolStats(NamedTuple):
     bytes_read: int
     """Bytes read from disk by those loads."""
     evictions: int
-    """Values that left the pool (budget, explicit eviction or close)."""
+    """Values that left the pool (budget, explicit eviction, close, or the collection of a
+    tensor its user dropped while its value was resident)."""
     write_backs: int
     """Dirty values written back to their files."""
     bytes_written: int
@@ -269,7 +272,7 @@ class Slot:
     def __init__(self, entry: Entry, value: torch.Tensor, version: object) -> None:
         self.entry = entry
         self.key = entry.key
-        self.hit_state = entry.source._hit_state
+        self.hit_state = entry.hit_state
         self.value = value
         self.shape = value.shape
         self.dtype = value.dtype
@@ -327,10 +330,18 @@ class Slot:
 
 @dataclass(eq=False)
 class Entry:
-    """What the pool knows about one tensor."""
+    """What the pool knows about one tensor.
+
+    The entry holds its tensor (``strong``) while anything may still need it: a load, a
+    write-back, a change not written yet (the entry's or its slot's ``dirty``, or a
+    ``read_write`` lease entered on the value, which holds it from its entry on), waiters, a
+    pin, leases the actor counts. A resident value that is clean and idle holds it weakly
+    only (``ref``; ``strong`` is ``None``), so that a tensor its user dropped is collected:
+    the callback of ``ref`` unpublishes the value, and the actor's next transition removes
+    the entry (see ``Actor._let_go``)."""
 
     key: int
-    source: PoolSource
+    strong: PoolSource | None
     device: torch.device
     nbytes: int
     value: torch.Tensor | None = None
@@ -349,6 +360,47 @@ class Entry:
     # The value mapping the file its write-back wrote, and the value's torch version counter
     # then: served instead once no lease holds the value, unless it changed (Actor._remap).
     remapped: tuple[torch.Tensor, int] | None = None
+    # The tensor, weakly: made the first time the entry lets go of it (Actor._let_go).
+    ref: weakref.ref[PoolSource] | None = None
+    # What a copied value's host buffers offer a later load once the tensor is collected
+    # (its storage key and buffers), taken as the entry lets go of the tensor.
+    spare: tuple[StorageKey, dict[str, torch.Tensor]] | None = None
+    hit_state: HitState = field(init=False)  # the tensor's, for life (slots refer to it)
+
+    def __post_init__(self) -> None:
+        assert self.strong is not None
+        self.hit_state = self.strong._hit_state
+
+    @property
+    def alive(self) -> PoolSource | None:
+        """The tensor, or ``None`` once collected (an entry holding it weakly)."""
+        source = self.strong
+        if source is None and self.ref is not None:
+            source = self.ref()
+        return source
+
+    @property
+    def source(self) -> PoolSource:
+        """The tensor, which the caller knows is alive: it holds it (a request), or the entry
+        does (busy: see the class docstring)."""
+        source = self.alive
+        assert source is not None, "the tensor of a busy entry was collected"
+        return source
+
+    def owned_by(self, source: PoolSource) -> bool:
+        """Whether this is ``source``'s entry, and not that of a collected tensor whose
+        ``id`` ``source`` reuses, left for the actor's next transition to remove (any
+        thread)."""
+        strong = self.strong
+        if strong is not None:
+            return strong is source
+        return self.ref is not None and self.ref() is source
+
+    @property
+    def name(self) -> str:
+        """The tensor's name, as messages give it."""
+        source = self.alive
+        return "a collected tensor" if source is None else source.name
 
     @property
     def tracked(self) -> bool:
