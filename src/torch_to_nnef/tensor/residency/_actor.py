@@ -21,7 +21,7 @@ import logging
 import sys
 import weakref
 from collections import deque
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
 
@@ -131,13 +131,21 @@ class Actor:
         self._later_running = 0  # of those, taken out and running (nested: an abandon's sync)
         # Tensors whose keys the policy remembers beyond their values (a schedule), weakly:
         # one collected is forgotten by the next transition (see watch).
-        self._watched: dict[int, weakref.ref[PoolSource]] | None = (
+        self._watched: dict[int, weakref.KeyedRef[int, PoolSource]] | None = (
             {} if policy.remembers_keys else None
         )
+        # The weak references (keyed by the tensor's id) of the tensors watched (above) or held
+        # weakly by their entries (see _let_go) that were collected since the last transition,
+        # which forgets them first thing (see sync). Appended by the references' callback, a
+        # C call that no Ctrl-C can cut, on whatever thread the collection runs.
+        self._collected: deque[weakref.KeyedRef[int, PoolSource]] = deque()
+        # Wakes the loop that serves the pool, taking no lock (set by the runtime, weakly):
+        # a collection asks for that transition soon, not at the next request.
+        self.waker: weakref.WeakMethod[Callable[[], None]] | None = None
         self._warned_outside_leases = False  # a change outside leases was logged once
-        # What the callbacks of the entries' weak references to their tensors reach the actor
-        # by (see _let_go): a reference to it would keep it alive through its entries.
-        self._weak = weakref.ref(self)
+        # What a collection wakes the loop through (see _let_go): a reference to the actor
+        # would keep it alive through its entries.
+        self._wake_on_collection = partial(_wake, weakref.ref(self))
 
     # ------------------------------------------------------------------------------------------
     # Introspection and hits without the actor (any thread)
@@ -175,14 +183,15 @@ class Actor:
 
     def fresh_slot(self, source: PoolSource, device: torch.device | None) -> Slot | None:
         """The published slot of ``source`` when it holds the current value on ``device``
-        (``None``: the tensor's target device). Reads the slot and the tensor's hit state,
-        never the tensor itself (a published slot's tensor is alive: its id is its own, as
-        the collection of a tensor unpublishes its slot before a new tensor can be given
-        that id: see :meth:`_let_go`)."""
+        (``None``: the tensor's target device), and is ``source``'s own: not that of a
+        collected tensor whose ``id`` ``source`` was given (see :meth:`_let_go`). Reads the
+        slot and the tensor's hit state, nothing else of the tensor."""
         slot = self.published.get(id(source))
         if slot is None:
             return None
         state = slot.hit_state
+        if state is not source._hit_state:  # (each tensor has its own, for life)
+            return None  # a collected tensor's, whose entry the next transition removes
         if slot.version is not state.version_for(self):
             return None
         if slot.aliased and not slot.leases and slot.value._version != slot.seen:
@@ -500,24 +509,18 @@ class Actor:
 
     def watch(self, source: PoolSource) -> None:
         """Have the policy forget ``source``'s key once the tensor is collected, before a new
-        tensor given its id is asked for: the next transition does (from :meth:`later`; the
-        collection may run on any thread, amid a transition). Only where the policy
-        remembers keys beyond their values (:attr:`RetentionPolicy.remembers_keys`)."""
+        tensor given its id is asked for: the next transition does (see :attr:`_collected`).
+        Only where the policy remembers keys beyond their values
+        (:attr:`RetentionPolicy.remembers_keys`)."""
         watched = self._watched
         key = id(source)
-        if watched is None or key in watched:
-            return
-        later, forget = self._later, self.policy.forget_keys  # (no reference to the actor)
-
-        def collected(ref: weakref.ref[PoolSource]) -> None:
-            later.append(partial(_forget_collected, watched, key, ref, forget))
-
-        watched[key] = weakref.ref(source, collected)
+        if watched is not None and key not in watched:
+            watched[key] = weakref.KeyedRef(source, self._collected.append, key)
 
     def deferred(self) -> bool:
         """Whether calls wait for the next transition (:meth:`later`) or run now (any
         thread: the queue is read first, then the count of those taken out of it)."""
-        return bool(self._later) or self._later_running > 0
+        return bool(self._later or self._collected) or self._later_running > 0
 
     def sync(self) -> None:
         """Take note of what other threads did since the last transition (first thing of
@@ -538,6 +541,10 @@ class Actor:
                 raise
             finally:
                 self._later_running -= 1
+        collected = self._collected
+        while collected:
+            self._forget_collected(collected[0])  # (idempotent: an interrupt runs it again)
+            collected.popleft()
         if not (self._touches or self._changed or self._consumer_hits):
             return
         with self.lock:
@@ -637,7 +644,8 @@ class Actor:
         thread)."""
         entry = self.entries.get(id(source))
         if entry is not None and entry.strong is None and not entry.owned_by(source):
-            self._forget_collected(entry.key, entry.ref)
+            assert entry.ref is not None
+            self._forget_collected(entry.ref)
             return None
         return entry
 
@@ -1159,13 +1167,14 @@ class Actor:
         on: :meth:`enter`). Whoever makes the entry busy again holds the tensor again first
         (:meth:`_hold`, :meth:`_entry_for`), as one who holds it (a request, a lease) does.
 
-        Once the tensor's user dropped it, the tensor is collected: the callback of the
-        weak reference runs during its deallocation, before a new tensor can be given its
-        ``id``, on whatever thread the collection runs (amid a transition perhaps, whatever
-        locks are held: it takes none). It unpublishes the value, so that no hit serves it
-        to a new tensor with that ``id``, and leaves the removal of the entry to the next
-        transition (:meth:`_forget_collected`). Lock-free readers of :attr:`entries` check
-        that an entry is their tensor's (:meth:`Entry.owned_by`)."""
+        Once the tensor's user dropped it, the tensor is collected, on whatever thread the
+        collection runs (amid a transition perhaps, whatever locks are held): the callback
+        of the weak reference queues it (:attr:`_collected`, a C call that takes no lock
+        and that no Ctrl-C can cut), and a second one wakes the loop (best effort), whose
+        transition removes the entry first thing (:meth:`_forget_collected`). Until then a
+        new tensor given that ``id`` finds the value published: hits, and the lock-free
+        readers of :attr:`entries`, check that a slot or an entry is their tensor's
+        (:meth:`fresh_slot`, :meth:`Entry.owned_by`)."""
         slot = entry.slot
         if (
             entry.strong is None
@@ -1188,18 +1197,24 @@ class Actor:
             if slot.dirty or slot.changing or slot.writing:
                 return
             if entry.ref is None:
-                entry.ref = weakref.ref(source, partial(_collected, self._weak, entry.key))
+                entry.ref = weakref.KeyedRef(source, self._collected.append, entry.key)
+                entry.waker = weakref.ref(source, self._wake_on_collection)
             entry.spare = spare
             entry.strong = None
         # (``source`` goes as this returns: the tensor is collected then if nothing else
         # holds it.)
 
-    def _forget_collected(self, key: int, ref: weakref.ref[PoolSource] | None) -> None:
-        """The tensor of the entry under ``key`` holding it by ``ref`` was collected: the
-        entry and its value leave the pool, counted as an eviction (idempotent: the callback
-        of ``ref`` queued it, and an interrupt may run it again). Its value was clean and
-        idle as the entry let go of the tensor; a lease left over is one whose holder was
-        collected too, ended by a call queued beside this one."""
+    def _forget_collected(self, ref: weakref.KeyedRef[int, PoolSource]) -> None:
+        """A tensor watched by ``ref`` was collected (see :attr:`_collected`): the policy
+        forgets its key (:meth:`watch`), and its entry, if it still holds the tensor by
+        ``ref``, leaves the pool with its value, counted as an eviction (idempotent). Its
+        value was clean and idle as the entry let go of the tensor; a lease left over is one
+        whose holder was collected too, ended by a call queued beside this one."""
+        key = ref.key
+        watched = self._watched
+        if watched is not None and watched.get(key) is ref:
+            del watched[key]
+            self.policy.forget_keys((key,))
         entry = self.entries.get(key)
         if entry is None or entry.ref is not ref or entry.alive is not None:
             return
@@ -1266,8 +1281,7 @@ class Actor:
 
     def _publish(self, entry: Entry, slot: Slot) -> None:
         """Open ``slot`` and publish it (under the lock), unless ``entry``'s tensor was
-        collected: it is held here until it is published, so that the callback of a
-        collection after it finds the slot to unpublish (see :meth:`_let_go`)."""
+        collected (its entry's removal is queued: see :meth:`_let_go`)."""
         source = entry.alive
         if source is None:
             slot.open = False  # (its removal is queued)
@@ -1720,19 +1734,6 @@ def _leased_eviction(source: PoolSource) -> T2NErrorMisuse:
     )
 
 
-def _forget_collected(
-    watched: dict[int, weakref.ref[PoolSource]],
-    key: int,
-    ref: weakref.ref[PoolSource],
-    forget: Callable[[Collection[int]], None],
-) -> None:
-    """What :meth:`Actor.watch` leaves for the next transition once a tensor is collected
-    (idempotent: an interrupt may run it again)."""
-    if watched.get(key) is ref:
-        del watched[key]
-        forget((key,))
-
-
 def _take_all(queue: deque[Any]) -> list[Any]:
     """Take every item out of ``queue``, which other threads append to meanwhile (one at a
     time: a copy and a ``clear`` would lose an append made in between)."""
@@ -1740,22 +1741,12 @@ def _take_all(queue: deque[Any]) -> list[Any]:
     return [take() for _ in range(len(queue))]
 
 
-def _collected(actor_ref: weakref.ref[Actor], key: int, ref: weakref.ref[PoolSource]) -> None:
-    """The callback of an entry's weak reference to its tensor (see ``Actor._let_go``): the
-    tensor is being collected (any thread, amid any code, whatever locks it holds: it takes
-    none), before a new tensor can be given its ``id``. Its value is unpublished and its
-    slot closed now; the entry leaves at the next transition."""
+def _wake(actor_ref: weakref.ref[Actor], _collected: weakref.ref[PoolSource]) -> None:
+    """The callback of an entry's second weak reference to its tensor (see
+    ``Actor._let_go``): the tensor was collected; its entry's removal (queued already) is
+    asked of the loop now rather than at the pool's next request (best effort: any thread,
+    no lock, and a Ctrl-C may cut it)."""
     actor = actor_ref()
-    if actor is None:
-        return
-    # Any slot published under ``key`` is a collected tensor's: no live one has that id.
-    slot = actor.published.pop(key, None)
-    if slot is not None:
-        slot.open = False
-    entry = actor.entries.get(key)
-    if entry is None or entry.ref is not ref:
-        return  # (the entry left already: a new one would have a reference of its own)
-    slot = entry.slot
-    if slot is not None:
-        slot.open = False
-    actor.later(partial(actor._forget_collected, key, ref))
+    waker = None if actor is None or actor.waker is None else actor.waker()
+    if waker is not None:
+        waker()

@@ -645,6 +645,7 @@ class Runtime:
         # Run at interpreter exit before the private loop stops (the pool writes back what
         # it never closed).
         self.at_exit: Callable[[], None] | None = None
+        actor.waker = weakref.WeakMethod(self.wake)
         _runtimes.add(self)
 
     def forget_threads(self) -> None:

@@ -360,8 +360,11 @@ class Entry:
     # The value mapping the file its write-back wrote, and the value's torch version counter
     # then: served instead once no lease holds the value, unless it changed (Actor._remap).
     remapped: tuple[torch.Tensor, int] | None = None
-    # The tensor, weakly: made the first time the entry lets go of it (Actor._let_go).
-    ref: weakref.ref[PoolSource] | None = None
+    # The tensor, weakly, keyed by its id (its collection queues it for the actor), and a
+    # second reference whose callback wakes the actor: made the first time the entry lets
+    # go of the tensor (Actor._let_go).
+    ref: weakref.KeyedRef[int, PoolSource] | None = None
+    waker: weakref.ref[PoolSource] | None = None
     # What a copied value's host buffers offer a later load once the tensor is collected
     # (its storage key and buffers), taken as the entry lets go of the tensor.
     spare: tuple[StorageKey, dict[str, torch.Tensor]] | None = None
