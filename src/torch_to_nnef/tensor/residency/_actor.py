@@ -631,19 +631,25 @@ class Actor:
             )
 
     def is_pinned(self, source: PoolSource) -> bool:
-        entry = self.entries.get(id(source))
-        return entry is not None and entry.pinned and entry.owned_by(source)
+        entry = self.seen_entry(source)
+        return entry is not None and entry.pinned
 
     def is_resident(self, source: PoolSource) -> bool:
+        entry = self.seen_entry(source)
+        return entry is not None and entry.resident
+
+    def seen_entry(self, source: PoolSource) -> Entry | None:
+        """``source``'s entry as a lock-free reader sees it (any thread: a hint), never that
+        of a collected tensor whose ``id`` ``source`` was given, which the next transition
+        removes."""
         entry = self.entries.get(id(source))
-        return entry is not None and entry.resident and entry.owned_by(source)
+        return entry if entry is not None and entry.owned_by(source) else None
 
     def entry_of(self, source: PoolSource) -> Entry | None:
-        """``source``'s entry, if any: never that of a collected tensor whose ``id`` it
-        reuses (removed now, if the transition that removes it has not run yet; loop
-        thread)."""
+        """``source``'s entry, if any (loop thread): that of a collected tensor whose ``id``
+        it was given is removed now, if the transition that removes it has not run yet."""
         entry = self.entries.get(id(source))
-        if entry is not None and entry.strong is None and not entry.owned_by(source):
+        if entry is not None and not entry.owned_by(source):
             assert entry.ref is not None
             self._forget_collected(entry.ref)
             return None
@@ -1174,7 +1180,7 @@ class Actor:
         transition removes the entry first thing (:meth:`_forget_collected`). Until then a
         new tensor given that ``id`` finds the value published: hits, and the lock-free
         readers of :attr:`entries`, check that a slot or an entry is their tensor's
-        (:meth:`fresh_slot`, :meth:`Entry.owned_by`)."""
+        (:meth:`fresh_slot`, :meth:`seen_entry`)."""
         slot = entry.slot
         if (
             entry.strong is None

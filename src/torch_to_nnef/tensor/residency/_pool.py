@@ -380,9 +380,7 @@ class TensorResidencyPool(Uncopyable):
         loaded (what tensors call)."""
         slot = self._actor.fresh_slot(source, device)
         if slot is None or not slot.open:
-            # Read without the actor, a hint (the entry of a collected tensor whose id
-            # ``source`` reuses, not removed yet, has a value, never a load).
-            entry = self._actor.entries.get(id(source))
+            entry = self._actor.seen_entry(source)  # (a hint, read without the actor)
             if entry is None or entry.load is None:
                 return None
         return self._scope_resolve(source, device)

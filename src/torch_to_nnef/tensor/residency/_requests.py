@@ -74,7 +74,7 @@ def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> Ca
         device.type != "cpu"
         or source.payload_nbytes > CALLER_READ_MAX_BYTES
         or not storage.mapped_reads()
-        or _has_entry(actor, source)
+        or actor.seen_entry(source) is not None  # (a hint: the step decides)
         or actor.closing
     ):
         return None
@@ -92,13 +92,6 @@ def read_by_caller(actor: Actor, source: PoolSource, device: torch.device) -> Ca
     except Exception:
         return None
     return CallerRead(token, value)
-
-
-def _has_entry(actor: Actor, source: PoolSource) -> bool:
-    """Whether the pool has an entry of ``source``, not of a collected tensor whose id it
-    reuses (a hint, read without the actor: the step decides)."""
-    entry = actor.entries.get(id(source))
-    return entry is not None and entry.owned_by(source)
 
 
 class Prefetch(Resolve):
