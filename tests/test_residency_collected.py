@@ -347,3 +347,34 @@ def test_an_idle_pool_lets_go_of_a_dropped_tensors_value_without_a_request(
         assert not pool._actor.entries
         assert pool.resident_bytes == 0
         check_invariants(pool)
+
+
+def test_a_dropped_model_leaves_an_idle_pool_whole(tmp_path: Path) -> None:
+    """Many tensors collected at once, by two threads, while nothing asks the pool anything:
+    every entry leaves, the last tensor's too (each collection queues the tensor before it
+    wakes the loop)."""
+    models = [make_tensors(tmp_path / str(i), 200, numel=256) for i in range(2)]
+    with TensorResidencyPool(None) as pool:
+        for model in models:
+            for t in model:
+                pool.resolve(t)
+        refs = [weakref.ref(t) for model in models for t in model]
+        del t, model
+        start = threading.Barrier(2)
+
+        def drop(index: int) -> None:
+            start.wait()
+            models[index].clear()
+
+        threads = [threading.Thread(target=drop, args=(i,)) for i in range(2)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+        assert _collected(refs[0]) and all(ref() is None for ref in refs)
+        deadline = time.monotonic() + 10
+        while pool._actor.entries and time.monotonic() < deadline:
+            time.sleep(0.01)  # (no call of the pool's)
+        assert not pool._actor.entries
+        assert pool.resident_bytes == 0
+        check_invariants(pool)

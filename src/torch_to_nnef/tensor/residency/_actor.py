@@ -1203,8 +1203,10 @@ class Actor:
             if slot.dirty or slot.changing or slot.writing:
                 return
             if entry.ref is None:
-                entry.ref = weakref.KeyedRef(source, self._collected.append, entry.key)
+                # The queue's reference is made last, so that its callback runs first
+                # (CPython calls the newest reference's first): the wake-up finds it queued.
                 entry.waker = weakref.ref(source, self._wake_on_collection)
+                entry.ref = weakref.KeyedRef(source, self._collected.append, entry.key)
             entry.spare = spare
             entry.strong = None
         # (``source`` goes as this returns: the tensor is collected then if nothing else
