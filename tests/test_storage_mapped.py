@@ -9,6 +9,7 @@ import itertools
 import mmap
 import os
 import sys
+import threading
 from pathlib import Path
 from types import FrameType
 from typing import Any
@@ -16,6 +17,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from breakpoints import paused_in_new_threads
 from forking import in_forked_child
 from interrupts import SignalAt
 
@@ -247,6 +249,50 @@ def test_a_changed_or_missing_file_is_refused(
         storage.map_payload(layout)
     with pytest.raises(T2NErrorStorage, match="cannot open"):
         storage.advise_payload(layout)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("change", ["truncated", "rewritten"])
+@pytest.mark.parametrize("on_demand", [False, True], ids=["populated", "on_demand"])
+def test_a_file_changed_in_place_while_it_is_mapped_is_refused(
+    tmp_path: Path, change: str, on_demand: bool
+) -> None:
+    """Another process truncates the file, or rewrites it in place, after a load checked it
+    and before its pages came in: the load raises, and hands out no mapping (a read of a
+    truncated file's missing pages is a SIGBUS, the end of the process; a rewritten one's
+    pages hold the new bytes)."""
+    layout = storage.write_payload(
+        tmp_path / "p.safetensors",
+        {"w": torch.zeros(1 << 18)},  # 1 MiB
+    )
+    outcome: list[object] = []
+
+    def load() -> None:
+        try:
+            outcome.append(storage.load_payload(layout, mapped=True, on_demand=on_demand))
+        except T2NErrorStorage as error:
+            outcome.append(error)
+
+    with paused_in_new_threads(_mapped._map.__code__, on="call") as point:
+        point.armed.set()
+        thread = threading.Thread(target=load)
+        thread.start()
+        assert point.paused.wait(30)
+        if change == "truncated":
+            os.truncate(layout.path, 4096)
+        else:
+            with layout.path.open("r+b") as file:  # same size, new bytes
+                file.seek(layout.file_size - 4096)
+                file.write(b"\x7f" * 4096)
+        point.go()
+        thread.join(30)
+    assert not thread.is_alive()
+    # (A mapping handed out is dropped unread: a report showing it would read it.)
+    messages = [str(item) if isinstance(item, T2NErrorStorage) else None for item in outcome]
+    outcome.clear()
+    assert len(messages) == 1 and messages[0] is not None, "a mapping of it was handed out"
+    assert "modified in place while it was read" in messages[0]
+    assert mapped_regions(layout.path) == 0
 
 
 def test_advise_starts_readahead_and_returns(

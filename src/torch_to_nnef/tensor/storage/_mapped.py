@@ -37,7 +37,8 @@ lookup of a few rows of a large table.
 
 A mapped file must not be truncated while mapped (a read of the missing pages would raise
 ``SIGBUS``): payload files of this package are replaced atomically, never truncated, and a
-checkpoint changed since its layout was read is refused.
+checkpoint changed since its layout was read is refused, before the mapping is made and again
+once its pages are in (a file truncated or rewritten in place meanwhile is unmapped unread).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from torch_to_nnef.tensor.storage._descriptors import DESCRIPTORS, Kept
 from torch_to_nnef.tensor.storage._folios import SLOW_REGIONS, evict
 from torch_to_nnef.tensor.storage._format import EntrySpec, PayloadLayout
 from torch_to_nnef.tensor.storage._io import (
+    check_unchanged_after_read,
     os_error_message,
     read_entries,
     read_payload,
@@ -176,6 +178,11 @@ def _map_entries(
                 )
             start, length = _whole_huge_pages(start, length, file_size)
             region, shift = _map_refolding(kept, start, length, faulting, file_size)
+            try:
+                check_unchanged_after_read(layout, kept.fd)
+            except BaseException:
+                del region  # (unmapped: nothing reads a page the file may no longer have)
+                raise
         except OSError as exc:
             raise T2NErrorStorage(
                 f"cannot map payload file '{layout.path}': {os_error_message(exc)}{_remedy(exc)}"
