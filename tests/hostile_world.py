@@ -902,7 +902,7 @@ class World:
                 try:
                     values = distinct(tensor.reload())
                 except T2NErrorStorage as error:
-                    if "forked from wrote it after the fork" in str(error):
+                    if "forked from wrote or freed it after the fork" in str(error):
                         continue  # documented: the parent replaced the file since
                     raise
                 torn = len(values) > 1 and not writing[index]

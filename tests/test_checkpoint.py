@@ -210,6 +210,37 @@ def test_single_file_checkpoint_by_file_and_by_directory(dense: Net, tmp_path: P
     assert torch.equal(output(by_directory), output(dense))
 
 
+def test_a_checkpoint_and_an_offload_directory_named_by_relative_paths_outlive_a_chdir(
+    dense: Net, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A notebook's ``%cd`` after binding: every kind of checkpoint, named relative to the
+    working directory of the binding, is read from the directory that was meant, and a copy
+    on write lands in the offload directory named then."""
+    state = state_without_ties(dense)
+    (tmp_path / "single").mkdir()
+    safetensors.torch.save_file(state, str(tmp_path / "single" / "model.safetensors"))
+    write_sharded(state, tmp_path / "sharded")
+    monkeypatch.chdir(tmp_path)
+    models = [
+        load_offloaded_checkpoint(meta_model(), Path("single") / "model.safetensors"),
+        load_offloaded_checkpoint(meta_model(), "single"),
+        load_offloaded_checkpoint(meta_model(), "sharded"),
+    ]
+    alone = OffloadedTensor.from_safetensors(
+        "single/model.safetensors", "proj.weight", offload_dir="copies"
+    )
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    for model in models:
+        assert torch.equal(output(model), output(dense))
+    assert torch.equal(alone.reload(), dense.proj.weight)
+    alone.add_(1.0)  # a copy on write, in the offload directory named before the change
+    assert alone.offload_path.parent == tmp_path / "copies"
+    assert alone.offload_dir == tmp_path / "copies"
+    assert not (tmp_path / "elsewhere" / "copies").exists()
+    assert torch.equal(alone.reload(), dense.proj.weight + 1.0)
+
+
 @pytest.mark.timeout(60)
 def test_a_directory_holding_a_single_file_and_an_index_reads_the_single_file(
     dense: Net, tmp_path: Path, caplog: pytest.LogCaptureFixture

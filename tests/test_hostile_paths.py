@@ -208,7 +208,7 @@ def test_payload_swapped_for_a_link_is_replaced_not_followed(arena: tuple[Path, 
     # A file swapped for a link is refused for reading (it is not the file of the layout).
     path.unlink()
     path.symlink_to(victim)
-    with pytest.raises(T2NErrorStorage, match="replaced or modified"):
+    with pytest.raises(T2NErrorStorage, match="another process replaced its payload file"):
         tensor._reload_unmanaged()
     tensor.update_values(torch.ones(4))
     # The same through a pool write-back (the link is planted while the value is leased),
@@ -346,7 +346,7 @@ def test_offload_directory_vanishing_mid_run(arena: tuple[Path, Path], replaceme
             check_invariants(pool)
         # The dirty values are kept: reads still see them.
         assert torch.equal(pool.resolve(tensors[0]), torch.full((8,), 10.0))
-        with pytest.raises(T2NErrorStorage, match="cannot open payload file"):
+        with pytest.raises(T2NErrorStorage, match="its payload file was deleted"):
             pool.resolve(tensors[2])  # its file is gone: a load error, no entry left
         faults += 1
         check_invariants(pool)

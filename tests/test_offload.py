@@ -1379,7 +1379,7 @@ def test_a_forked_childs_read_after_its_parent_wrote_says_so(
         report = in_forked_child(child)
     finally:
         writer.join()
-    assert "'w' cannot be read: the process this one was forked from wrote it" in report
+    assert "'w' cannot be read: the process this one was forked from wrote or freed it" in report
     assert torch.equal(tensor.reload(), weight + 1.0)
 
 
@@ -1547,6 +1547,27 @@ def test_a_read_of_a_rewritten_checkpoint_says_to_bind_again(checkpoint: Path) -
     safetensors.torch.save_file({"b.bias": torch.zeros(4, dtype=torch.float64)}, str(checkpoint))
     with pytest.raises(T2NErrorStorage, match=r"'b\.bias' cannot be read: the checkpoint file "):
         pointing.reload()
+
+
+def test_a_read_of_a_deleted_file_says_what_went_and_what_to_do(
+    checkpoint: Path, tmp_path: Path
+) -> None:
+    """A bound checkpoint moved away, and an owned payload file deleted by hand: the error
+    names the tensor and what is gone, as for a rewritten one."""
+    pointing = OffloadedTensor.from_safetensors(checkpoint, "b.bias")
+    checkpoint.rename(tmp_path / "moved.safetensors")
+    with pytest.raises(
+        T2NErrorStorage,
+        match=r"'b\.bias' cannot be read: the checkpoint file "
+        r"it is bound to is gone .* bind the model to the checkpoint where it is now",
+    ):
+        pointing.reload()
+    owned = OffloadedTensor.from_original_tensor(
+        torch.ones(4), "w", offload_dir=tmp_path / "offload"
+    )
+    owned.offload_path.unlink()
+    with pytest.raises(T2NErrorStorage, match=r"'w' cannot be read: its payload file was deleted"):
+        owned.reload()
 
 
 def test_writing_copies_on_write(checkpoint: Path, tmp_path: Path) -> None:

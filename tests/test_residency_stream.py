@@ -209,7 +209,7 @@ def test_a_failed_load_in_a_streamed_forward_leaves_no_lease(tmp_path: Path, dep
     pool = TensorResidencyPool(max_cached_bytes=10**6)
     with (
         stream_modules(pool, model.blocks, depth=depth),
-        pytest.raises(T2NErrorStorage, match="cannot open payload file"),
+        pytest.raises(T2NErrorStorage, match="its payload file was deleted"),
     ):
         model(torch.randn(2, WIDTH))
     assert pool._actor.leased_count() == 0

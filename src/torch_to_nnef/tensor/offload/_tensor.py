@@ -225,8 +225,10 @@ def _private_dir() -> _PrivateDir:
 
 
 def _directory(offload_dir: PathLike) -> Path:
-    """``offload_dir`` as a path; a value of another type is refused by name."""
-    return path_argument(offload_dir, "offload_dir", "a directory's path", optional=True)
+    """``offload_dir`` as an absolute path, as it names a directory now: later writes go
+    there whatever the working directory is by then. A value of another type is refused by
+    name."""
+    return path_argument(offload_dir, "offload_dir", "a directory's path", optional=True).absolute()
 
 
 def _resolve_dir(offload_dir: PathLike | None) -> tuple[Path, _PrivateDir | None]:
@@ -1347,30 +1349,42 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 attempt += 1
                 if attempt < _READ_ATTEMPTS and self._replaced_since(binding):
                     continue
-                if not storage.changed_since_read(binding.layout):
+                gone = isinstance(error.__cause__, (FileNotFoundError, NotADirectoryError))
+                if not gone and not storage.changed_since_read(binding.layout):
                     raise
-                raise self._changed_under(binding, error) from error
+                raise self._changed_under(binding, gone) from error
             return _materialize(binding, host, target)
 
-    def _changed_under(self, binding: _Binding, error: T2NErrorStorage) -> T2NErrorStorage:
+    def _changed_under(self, binding: _Binding, gone: bool) -> T2NErrorStorage:
         """The error of a read of ``binding``'s file that something other than this tensor
-        replaced or rewrote: who can have, and what to do."""
+        replaced, rewrote or deleted (``gone``): who can have, and what to do."""
         owned = binding.owned
         if owned is None:
             cause = (
-                "the checkpoint file it is bound to changed since it was bound; bind the "
+                "the checkpoint file it is bound to is gone (deleted or moved since it was "
+                "bound); bind the model to the checkpoint where it is now"
+                if gone
+                else "the checkpoint file it is bound to changed since it was bound; bind the "
                 "model to the checkpoint again (a bound checkpoint must not be rewritten "
                 "while its tensors live)"
             )
         elif owned.creator != os.getpid():
             cause = (
-                "the process this one was forked from wrote it after the fork, replacing its "
-                "file; in the child, take copies (copy.deepcopy) of the tensors it needs "
-                "before the parent writes them"
+                "the process this one was forked from wrote or freed it after the fork, "
+                "replacing or removing its file; in the child, take copies (copy.deepcopy) of "
+                "the tensors it needs before the parent writes or frees them"
+            )
+        elif gone:
+            cause = (
+                "its payload file was deleted by something other than this package, and its "
+                "value with it (an offload directory must be left alone while its tensors live)"
             )
         else:
             cause = "another process replaced its payload file"
-        return T2NErrorStorage(f"offloaded tensor {self._name!r} cannot be read: {cause} ({error})")
+        return T2NErrorStorage(
+            f"offloaded tensor {self._name!r} cannot be read: {cause} "
+            f"(file '{binding.layout.path}')"
+        )
 
     def _wait_announced_writes(self) -> None:
         """Wait until the write-backs announced by residency pools have ended (a wait that

@@ -115,7 +115,8 @@ class PayloadLayout:
     """The validated description of a payload file, enough to read it without parsing again.
 
     Attributes:
-        path: the file.
+        path: the file, made absolute (later reads find it whatever the working directory
+            is by then).
         entries: the entries by name, in file order (increasing ``start``).
         metadata: the header's ``"__metadata__"`` strings (``{}`` when absent).
         file_size: the file size in bytes when the layout was read or written.
@@ -131,6 +132,10 @@ class PayloadLayout:
     identity: tuple[int, int, int, int] | None = field(
         default=None, repr=False, compare=False, kw_only=True
     )
+
+    def __post_init__(self) -> None:
+        if not self.path.is_absolute():
+            object.__setattr__(self, "path", self.path.absolute())
 
     @property
     def nbytes(self) -> int:
