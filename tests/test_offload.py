@@ -14,6 +14,7 @@ import os
 import re
 import signal
 import stat as stat_module
+import subprocess
 import sys
 import threading
 import time
@@ -1462,6 +1463,95 @@ def test_a_forked_childs_write_outlives_its_parents_private_directory(weight: to
         dropper.join()
     assert not parent_directory.exists()
     assert report == "[True, True, False]"
+
+
+def _write_in_child(tensors: list[OffloadedTensor], report: Any) -> None:
+    for tensor in tensors:
+        tensor.add_(1.0)  # a file of the child's own
+    report.put([str(tensor.offload_path) for tensor in tensors])
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")
+@pytest.mark.timeout(60)
+def test_a_multiprocessing_childs_files_go_at_its_exit(
+    weight: torch.Tensor, tmp_path: Path
+) -> None:
+    """A forked multiprocessing worker leaves with ``os._exit``, which skips ``atexit``: the
+    files its writes made (in a directory given, and in a private directory of its own) are
+    removed at its exit all the same, and its parent's stay."""
+    tensors = [
+        OffloadedTensor.from_original_tensor(weight, "owned", tmp_path),
+        OffloadedTensor.from_original_tensor(weight, "private"),  # the private directory
+    ]
+    parents = [t.offload_path for t in tensors]
+    context = multiprocessing.get_context("fork")
+    report = context.SimpleQueue()
+    child = context.Process(target=_write_in_child, args=(tensors, report))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 0
+    written = [Path(path) for path in report.get()]
+    assert not set(written) & set(parents)
+    assert not any(path.exists() for path in written), "the child's files outlived it"
+    assert not written[1].parent.exists(), "the child's private directory outlived it"
+    assert all(path.exists() for path in parents)
+    assert all(torch.equal(t.reload(), weight) for t in tensors)
+
+
+_CHILD_LEAVING_A_POOL_OPEN = """
+import multiprocessing, os, sys
+import torch
+from torch_to_nnef.tensor import OffloadedTensor, TensorResidencyPool
+
+def child(directory, private):
+    torch.set_num_threads(1)
+    tensor = OffloadedTensor.from_original_tensor(
+        torch.zeros(1024), "x", offload_dir=None if private else directory
+    )
+    pool = TensorResidencyPool(None)
+    with pool.scope():
+        tensor.add_(1.0)  # changed in the pool, left open: written back at exit
+    child.kept = (tensor, pool)
+    print(tensor.offload_path.parent, flush=True)
+
+if __name__ == "__main__":
+    method, directory = sys.argv[1:]
+    for private in (False, True):
+        process = multiprocessing.get_context(method).Process(
+            target=child, args=(directory, private)
+        )
+        process.start()
+        process.join(60)
+        assert process.exitcode == 0, process.exitcode
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("method", ["spawn", "forkserver"])
+def test_a_multiprocessing_child_leaving_a_pool_open_exits_cleanly_and_leaves_no_file(
+    tmp_path: Path, method: str
+) -> None:
+    """A spawned child runs the pools' exit work at its exit (``atexit``), then removes its
+    files: its pool writes back before its files go, and reports no failed write-back (a
+    removal run first, by multiprocessing's exit functions, made it report one). A
+    ``forkserver`` child, which leaves with ``os._exit``, removes them all the same."""
+    if method not in multiprocessing.get_all_start_methods():
+        pytest.skip(f"no {method} start method here")
+    script = tmp_path / "leaves_a_pool_open.py"
+    script.write_text(_CHILD_LEAVING_A_POOL_OPEN)
+    directory = tmp_path / "offload"
+    result = subprocess.run(
+        [sys.executable, "-W", "ignore::ResourceWarning", str(script), method, str(directory)],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "failed" not in result.stderr and "could not" not in result.stderr, result.stderr
+    parents = [Path(line) for line in result.stdout.split()]
+    assert len(parents) == 2 and parents[0] == directory
+    assert not any(directory.iterdir()), "a child's file outlived it"
+    assert not parents[1].exists(), "a child's private directory outlived it"
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs os.fork")

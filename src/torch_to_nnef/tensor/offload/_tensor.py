@@ -10,6 +10,7 @@ import gc
 import itertools
 import logging
 import multiprocessing.context
+import multiprocessing.util
 import os
 import shutil
 import sys
@@ -134,13 +135,14 @@ def _outdated(binding: _Binding, out: Mapping[str, torch.Tensor]) -> bool:
 class _OwnedFile:
     """A payload file belonging to one tensor: removed when the last reference goes away."""
 
-    __slots__ = ("__weakref__", "_keepalive", "creator", "path")
+    __slots__ = ("__weakref__", "_keepalive", "creator", "path", "remove")
 
     def __init__(self, path: Path, keepalive: object = None) -> None:
         self.path = path
         self.creator = os.getpid()  # a forked child writes files of its own
         self._keepalive = keepalive  # the private directory holding the file, if any
-        weakref.finalize(self, _remove_file, path, self.creator)
+        self.remove = weakref.finalize(self, _remove_file, path, self.creator)
+        _remove_at_exit(self)
 
 
 class _PrivateDir:
@@ -150,14 +152,15 @@ class _PrivateDir:
     process that made it (``creator``) only: a forked child writes in one of its own.
     """
 
-    __slots__ = ("__weakref__", "creator", "path")
+    __slots__ = ("__weakref__", "creator", "path", "remove")
 
     def __init__(self) -> None:
         self.creator = os.getpid()
         with InterruptHold() as hold:  # Ctrl-C is raised once the directory has its remover
             hold.start()
             self.path, lock = storage.make_private_dir()
-            weakref.finalize(self, _remove_private_dir, self.path, lock, self.creator)
+            self.remove = weakref.finalize(self, _remove_private_dir, self.path, lock, self.creator)
+            _remove_at_exit(self)
 
 
 def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
@@ -165,6 +168,44 @@ def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
         shutil.rmtree(path, ignore_errors=True)
     with contextlib.suppress(OSError):  # the child's copy of the descriptor
         os.close(lock)
+
+
+_OWNED: weakref.WeakSet[_OwnedFile | _PrivateDir] = weakref.WeakSet()
+"""The files and private directories that tensors of this process own."""
+_EXIT_HOOK_PID = [0]
+"""The process whose exit removes them (see :func:`_remove_at_exit`)."""
+
+
+def _remove_at_exit(owner: _OwnedFile | _PrivateDir) -> None:
+    """Have the exit of this process remove ``owner`` if it is still there. Its finalizer
+    runs at an exit through Python's ``atexit``; a ``multiprocessing`` child started by
+    ``fork`` or ``forkserver`` (a data-loading worker) leaves with ``os._exit`` once
+    multiprocessing's exit functions ran, which skips ``atexit``: in such a child, one of
+    those, registered once per process, removes what its tensors own. (Elsewhere, a
+    ``spawn`` child included, ``atexit`` alone does, after the pools' exit work: see
+    ``residency._runtime``.)"""
+    _OWNED.add(owner)
+    if _EXIT_HOOK_PID[0] != os.getpid() and _leaves_without_atexit():
+        _EXIT_HOOK_PID[0] = os.getpid()
+        multiprocessing.util.Finalize(None, _remove_owned, exitpriority=0)
+
+
+def _leaves_without_atexit() -> bool:
+    """Whether this process is a ``multiprocessing`` child that ends with ``os._exit``."""
+    if multiprocessing.parent_process() is None:
+        return False
+    process = multiprocessing.current_process()
+    method = getattr(process, "_start_method", None)  # (the class's: ForkProcess, ...)
+    if method is None:  # a Process of the default context: its method, inherited or set
+        method = multiprocessing.get_start_method(allow_none=True)
+    return method in ("fork", "forkserver")
+
+
+def _remove_owned() -> None:
+    """Remove the files and private directories this process's tensors own (at its exit:
+    the finalizers run once, whichever exit path runs them first)."""
+    for owner in list(_OWNED):
+        owner.remove()
 
 
 _LIVE: weakref.WeakValueDictionary[int, OffloadedTensor] = weakref.WeakValueDictionary()
