@@ -567,6 +567,33 @@ def test_an_in_place_op_under_a_trace_is_refused(tmp_path: Path) -> None:
     assert torch.equal(model.seen.reload(), torch.zeros(2))
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("kind", ["read", "mapped", "quantized"])
+def test_function_transforms_over_an_offloaded_tensor_load_it_as_a_constant(
+    kind: str, quantized: QTensorTractScaleOnly, tmp_path: Path
+) -> None:
+    """``torch.func.grad``, ``jvp`` and ``vjp`` of a function using an offloaded tensor, out
+    of any pool: the value is loaded as a constant of the transform (buffers made inside the
+    transform were its wrappers, with no memory to read into: a bare RuntimeError)."""
+    value = {
+        "read": seeded(6, 8),
+        "mapped": seeded(256, 256),  # 256 KiB: mapped
+        "quantized": quantized,
+    }[kind]
+    offloaded = OffloadedTensor.from_original_tensor(value, "w", tmp_path)
+    dense = opaque_to_final_tensor(value)
+    x = seeded(dense.shape[1], seed=3)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        return (offloaded @ x).sum()
+
+    expected = dense.sum(0)
+    close = functools.partial(torch.allclose, rtol=1e-4, atol=1e-4)  # (sums in other orders)
+    assert close(torch.func.grad(f)(x), expected)
+    assert close(torch.func.jvp(f, (x,), (x,))[1], expected @ x)
+    assert close(torch.func.vjp(f, x)[1](torch.tensor(1.0))[0], expected)
+
+
 def test_a_functional_op_with_inplace_true_is_a_write(
     offloaded: OffloadedTensor,
     weight: torch.Tensor,

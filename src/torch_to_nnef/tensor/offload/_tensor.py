@@ -1359,7 +1359,22 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 ``storage.set_mapped_reads`` says.
             on_demand: a mapping reads no page before the value is read, then only the pages
                 read (``storage.load_payload``).
+
+        The value is read outside any ``torch.func`` transform the caller runs (``grad``,
+        ``jvp``, ``vjp``): buffers made inside one would be its wrappers, which hold no
+        memory to read into; the value is a constant of the transform, as a loaded weight is.
         """
+        with torch._C._DisableFuncTorch():
+            return self._read_value(device, out, mapped, on_demand)
+
+    def _read_value(
+        self,
+        device: DeviceLike | None,
+        out: Mapping[str, torch.Tensor] | None,
+        mapped: bool | None,
+        on_demand: bool,
+    ) -> torch.Tensor:
+        """:meth:`_reload_unmanaged`, inside the transforms the caller runs."""
         target = self.device if device is None else _canonical_device(device)
         # A pool's unsaved change is the latest write whether its write-back is announced or
         # not: a copy of it is read without waiting for that write-back, which may be queued
