@@ -12,6 +12,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import safetensors.torch
@@ -130,6 +131,34 @@ def test_offload_module_matches_the_dense_model(dense: Net, tmp_path: Path) -> N
     distinct = {id(t) for t in tensors}
     assert len(list(tmp_path.iterdir())) == len(distinct)
     assert torch.equal(output(model), expected)
+
+
+@pytest.mark.parametrize(
+    ("convert", "dtype"),
+    [
+        (nn.Module.half, torch.float16),
+        (nn.Module.bfloat16, torch.bfloat16),
+        (nn.Module.double, torch.float64),
+        (nn.Module.float, torch.float32),
+        (nn.Module.cpu, torch.float32),
+    ],
+)
+def test_a_models_conversion_keeps_its_offloaded_buffers_offloaded(
+    dense: Net, tmp_path: Path, convert: Any, dtype: torch.dtype
+) -> None:
+    """``model.half()``, ``.cpu()``, ...: torch replaces each buffer by what the conversion
+    returns, a loaded copy of an offloaded one; each stays offloaded, the same tensor,
+    converted in place, as a parameter (and as under ``model.to(dtype)``). Out of a
+    conversion, ``t.half()`` still returns a loaded copy."""
+    model = offload_module(copy.deepcopy(dense), tmp_path)
+    buffers = dict(model.named_buffers())
+    convert(model)
+    assert all(model.get_buffer(name) is buffer for name, buffer in buffers.items())
+    assert model.scale.dtype == dtype
+    assert torch.equal(model.scale.reload(), dense.scale.to(dtype))
+    assert model.proj.weight.dtype == dtype and isinstance(model.proj.weight, OffloadedTensor)
+    copied = model.scale.half()
+    assert type(copied) is torch.Tensor and model.scale.dtype == dtype
 
 
 def test_offload_module_options(dense: Net, tmp_path: Path) -> None:

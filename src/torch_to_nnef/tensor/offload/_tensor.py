@@ -740,6 +740,40 @@ def _refuse_swapping_conversion() -> None:
         )
 
 
+def _cuda_device(device: object = None, *_: object, **__: object) -> object:
+    return f"cuda:{device}" if isinstance(device, int) else device or "cuda"
+
+
+_BUFFER_CONVERSIONS: dict[Callable[..., Any], Callable[..., object]] = {
+    torch.Tensor.half: lambda *_, **__: torch.float16,
+    torch.Tensor.float: lambda *_, **__: torch.float32,
+    torch.Tensor.double: lambda *_, **__: torch.float64,
+    torch.Tensor.bfloat16: lambda *_, **__: torch.bfloat16,
+    torch.Tensor.cpu: lambda *_, **__: "cpu",
+    torch.Tensor.cuda: _cuda_device,
+}
+"""The conversions a module applies to its tensors (``model.half()``, ``model.cuda(1)``),
+and what each gives ``OffloadedTensor.to``, from the call's other arguments."""
+
+
+def _converted_buffer(
+    func: Callable[..., Any], args: tuple[Any, ...], kwargs: Mapping[str, Any]
+) -> OffloadedTensor | None:
+    """An offloaded buffer that a module's conversion (``model.half()``, ``model.cpu()``,
+    ...) reaches, converted in place as :meth:`OffloadedTensor.to` converts (``None``: not
+    such a call). Torch converts a parameter by assigning ``.data``, which keeps it
+    offloaded, but replaces a buffer by what the conversion returns: a loaded plain tensor,
+    the buffer then in memory for good."""
+    target = _BUFFER_CONVERSIONS.get(func)
+    if target is None or not args or not isinstance(args[0], OffloadedTensor):
+        return None
+    tensor = args[0]
+    module = _module_converted()
+    if module is None or not any(buffer is tensor for buffer in module.buffers()):
+        return None
+    return tensor.to(target(*args[1:], **kwargs))
+
+
 def _opaque_offloaded(module: torch.nn.Module) -> OffloadedTensor | None:
     """The first offloaded tensor of ``module`` holding an opaque value, if any."""
     for tensor in itertools.chain(module.parameters(), module.buffers()):
@@ -1778,9 +1812,11 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
 
         The tensor is modified in place rather than copied, so that modules, tied weights and
         residency pools holding it follow: ``model.to("cuda")`` and ``model.to(torch.float16)``
-        work on offloaded models. (``model.half()``/``model.cuda()`` also work, by assigning
-        ``.data``, at the price of a load and a write per tensor, except on an opaque value,
-        which they would decompress: refused, see :attr:`data`.)
+        work on offloaded models. (``model.half()``/``model.cuda()`` also work: on a parameter
+        by assigning ``.data``, at the price of a load and a write per tensor, except on an
+        opaque value, which they would decompress: refused, see :attr:`data`; on a buffer,
+        which torch would replace by a loaded copy, in place as here. Out of a module's
+        conversion, ``t.half()`` returns a loaded copy, as on any tensor.)
 
         With ``copy=True`` the tensor is left as it is: an independent offloaded copy (as
         ``copy.deepcopy`` makes) is retargeted and/or cast, and returned.
@@ -2064,6 +2100,10 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
     ) -> Any:
         kwargs = kwargs or {}
         _refuse_swapping_conversion()
+        if func in _BUFFER_CONVERSIONS:
+            buffer = _converted_buffer(func, args, kwargs)
+            if buffer is not None:
+                return buffer
         read = not kwargs and _only_reads(func)  # most ops: none of the cases below applies
         writes = not read and (_writes_first_argument(func) or kwargs.get("inplace") is True)
         if read:
