@@ -161,6 +161,22 @@ def test_a_models_conversion_keeps_its_offloaded_buffers_offloaded(
     assert type(copied) is torch.Tensor and model.scale.dtype == dtype
 
 
+def test_a_models_move_to_the_meta_device_says_what_it_did_before_the_refusal(
+    dense: Net, tmp_path: Path
+) -> None:
+    """``model.to("meta")`` is refused at its first offloaded tensor; the tensors kept in
+    memory that torch moved before it are lost, and the error says so."""
+    model = offload_module(copy.deepcopy(dense), tmp_path, min_bytes=256)
+    with pytest.raises(
+        T2NErrorMisuse,
+        match=r"cannot target the meta device.*Net\.to\(\) "
+        r"stopped here.*those kept in memory that it reached before",
+    ):
+        model.to("meta")
+    with pytest.raises(T2NErrorMisuse, match=r"cannot target the meta device: .*'cuda:0'$"):
+        model.proj.weight.to("meta")  # out of a module's conversion: nothing more to say
+
+
 def test_offload_module_options(dense: Net, tmp_path: Path) -> None:
     model = offload_module(copy.deepcopy(dense), tmp_path, include_buffers=False, min_bytes=256)
     assert isinstance(model.embed.weight, OffloadedTensor)  # 48 x 32 x 4 bytes

@@ -488,9 +488,17 @@ def _canonical_device(device: DeviceLike) -> torch.device:
     (a value there could not be loaded)."""
     target = storage.resolve_device(device)
     if target.type == "meta":
+        module = _module_converted()
+        stopped = (
+            ""
+            if module is None
+            else f" ({type(module).__name__}.to() stopped here; torch converts a module's "
+            "tensors one by one: those kept in memory that it reached before this one are "
+            "on the meta device already, their values gone)"
+        )
         raise T2NErrorMisuse(
             "an OffloadedTensor cannot target the meta device: its value must be loadable; "
-            "use a real device such as 'cpu' or 'cuda:0'"
+            f"use a real device such as 'cpu' or 'cuda:0'{stopped}"
         )
     return target
 
