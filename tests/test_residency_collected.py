@@ -52,8 +52,8 @@ def test_a_dropped_tensor_whose_clean_value_is_resident_is_collected(
 ) -> None:
     """An unbounded pool serves two tensors (a lease each); the user drops one: it is
     collected, its payload file removed, its value out of the pool (an eviction), and the
-    other is still served. With mapped reads off, the dead value's host buffer serves the
-    next load of the same shape."""
+    other is still served. With mapped reads off, the dead value's host buffer goes with it:
+    no later load reads into it."""
     keep, drop = _tensor(tmp_path, 1.0, "keep"), _tensor(tmp_path, 2.0, "drop")
     path, nbytes = drop.offload_path, drop.payload_nbytes
     with TensorResidencyPool(None) as pool:
@@ -72,10 +72,10 @@ def test_a_dropped_tensor_whose_clean_value_is_resident_is_collected(
         assert stats.evictions == before.evictions + 1
         assert stats.wasted_prefetches == before.wasted_prefetches  # (it was used)
         check_invariants(pool)
-        # Another tensor of that shape: its load reads into the dead value's buffer.
-        other = _tensor(tmp_path, 3.0, "other")
+        assert pool._actor.spares.nbytes == 0
+        other = _tensor(tmp_path, 3.0, "other")  # of that shape
         assert torch.equal(pool.resolve(other), torch.full((NUMEL,), 3.0))
-        assert pool.stats().reused_buffers == stats.reused_buffers + (not mapped)
+        assert pool.stats().reused_buffers == stats.reused_buffers
         assert torch.equal(pool.resolve(keep), torch.full((NUMEL,), 1.0))
         check_invariants(pool)
 
@@ -378,3 +378,31 @@ def test_a_dropped_model_leaves_an_idle_pool_whole(tmp_path: Path) -> None:
         assert not pool._actor.entries
         assert pool.resident_bytes == 0
         check_invariants(pool)
+
+
+def test_a_dropped_models_buffers_leave_the_pool_with_it(tmp_path: Path) -> None:
+    """Mapped reads off, a pool kept open: a model streamed through a budget leaves spare
+    buffers (the values it evicted), sized by its layers; once it is dropped, every tensor
+    the pool served is gone, and so are those buffers and the peak that sized them. The
+    next model, of smaller layers, holds no more than its own budget and peak (the first
+    model's buffers, of another shape, stayed for the pool's life: 3x that)."""
+    previous = storage.set_mapped_reads(False)
+    budget = 2 * NUMEL * 4
+    try:
+        with TensorResidencyPool(budget) as pool:
+            for model_numel, count in ((NUMEL, 8), (NUMEL // 8, 16)):
+                model = make_tensors(tmp_path / str(model_numel), count, numel=model_numel)
+                for _ in range(2):  # a cyclic pass over more than the budget: evictions
+                    for i, t in enumerate(model):
+                        with pool.acquire(t) as value:
+                            assert float(value[0]) == float(i)
+                layer = model_numel * 4
+                assert pool.resident_bytes + pool._actor.spares.nbytes <= budget + layer
+                refs = [weakref.ref(t) for t in model]
+                del model, t, value
+                assert _collected(refs[0]) and all(ref() is None for ref in refs)
+                assert _keys(pool) == set()
+                assert pool._actor.spares.nbytes == 0 and pool._actor.active_peak == 0
+                check_invariants(pool)
+    finally:
+        storage.set_mapped_reads(previous)

@@ -542,9 +542,12 @@ class Actor:
             finally:
                 self._later_running -= 1
         collected = self._collected
-        while collected:
-            self._forget_collected(collected[0])  # (idempotent: an interrupt runs it again)
-            collected.popleft()
+        if collected:
+            while collected:
+                self._forget_collected(collected[0])  # (idempotent: interrupted, runs again)
+                collected.popleft()
+            if not self.entries:
+                self._forget_buffers()
         if not (self._touches or self._changed or self._consumer_hits):
             return
         with self.lock:
@@ -1195,10 +1198,6 @@ class Actor:
         ):
             return
         source = entry.strong
-        spare = None
-        if entry.copied:  # what its buffers offer a later load once the tensor is gone
-            buffers = source._host_buffers(entry.value)
-            spare = None if buffers is None else (source.storage_key, buffers)
         with self.lock:  # (a read_write lease enters, and marks the slot dirty, under it)
             if slot.dirty or slot.changing or slot.writing:
                 return
@@ -1207,7 +1206,6 @@ class Actor:
                 # (CPython calls the newest reference's first): the wake-up finds it queued.
                 entry.waker = weakref.ref(source, self._wake_on_collection)
                 entry.ref = weakref.KeyedRef(source, self._collected.append, entry.key)
-            entry.spare = spare
             entry.strong = None
         # (``source`` goes as this returns: the tensor is collected then if nothing else
         # holds it.)
@@ -1227,16 +1225,14 @@ class Actor:
         if entry is None or entry.ref is not ref or entry.alive is not None:
             return
         slot = entry.slot
-        leased = False
         if slot is not None:
             with self.lock:
                 slot.open = False
                 if self.published.get(key) is slot:
                     self.published.pop(key, None)
-                leased = bool(slot.granted or slot.readers)
             if entry.tracked:
                 self._hold(entry, track=False)
-        self._remove(entry, reuse=not leased)
+        self._remove(entry, reuse=False)  # (its buffers go with it: the tensor never loads)
 
     @staticmethod
     def _take_dirty(entry: Entry) -> None:
@@ -1325,6 +1321,14 @@ class Actor:
         if self.spares.nbytes:
             self.spares.shrink(self.spare_room())
 
+    def _forget_buffers(self) -> None:
+        """Every tensor the pool served is gone (the last ones collected): no load it knows
+        of will come, and the spare buffers and the peak that sized them were the dropped
+        model's. Both go, so that the pool keeps none of that model's memory, nor sizes the
+        next model's spares by it."""
+        self.spares.clear()
+        self.active_peak = 0
+
     def spare_room(self) -> int:
         """How many bytes of spare buffers the pool may keep.
 
@@ -1387,14 +1391,12 @@ class Actor:
             if evicted:
                 self._evictions += 1
                 self._wasted_prefetches += not (entry.used or (slot is not None and slot.used))
-            spare, entry.spare = entry.spare, None
-            if reuse and entry.copied:
-                source = entry.alive
-                if source is not None:  # (else what it offered as it let go of the tensor)
-                    buffers = source._host_buffers(value)
-                    spare = None if buffers is None else (source.storage_key, buffers)
-                if spare is not None:
-                    self.spares.offer(spare[0], entry.nbytes, value, spare[1], self.spare_room())
+            source = entry.alive if reuse and entry.copied else None
+            buffers = None if source is None else source._host_buffers(value)
+            if source is not None and buffers is not None:
+                self.spares.offer(
+                    source.storage_key, entry.nbytes, value, buffers, self.spare_room()
+                )
 
     def _start_write(self, entry: Entry) -> Job | None:
         """Start writing ``entry``'s value back; ``None`` while a ``read_write`` lease holds

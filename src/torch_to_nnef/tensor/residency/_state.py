@@ -12,7 +12,6 @@ import torch
 from torch_to_nnef._waiting import Waiters
 from torch_to_nnef.exceptions import T2NError, T2NErrorStorage
 from torch_to_nnef.tensor.offload._protocol import HitState, PoolSource
-from torch_to_nnef.tensor.residency._spares import StorageKey
 
 __all__ = [
     "CLOSE_UNDER_WAY",
@@ -365,9 +364,6 @@ class Entry:
     # go of the tensor (Actor._let_go).
     ref: weakref.KeyedRef[int, PoolSource] | None = None
     waker: weakref.ref[PoolSource] | None = None
-    # What a copied value's host buffers offer a later load once the tensor is collected
-    # (its storage key and buffers), taken as the entry lets go of the tensor.
-    spare: tuple[StorageKey, dict[str, torch.Tensor]] | None = None
     hit_state: HitState = field(init=False)  # the tensor's, for life (slots refer to it)
 
     def __post_init__(self) -> None:
