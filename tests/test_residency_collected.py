@@ -42,6 +42,17 @@ def _collected(ref: weakref.ref[OffloadedTensor]) -> bool:
     return ref() is None
 
 
+def _emptied_without_a_request(pool: TensorResidencyPool) -> None:
+    """Wait, calling nothing of the pool's, until the collections woke its loop and it
+    removed every entry; check it holds nothing."""
+    deadline = time.monotonic() + 10
+    while pool._actor.entries and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not pool._actor.entries
+    assert pool.resident_bytes == 0
+    check_invariants(pool)
+
+
 def _keys(pool: TensorResidencyPool) -> set[int]:
     pool.stats()  # a step: what collections left to it ran
     return set(pool._actor.entries)
@@ -341,12 +352,7 @@ def test_an_idle_pool_lets_go_of_a_dropped_tensors_value_without_a_request(
         ref = weakref.ref(t)
         del t
         assert _collected(ref)
-        deadline = time.monotonic() + 10
-        while pool._actor.entries and time.monotonic() < deadline:
-            time.sleep(0.01)  # (no call of the pool's)
-        assert not pool._actor.entries
-        assert pool.resident_bytes == 0
-        check_invariants(pool)
+        _emptied_without_a_request(pool)
 
 
 def test_a_dropped_model_leaves_an_idle_pool_whole(tmp_path: Path) -> None:
@@ -372,12 +378,7 @@ def test_a_dropped_model_leaves_an_idle_pool_whole(tmp_path: Path) -> None:
         for thread in threads:
             thread.join(30)
         assert _collected(refs[0]) and all(ref() is None for ref in refs)
-        deadline = time.monotonic() + 10
-        while pool._actor.entries and time.monotonic() < deadline:
-            time.sleep(0.01)  # (no call of the pool's)
-        assert not pool._actor.entries
-        assert pool.resident_bytes == 0
-        check_invariants(pool)
+        _emptied_without_a_request(pool)
 
 
 def test_a_dropped_models_buffers_leave_the_pool_with_it(tmp_path: Path) -> None:
