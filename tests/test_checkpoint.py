@@ -161,6 +161,34 @@ def test_a_models_conversion_keeps_its_offloaded_buffers_offloaded(
     assert type(copied) is torch.Tensor and model.scale.dtype == dtype
 
 
+class _KeepsAMasterCopy(nn.Module):
+    """Takes a float64 copy of its buffer as a conversion begins, as on any tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("inv", torch.linspace(0.5, 1.5, 64))
+        self.master: torch.Tensor | None = None
+
+    def _apply(self, fn: Any, recurse: bool = True) -> nn.Module:
+        self.master = self.inv.double()
+        return super()._apply(fn, recurse)
+
+
+def test_a_buffer_conversion_made_by_user_code_in_a_models_conversion_is_a_copy(
+    tmp_path: Path,
+) -> None:
+    """Only the conversion's own call converts an offloaded buffer in place: a module's code
+    that runs amid its parent's conversion and calls ``buf.double()`` gets a copy."""
+    model = nn.Sequential(_KeepsAMasterCopy())
+    offload_module(model, tmp_path)
+    inner = model[0]
+    model.half()
+    assert isinstance(inner.inv, OffloadedTensor) and inner.inv.dtype == torch.float16
+    assert inner.master is not None and type(inner.master) is torch.Tensor
+    assert inner.master.dtype == torch.float64
+    assert torch.equal(inner.master, torch.linspace(0.5, 1.5, 64).double())
+
+
 def test_a_models_move_to_the_meta_device_says_what_it_did_before_the_refusal(
     dense: Net, tmp_path: Path
 ) -> None:

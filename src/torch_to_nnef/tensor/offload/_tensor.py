@@ -776,8 +776,18 @@ def _converted_buffer(
     if target is None or not args or not isinstance(args[0], OffloadedTensor):
         return None
     tensor = args[0]
-    module = _module_converted()
-    if module is None or not any(buffer is tensor for buffer in module.buffers()):
+    # Only the conversion's own call: the function ``Module._apply`` runs on the buffer
+    # called the method (a user's ``buf.half()``, made in a conversion or not, gets a copy).
+    caller = sys._getframe(2)  # (above this function and __torch_function__)
+    apply = caller.f_back
+    if apply is None or apply.f_code is not _MODULE_APPLY:
+        return None
+    convert, module = apply.f_locals.get("fn"), apply.f_locals.get("self")
+    if (
+        getattr(convert, "__code__", None) is not caller.f_code
+        or not isinstance(module, torch.nn.Module)
+        or not any(buffer is tensor for buffer in module._buffers.values())
+    ):
         return None
     return tensor.to(target(*args[1:], **kwargs))
 
