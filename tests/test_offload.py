@@ -594,6 +594,30 @@ def test_function_transforms_over_an_offloaded_tensor_load_it_as_a_constant(
     assert close(torch.func.vjp(f, x)[1](torch.tensor(1.0))[0], expected)
 
 
+@pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("write", ["copy_", "update_values", "add_"])
+def test_a_write_inside_a_function_transform_is_refused(
+    write: str, offloaded: OffloadedTensor, weight: torch.Tensor
+) -> None:
+    """A transform's function writing a tensor it captured: refused by name, as torch
+    refuses it for any tensor, and the value is unchanged (a bare RuntimeError came from
+    deep in the write, the transform's value having no memory to write from)."""
+    x = torch.ones_like(weight)
+
+    def f(x: torch.Tensor) -> torch.Tensor:
+        if write == "copy_":
+            offloaded.copy_(x.detach())
+        elif write == "update_values":
+            offloaded.update_values(x.detach())
+        else:
+            offloaded.add_(1.0)
+        return (x * 2.0).sum()
+
+    with pytest.raises(T2NErrorMisuse, match=r"'layers\.0\.weight' was written inside a torch"):
+        torch.func.grad(f)(x)
+    assert torch.equal(offloaded.reload(), weight)
+
+
 def test_a_functional_op_with_inplace_true_is_a_write(
     offloaded: OffloadedTensor,
     weight: torch.Tensor,

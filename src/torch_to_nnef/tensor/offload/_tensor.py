@@ -1681,6 +1681,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         device: torch.device | None,
     ) -> None:
         """Write ``values`` as the payload and, if ``device`` is given, retarget to it."""
+        self._refuse_a_write_in_a_transform()
         if values is self:
             return
         if isinstance(values, OffloadedTensor):
@@ -1726,6 +1727,17 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
                 f"{self._name!r} was written by code run amid its own write on this thread "
                 "(a finalizer a garbage collection ran there, say): one of the two writes "
                 "would be lost; write it outside finalizers"
+            )
+
+    def _refuse_a_write_in_a_transform(self) -> None:
+        """A write inside a ``torch.func`` transform (``grad``, ``vmap``, ...) would mutate a
+        tensor the transform captured, as torch refuses for any tensor; what it would write
+        is the transform's wrapper, which has no memory to write from: refused."""
+        if torch._C._functorch.maybe_current_level() is not None:
+            raise T2NErrorMisuse(
+                f"{self._name!r} was written inside a torch.func transform (grad, vjp, jvp, "
+                "vmap, ...): a transform's function must not change the tensors it captures; "
+                "write it outside the transform (with a value computed inside it, returned)"
             )
 
     def _write_encoded(
@@ -1905,6 +1917,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         a warning (:meth:`_note_unsaved`), as when it ends after the write. Returns what
         ``compute`` returned with the value written.
         """
+        self._refuse_a_write_in_a_transform()
         self._refuse_a_write_amid_its_own()
         while True:
             with self._pending_lock:
