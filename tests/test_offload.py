@@ -595,13 +595,15 @@ def test_function_transforms_over_an_offloaded_tensor_load_it_as_a_constant(
 
 
 @pytest.mark.filterwarnings("ignore:`torch.jit.script` is deprecated:DeprecationWarning")
-@pytest.mark.parametrize("write", ["copy_", "update_values", "add_"])
+@pytest.mark.parametrize("in_scope", [False, True], ids=["direct", "in_scope"])
+@pytest.mark.parametrize("write", ["copy_", "update_values", "add_", "out"])
 def test_a_write_inside_a_function_transform_is_refused(
-    write: str, offloaded: OffloadedTensor, weight: torch.Tensor
+    write: str, in_scope: bool, offloaded: OffloadedTensor, weight: torch.Tensor
 ) -> None:
     """A transform's function writing a tensor it captured: refused by name, as torch
     refuses it for any tensor, and the value is unchanged (a bare RuntimeError came from
-    deep in the write, the transform's value having no memory to write from)."""
+    deep in the write, the transform's value having no memory to write from; in a pool's
+    scope, where a lease takes the write, ``out=`` was even kept and written back)."""
     x = torch.ones_like(weight)
 
     def f(x: torch.Tensor) -> torch.Tensor:
@@ -609,11 +611,18 @@ def test_a_write_inside_a_function_transform_is_refused(
             offloaded.copy_(x.detach())
         elif write == "update_values":
             offloaded.update_values(x.detach())
-        else:
+        elif write == "add_":
             offloaded.add_(1.0)
+        else:
+            torch.add(x.detach(), 1.0, out=offloaded)
         return (x * 2.0).sum()
 
-    with pytest.raises(T2NErrorMisuse, match=r"'layers\.0\.weight' was written inside a torch"):
+    refused = pytest.raises(T2NErrorMisuse, match=r"'layers\.0\.weight' was written inside a ")
+    with (
+        TensorResidencyPool() as pool,
+        pool.scope() if in_scope else contextlib.nullcontext(),
+        refused,
+    ):
         torch.func.grad(f)(x)
     assert torch.equal(offloaded.reload(), weight)
 

@@ -2067,6 +2067,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         if self._binding.opaque:
             self._refuse_in_place(getattr(func, "__name__", repr(func)))
+        self._refuse_a_write_in_a_transform()  # (in a scope too: a lease would take it)
         if torch._C._get_tracing_state() is not None:
             raise T2NErrorNotImplemented(
                 f"{getattr(func, '__name__', func)!r} writes the offloaded tensor "
