@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import gc
 import hashlib
 import json
@@ -141,7 +142,10 @@ def test_offload_module_matches_the_dense_model(dense: Net, tmp_path: Path) -> N
         (nn.Module.double, torch.float64),
         (nn.Module.float, torch.float32),
         (nn.Module.cpu, torch.float32),
+        (functools.partial(nn.Module.type, dst_type=torch.float16), torch.float16),
+        (nn.Module.share_memory, torch.float32),
     ],
+    ids=["half", "bfloat16", "double", "float", "cpu", "type", "share_memory"],
 )
 def test_a_models_conversion_keeps_its_offloaded_buffers_offloaded(
     dense: Net, tmp_path: Path, convert: Any, dtype: torch.dtype
@@ -152,8 +156,12 @@ def test_a_models_conversion_keeps_its_offloaded_buffers_offloaded(
     conversion, ``t.half()`` still returns a loaded copy."""
     model = offload_module(copy.deepcopy(dense), tmp_path)
     buffers = dict(model.named_buffers())
+    tensors = model.state_dict(keep_vars=True)
+    versions = {name: t.payload_version for name, t in tensors.items()}
     convert(model)
     assert all(model.get_buffer(name) is buffer for name, buffer in buffers.items())
+    if convert is nn.Module.share_memory:  # nothing to share: nothing loaded or written
+        assert all(t.payload_version is versions[name] for name, t in tensors.items())
     assert model.scale.dtype == dtype
     assert torch.equal(model.scale.reload(), dense.scale.to(dtype))
     assert model.proj.weight.dtype == dtype and isinstance(model.proj.weight, OffloadedTensor)

@@ -752,6 +752,10 @@ def _cuda_device(device: object = None, *_: object, **__: object) -> object:
     return f"cuda:{device}" if isinstance(device, int) else device or "cuda"
 
 
+def _dtype_given(dtype: object = None, *_: object, **__: object) -> object:
+    return dtype if isinstance(dtype, torch.dtype) else None  # (a type's name: a copy)
+
+
 _BUFFER_CONVERSIONS: dict[Callable[..., Any], Callable[..., object]] = {
     torch.Tensor.half: lambda *_, **__: torch.float16,
     torch.Tensor.float: lambda *_, **__: torch.float32,
@@ -759,6 +763,7 @@ _BUFFER_CONVERSIONS: dict[Callable[..., Any], Callable[..., object]] = {
     torch.Tensor.bfloat16: lambda *_, **__: torch.bfloat16,
     torch.Tensor.cpu: lambda *_, **__: "cpu",
     torch.Tensor.cuda: _cuda_device,
+    torch.Tensor.type: _dtype_given,
 }
 """The conversions a module applies to its tensors (``model.half()``, ``model.cuda(1)``),
 and what each gives ``OffloadedTensor.to``, from the call's other arguments."""
@@ -789,7 +794,8 @@ def _converted_buffer(
         or not any(buffer is tensor for buffer in module._buffers.values())
     ):
         return None
-    return tensor.to(target(*args[1:], **kwargs))
+    converted = target(*args[1:], **kwargs)
+    return None if converted is None else tensor.to(converted)
 
 
 def _opaque_offloaded(module: torch.nn.Module) -> OffloadedTensor | None:
@@ -1985,6 +1991,12 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
             f"{before} Use model.to(dtype) or model.to(device), which keep it {kind}; to "
             "store a plain value, update_values(value, strict_shape=False, strict_dtype=False)"
         )
+
+    def share_memory_(self) -> OffloadedTensor:  # type: ignore[override]
+        """Return ``self``: the value lives in its payload file, which any process reads;
+        nothing is loaded or written (``model.share_memory()`` leaves an offloaded model as
+        it is)."""
+        return self
 
     def set_(self, source: torch.Tensor, *args: Any, **kwargs: Any) -> OffloadedTensor:  # type: ignore[override]
         """Replace the value by ``source``: its values, shape and dtype (a quantizer may give
