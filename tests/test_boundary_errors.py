@@ -192,7 +192,7 @@ def test_pools_leases_and_handles_refuse_to_be_copied(tmp_path: Path, how: str) 
     assert pool.closed, "the lease ended once: close() found nothing held"
 
 
-def test_an_offload_dir_that_is_no_path_and_a_dtype_no_file_stores_are_named(
+def test_an_offload_dir_that_is_no_path_or_empty_and_a_dtype_no_file_stores_are_named(
     tmp_path: Path,
 ) -> None:
     safetensors.torch.save_file({"w": torch.ones(2)}, str(tmp_path / "x.safetensors"))
@@ -202,6 +202,8 @@ def test_an_offload_dir_that_is_no_path_and_a_dtype_no_file_stores_are_named(
     ):
         with pytest.raises(T2NErrorMisuse, match="offload_dir must be a directory's path"):
             call()  # type: ignore[arg-type]
+    with pytest.raises(T2NErrorMisuse, match=r"offload_dir is an empty string.*'\.' for the"):
+        OffloadedTensor.from_original_tensor(torch.ones(2), "w", offload_dir="")  # (not cwd)
     weight = OffloadedTensor.from_original_tensor(torch.ones(2), "w", offload_dir=tmp_path)
     with pytest.raises(T2NErrorMisuse, match=r"torch\.quint8 cannot be stored in a payload file"):
         weight.to(torch.quint8)

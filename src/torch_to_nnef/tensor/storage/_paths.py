@@ -50,13 +50,20 @@ def path_argument(
             handles it before this check).
 
     Raises:
-        T2NErrorMisuse: ``value`` is not a ``str`` or an ``os.PathLike``; the message names
-            the argument, what it must be and the type received.
+        T2NErrorMisuse: ``value`` is not a ``str`` or an ``os.PathLike``, or is an empty
+            string (which ``Path`` takes for the working directory); the message names the
+            argument, what it must be and what was received.
     """
+    named = f"{function}(): " if function else ""
     if not isinstance(value, str | os.PathLike):
         raise T2NErrorMisuse(
-            f"{f'{function}(): ' if function else ''}{argument} must be {meaning} (a str or "
-            f"os.PathLike){' or None' if optional else ''}, got {type(value).__name__}"
+            f"{named}{argument} must be {meaning} (a str or os.PathLike)"
+            f"{' or None' if optional else ''}, got {type(value).__name__}"
+        )
+    if isinstance(value, str) and not value:
+        raise T2NErrorMisuse(
+            f"{named}{argument} is an empty string, which names no path: pass {meaning} "
+            f"('.' for the working directory){' or None' if optional else ''}"
         )
     return Path(value)
 
