@@ -171,9 +171,10 @@ def _remove_private_dir(path: Path, lock: int, creator: int) -> None:
 
 
 _OWNED: weakref.WeakSet[_OwnedFile | _PrivateDir] = weakref.WeakSet()
-"""The files and private directories that tensors of this process own."""
-_EXIT_HOOK_PID = [0]
-"""The process whose exit removes them (see :func:`_remove_at_exit`)."""
+"""The files and private directories that tensors of this process own, where its exit must
+remove them itself (see :func:`_remove_at_exit`)."""
+_EXIT_HOOK: list[object] = [0, False]
+"""The process that decided whether it must, and its decision."""
 
 
 def _remove_at_exit(owner: _OwnedFile | _PrivateDir) -> None:
@@ -184,10 +185,12 @@ def _remove_at_exit(owner: _OwnedFile | _PrivateDir) -> None:
     those, registered once per process, removes what its tensors own. (Elsewhere, a
     ``spawn`` child included, ``atexit`` alone does, after the pools' exit work: see
     ``residency._runtime``.)"""
-    _OWNED.add(owner)
-    if _EXIT_HOOK_PID[0] != os.getpid() and _leaves_without_atexit():
-        _EXIT_HOOK_PID[0] = os.getpid()
-        multiprocessing.util.Finalize(None, _remove_owned, exitpriority=0)
+    if _EXIT_HOOK[0] != os.getpid():
+        _EXIT_HOOK[:] = [os.getpid(), _leaves_without_atexit()]
+        if _EXIT_HOOK[1]:
+            multiprocessing.util.Finalize(None, _remove_owned, exitpriority=0)
+    if _EXIT_HOOK[1]:
+        _OWNED.add(owner)
 
 
 def _leaves_without_atexit() -> bool:
@@ -2079,7 +2082,6 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         """
         if self._binding.opaque:
             self._refuse_in_place(getattr(func, "__name__", repr(func)))
-        self._refuse_a_write_in_a_transform()  # (in a scope too: a lease would take it)
         if torch._C._get_tracing_state() is not None:
             raise T2NErrorNotImplemented(
                 f"{getattr(func, '__name__', func)!r} writes the offloaded tensor "
@@ -2090,6 +2092,7 @@ class OffloadedTensor(OpaqueTensor, PoolSource):
         # pool's value changed by an input requiring them would hold that graph.
         scope = active_tensor_residency()
         if scope is not None:
+            self._refuse_a_write_in_a_transform()  # (elsewhere _rewrite refuses it)
             pool, device = scope
             lease = pool._scope_lease(self, device)
             with lease as value, torch.no_grad(), torch._C.DisableTorchFunctionSubclass():

@@ -1286,8 +1286,7 @@ class Actor:
     def _publish(self, entry: Entry, slot: Slot) -> None:
         """Open ``slot`` and publish it (under the lock), unless ``entry``'s tensor was
         collected (its entry's removal is queued: see :meth:`_let_go`)."""
-        source = entry.alive
-        if source is None:
+        if entry.alive is None:
             slot.open = False  # (its removal is queued)
             return
         slot.open = True
